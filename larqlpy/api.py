@@ -1,0 +1,40 @@
+"""The Python API: `larqlpy.load(path).generate(prompt, continuation=..., options=...)`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Mapping
+
+from larqlpy.engines import EngineSpec, parse_engine_spec
+from larqlpy.generate import GenerationConfig, Token, generate
+from larqlpy.model.loader import LoadedModel
+from larqlpy.model.loader import load as load_dir
+
+
+def engine_spec(engine: str | None = None, continuation: str | None = None,
+                options: Mapping[str, object] | None = None) -> EngineSpec:
+    """The same parser and refusals as the CLI's --engine / --continuation / --continuation-option."""
+    opts = [f"{k}={v}" for k, v in (options or {}).items()]
+    return parse_engine_spec(engine, continuation, opts)
+
+
+class Model:
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+
+    def generate(self, prompt: str | list[int], *, engine: str | None = None, continuation: str | None = None,
+                 options: Mapping[str, object] | None = None, **gen: object) -> Iterator[Token]:
+        """Yield tokens; `gen` takes GenerationConfig / SamplingConfig fields (max_tokens, temperature, ...)."""
+        spec = engine_spec(engine, continuation, options)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return generate(self.loaded.model, ids, spec, GenerationConfig.from_dict(dict(gen)),
+                        stop_ids=self.tokenizer.stop_ids, tokenizer=self.tokenizer)
+
+    def complete(self, prompt: str | list[int], **kw) -> str:
+        return "".join(t.text for t in self.generate(prompt, **kw))
+
+
+def load(path: str | Path, device: str = "auto", dtype: str = "float32") -> Model:
+    return Model(load_dir(path, device=device, dtype=dtype))

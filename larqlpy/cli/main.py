@@ -1,0 +1,164 @@
+"""`larqlpy` command line. typer and rich live here only; everything else is plain Python."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from larqlpy.errors import LarqlError
+
+try:  # recent typer vendors click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:  # pragma: no cover
+    from click.exceptions import ClickException, NoArgsIsHelpError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Gemma 3 inference with pluggable KV engines.")
+err = Console(stderr=True, no_color="NO_COLOR" in os.environ, highlight=False)
+out = Console(no_color="NO_COLOR" in os.environ, highlight=False)
+
+DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda")
+DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16")
+
+
+def read_prompt(prompt: str) -> str:
+    if prompt == "-":
+        return sys.stdin.read()
+    return prompt
+
+
+@app.command()
+def run(
+    model: Path = typer.Argument(..., help="model directory (HF layout)"),
+    prompt: str = typer.Argument(..., help="prompt text, or - to read stdin"),
+    max_tokens: int = typer.Option(64, "-n", "--max-tokens", help="tokens to generate at most"),
+    engine: Optional[str] = typer.Option(None, "--engine", help="V2 spelling: standard | no-cache | name:k=v,..."),
+    continuation: Optional[str] = typer.Option(None, "--continuation", help="provider identity, e.g. canonical/v1"),
+    continuation_option: List[str] = typer.Option([], "--continuation-option", help="key=value (repeatable)"),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off"),
+    top_p: float = typer.Option(1.0, "--top-p", help="1 = off"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="tokens per prefill block"),
+    stats: bool = typer.Option(False, "--stats", help="print engine, speeds and KV bytes to stderr"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+):
+    """Generate a continuation of PROMPT."""
+    from larqlpy.engines import parse_engine_spec
+    from larqlpy.generate import GenerationConfig, generate
+    from larqlpy.model.loader import load
+
+    spec = parse_engine_spec(engine, continuation, continuation_option)  # refuse before loading weights
+    cfg = GenerationConfig.from_dict(dict(max_tokens=max_tokens, prefill_chunk=prefill_chunk, temperature=temperature,
+                                          top_k=top_k, top_p=top_p, seed=seed))
+    text_in = read_prompt(prompt)
+    loaded = load(model, device=device, dtype=dtype)
+    ids = loaded.tokenizer.encode(text_in)
+    pieces, token_ids, last = [], [], None
+    for tok in generate(loaded.model, ids, spec, cfg, loaded.tokenizer.stop_ids, loaded.tokenizer):
+        pieces.append(tok.text)
+        token_ids.append(tok.id)
+        last = tok
+        if not as_json:
+            sys.stdout.write(tok.text)
+            sys.stdout.flush()
+    metrics = last.metrics.as_dict() if last else {"prompt_tokens": len(ids)}
+    result = {"text": "".join(pieces), "tokens": token_ids, "prompt_tokens": len(ids), "engine": spec.describe(),
+              "finish_reason": last.finish_reason if last else "length", "device": str(loaded.device),
+              "dtype": dtype, "stats": metrics}
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    if stats:
+        err.print(f"engine {spec.describe()} | prompt {len(ids)} tok | prefill {metrics.get('prefill_tokens_per_s', 0):.1f} tok/s"
+                  f" | decode {metrics.get('decode_tokens_per_s', 0):.1f} tok/s | resident KV "
+                  f"{_bytes(metrics.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}", soft_wrap=True)
+
+
+@app.command()
+def info(model: Path = typer.Argument(..., help="model directory"),
+         as_json: bool = typer.Option(False, "--json")):
+    """Architecture, layers and their kinds, parameter count, dtype."""
+    from larqlpy.model.loader import describe
+
+    d = describe(model)
+    if as_json:
+        out.print_json(json.dumps(d))
+        return
+    t = Table(title=str(model), show_header=False)
+    for k in ("model_type", "parameters", "dtypes", "layers", "hidden_size", "heads", "kv_heads", "head_dim",
+              "sliding_window", "vocab_size", "rope", "final_logit_softcapping"):
+        v = d[k]
+        t.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
+    t.add_row("layer kinds", " ".join("G" if k == "global" else "s" for k in d["layer_kinds"]) + "  (s sliding, G global)")
+    out.print(t)
+
+
+@app.command("convert-gguf")
+def convert_gguf_cmd(src: Path = typer.Argument(..., help="a Gemma 3 .gguf file"),
+                     dest: Path = typer.Argument(..., help="output directory (HF layout)"),
+                     force: bool = typer.Option(False, "--force", help="overwrite DEST if it exists")):
+    """Dequantize a Gemma 3 GGUF into safetensors + config.json + tokenizer.json."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from larqlpy.convert.gguf import convert_gguf
+
+    with Progress(TextColumn("{task.description:<40}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=err, disable=not err.is_terminal) as bar:
+        task = bar.add_task("reading", total=None)
+
+        def step(what: str, done: int, total: int) -> None:
+            bar.update(task, description=what[:40], completed=done, total=total)
+
+        convert_gguf(src, dest, step, force=force)
+    err.print(f"wrote {dest}")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def main() -> None:
+    """Entry point: bad input is one line on stderr and exit 2, never a traceback."""
+    try:
+        rv = app(standalone_mode=False)
+    except LarqlError as e:
+        err.print(f"larqlpy: error: {e}", markup=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except NoArgsIsHelpError as e:
+        err.print(e.ctx.get_help() if e.ctx else "usage: larqlpy --help", markup=False)
+        sys.exit(2)
+    except ClickException as e:
+        err.print(f"larqlpy: error: {e.format_message()}", markup=False, soft_wrap=True)
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        err.print("larqlpy: interrupted", markup=False)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.stderr.close()  # the reader went away (e.g. `| head`): not an error worth a traceback
+        sys.exit(0)
+    except OSError as e:
+        err.print(f"larqlpy: error: {e}", markup=False, soft_wrap=True)
+        sys.exit(2)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

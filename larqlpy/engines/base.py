@@ -1,0 +1,180 @@
+"""The boundary between attention and the KV engines.
+
+Attention hands a layer's store the new K/V rows and the queries of one block and gets the attention
+output back (`LayerStore.attend`). The default `attend` appends, asks for the rows the block may read
+and runs scaled-dot-product attention over them; an engine that can attend on its own representation
+overrides it. Attention never asks which engine it talks to.
+
+Logical positions (what RoPE and masks use) and physical storage are separate: a store knows the
+logical range [base, end) it retains; where those rows live is its own business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Sequence
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from larqlpy.engines.spec import OptionSpec
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    index: int
+    window: int | None  # rows a query sees, itself included; None on global layers
+    n_kv_heads: int
+    head_dim: int
+
+    @property
+    def kind(self) -> str:
+        return "global" if self.window is None else "sliding"
+
+    @property
+    def row_bytes_f32(self) -> int:
+        """Bytes of one position's K and V rows in f32."""
+        return 2 * self.n_kv_heads * self.head_dim * 4
+
+    def read_start(self, q_start: int) -> int:
+        """First logical position a block of queries starting at `q_start` may read."""
+        return 0 if self.window is None else max(0, q_start - self.window + 1)
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    scale: float
+    softcap: float | None = None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int,
+              window: int | None, p: AttentionParams) -> torch.Tensor:
+    """Causal (optionally sliding) attention of a query block over rows [k_start, k_start + N).
+
+    q: (H, T, D); k, v: (Hkv, N, D) -> (H, T, D). Query heads are grouped onto their KV head.
+    """
+    n_heads, t, d = q.shape
+    n_kv, n = k.shape[0], k.shape[1]
+    group = n_heads // n_kv
+    qg = q.reshape(n_kv, group * t, d)  # (Hkv, G*T, D): one matmul per KV head
+    mask = None
+    if t > 1 or k_start + n - 1 != q_start:  # a single query over exactly its own rows needs no mask
+        q_pos = torch.arange(q_start, q_start + t, device=q.device)
+        k_pos = torch.arange(k_start, k_start + n, device=q.device)
+        rel = q_pos[:, None] - k_pos[None, :]  # (T, N)
+        mask = rel >= 0
+        if window is not None:
+            mask &= rel < window
+        mask = mask.repeat(group, 1)  # (G*T, N)
+    if p.softcap is None:
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=p.scale)
+    else:
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * p.scale
+        scores = torch.tanh(scores / p.softcap) * p.softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    return out.reshape(n_heads, t, d)
+
+
+class LayerStore:
+    """One layer's K/V rows for one sequence. Subclasses implement storage; `attend` is shared."""
+
+    def __init__(self, geometry: LayerGeometry, device: torch.device):
+        self.geometry = geometry
+        self.device = device
+        self.end = 0  # logical position after the newest row
+
+    # -- storage, per engine -------------------------------------------------------------------
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Take rows for positions [end, end + T); k, v: (Hkv, T, D)."""
+        raise NotImplementedError
+
+    def read(self, start: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for positions [start, end) as (Hkv, N, D) tensors of `dtype`."""
+        raise NotImplementedError
+
+    def retained(self) -> tuple[int, int]:
+        """Logical range (base, end) of the rows this store holds."""
+        raise NotImplementedError
+
+    def resident_bytes(self) -> int:
+        """Bytes of the buffers this store holds now, counted from the allocations themselves."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop rows no later query can read. Exact engines that keep everything do nothing."""
+
+    # -- the one dispatch point attention calls ------------------------------------------------
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> torch.Tensor:
+        """Append this block's rows and attend its queries (H, T, D) over what they may read."""
+        q_start = self.end
+        self.append(k, v)
+        start = self.geometry.read_start(q_start)
+        keys, values = self.read(start, q.dtype)
+        out = attention(q, keys, values, q_start, start, self.geometry.window, p)
+        self.release()
+        return out
+
+
+class EngineState:
+    """All layers' stores for one sequence, plus the logical position counter."""
+
+    def __init__(self, identity: str, options: dict, stores: Sequence[LayerStore]):
+        self.identity = identity
+        self.options = dict(options)
+        self.layers = list(stores)
+
+    @property
+    def position(self) -> int:
+        return self.layers[0].end if self.layers else 0
+
+    def resident_bytes(self) -> int:
+        return sum(s.resident_bytes() for s in self.layers)
+
+    def resident_by_kind(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.layers:
+            out[s.geometry.kind] = out.get(s.geometry.kind, 0) + s.resident_bytes()
+        return out
+
+    def retained_rows(self) -> int:
+        return sum(end - base for base, end in (s.retained() for s in self.layers))
+
+
+class Provider:
+    """A continuation provider: an identity string, declared options, and a store per layer."""
+
+    identity: ClassVar[str]
+    summary: ClassVar[str]
+    exact: ClassVar[bool] = True
+
+    def __init__(self, options: dict):
+        self.options = dict(options)
+
+    @classmethod
+    def option_specs(cls) -> tuple["OptionSpec", ...]:
+        """The options this provider declares; anything else is refused."""
+        return ()
+
+    @classmethod
+    def check_options(cls, options: dict, where: str) -> None:
+        """Cross-option checks after each value parsed; raise LarqlError to refuse."""
+
+    def check_geometry(self, geometries: Sequence[LayerGeometry]) -> None:
+        """Refuse a model this provider cannot serve, before any row is stored."""
+
+    def make_store(self, geometry: LayerGeometry, device: torch.device) -> LayerStore:
+        raise NotImplementedError
+
+    def new_state(self, geometries: Sequence[LayerGeometry], device: torch.device) -> EngineState:
+        self.check_geometry(geometries)
+        return EngineState(self.identity, self.options, [self.make_store(g, device) for g in geometries])
+
+    def retained_rows(self, geometry: LayerGeometry, positions: int) -> int:
+        """Rows the store holds after `positions` positions: the accounting residency reports."""
+        raise NotImplementedError
+
+    def row_bytes(self, geometry: LayerGeometry) -> int:
+        return geometry.row_bytes_f32

@@ -1,0 +1,58 @@
+"""Text <-> token ids through the `tokenizers` library, BOS as tokenizer_config.json says."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from larqlpy.errors import LarqlError
+
+
+class Tokenizer:
+    def __init__(self, inner: HFTokenizer, bos_id: int, add_bos: bool, template_adds_bos: bool,
+                 stop_ids: set[int], fingerprint: str):
+        self.inner, self.bos_id, self.stop_ids, self.fingerprint = inner, bos_id, stop_ids, fingerprint
+        self.add_bos = add_bos  # the config asks for BOS at the start
+        self.template_adds_bos = template_adds_bos  # and tokenizer.json's post-processor already adds it
+
+    @classmethod
+    def from_dir(cls, path: Path, cfg) -> "Tokenizer":
+        tok_path = path / "tokenizer.json"
+        if not tok_path.is_file():
+            raise LarqlError(f"{path}: no tokenizer.json")
+        raw = tok_path.read_bytes()
+        try:
+            inner = HFTokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:
+            raise LarqlError(f"{tok_path}: not a readable tokenizer ({str(e).splitlines()[0]})") from None
+        tcfg = {}
+        tcfg_path = path / "tokenizer_config.json"
+        if tcfg_path.is_file():
+            try:
+                tcfg = json.loads(tcfg_path.read_text())
+            except json.JSONDecodeError as e:
+                raise LarqlError(f"{tcfg_path}: not valid JSON ({e})") from None
+        add_bos = bool(tcfg.get("add_bos_token", True))
+        # The tokenizer.json may already add BOS in its post-processor: never add it twice.
+        template_adds_bos = add_bos and cfg.bos_token_id in inner.encode("", add_special_tokens=True).ids
+        stop = set(cfg.eos_token_ids)
+        turn_end = inner.token_to_id("<end_of_turn>")
+        if turn_end is not None:
+            stop.add(turn_end)
+        return cls(inner, cfg.bos_token_id, add_bos, template_adds_bos, stop, hashlib.sha256(raw).hexdigest()[:16])
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.inner.encode(text, add_special_tokens=self.template_adds_bos).ids
+        if self.add_bos and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.inner.decode(ids, skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.get_vocab_size()
