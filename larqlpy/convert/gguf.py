@@ -102,7 +102,6 @@ def config_from_gguf(reader) -> dict:
         "query_pre_attn_scalar": hidden // heads if hidden == 5376 else head_dim,
         "rms_norm_eps": float(_field(reader, a + "attention.layer_norm_rms_epsilon", 1e-6)),
         "final_logit_softcapping": _field(reader, a + "final_logit_softcapping"),
-        "attn_logit_softcapping": _field(reader, a + "attn_logit_softcapping"),
         "hidden_activation": "gelu_pytorch_tanh",
         "max_position_embeddings": int(_field(reader, a + "context_length", 32768)),
         "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id", 2)),

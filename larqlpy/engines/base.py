@@ -44,8 +44,7 @@ class LayerGeometry:
 
 @dataclass(frozen=True)
 class AttentionParams:
-    scale: float
-    softcap: float | None = None
+    scale: float  # query_pre_attn_scalar ** -0.5
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int,
@@ -67,14 +66,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k
         if window is not None:
             mask &= rel < window
         mask = mask.repeat(group, 1)  # (G*T, N)
-    if p.softcap is None:
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=p.scale)
-    else:
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * p.scale
-        scores = torch.tanh(scores / p.softcap) * p.softcap
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=p.scale)
     return out.reshape(n_heads, t, d)
 
 

@@ -36,7 +36,6 @@ class Gemma3Config:
     query_pre_attn_scalar: float = 256.0
     rms_norm_eps: float = 1e-6
     final_logit_softcapping: float | None = None
-    attn_logit_softcapping: float | None = None
     hidden_activation: str = "gelu_pytorch_tanh"
     max_position_embeddings: int = 32768
     bos_token_id: int = 2
@@ -108,7 +107,6 @@ class Gemma3Config:
             query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             final_logit_softcapping=raw.get("final_logit_softcapping"),
-            attn_logit_softcapping=raw.get("attn_logit_softcapping"),
             hidden_activation=act,
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
             bos_token_id=int(raw.get("bos_token_id", 2)),

@@ -71,7 +71,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = _weight(e)
         self.pre_feedforward_layernorm = _weight(e)
         self.post_feedforward_layernorm = _weight(e)
-        self.attn = AttentionParams(scale=cfg.query_pre_attn_scalar ** -0.5, softcap=cfg.attn_logit_softcapping)
+        # Gemma 3 dropped Gemma 2's attention-logit softcapping (transformers ignores the key too).
+        self.attn = AttentionParams(scale=cfg.query_pre_attn_scalar ** -0.5)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store) -> torch.Tensor:
         t = x.shape[0]

@@ -12,11 +12,9 @@ from larqlpy.errors import LarqlError
 
 
 class Tokenizer:
-    def __init__(self, inner: HFTokenizer, bos_id: int, add_bos: bool, template_adds_bos: bool,
-                 stop_ids: set[int], fingerprint: str):
+    def __init__(self, inner: HFTokenizer, bos_id: int, add_bos: bool, stop_ids: set[int], fingerprint: str):
         self.inner, self.bos_id, self.stop_ids, self.fingerprint = inner, bos_id, stop_ids, fingerprint
-        self.add_bos = add_bos  # the config asks for BOS at the start
-        self.template_adds_bos = template_adds_bos  # and tokenizer.json's post-processor already adds it
+        self.add_bos = add_bos  # tokenizer_config.json's add_bos_token (Gemma: true)
 
     @classmethod
     def from_dir(cls, path: Path, cfg) -> "Tokenizer":
@@ -37,15 +35,16 @@ class Tokenizer:
                 raise LarqlError(f"{tcfg_path}: not valid JSON ({e})") from None
         add_bos = bool(tcfg.get("add_bos_token", True))
         # The tokenizer.json may already add BOS in its post-processor: never add it twice.
-        template_adds_bos = add_bos and cfg.bos_token_id in inner.encode("", add_special_tokens=True).ids
         stop = set(cfg.eos_token_ids)
         turn_end = inner.token_to_id("<end_of_turn>")
         if turn_end is not None:
             stop.add(turn_end)
-        return cls(inner, cfg.bos_token_id, add_bos, template_adds_bos, stop, hashlib.sha256(raw).hexdigest()[:16])
+        return cls(inner, cfg.bos_token_id, add_bos, stop, hashlib.sha256(raw).hexdigest()[:16])
 
     def encode(self, text: str) -> list[int]:
-        ids = self.inner.encode(text, add_special_tokens=self.template_adds_bos).ids
+        # BOS is added here rather than by tokenizer.json's post-processor, so a prompt that already
+        # starts with "<bos>" never gets it twice.
+        ids = self.inner.encode(text, add_special_tokens=False).ids
         if self.add_bos and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL_DIR = ROOT / "models" / "gemma-3-270m"
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def real_dir() -> Path:
+    if not (REAL_DIR / "config.json").is_file():
+        pytest.fail(f"{REAL_DIR} is missing: run `make model` (make test does it)")
+    return REAL_DIR
+
+
+@pytest.fixture(scope="session")
+def real(real_dir):
+    from larqlpy.model.loader import load
+
+    return load(real_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def long_text() -> str:
+    """A deterministic English text of a few thousand tokens (no downloads)."""
+    return (ROOT / "tests" / "data" / "long.txt").read_text()

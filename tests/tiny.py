@@ -1,0 +1,58 @@
+"""Tiny random Gemma 3 checkpoints in the HF layout, made with transformers (test-only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+LETTERS = list("abcdefghijklmnopqrstuvwxyz") + ["\u2581"] + ["\u2581t", "he", "\u2581the", "in", "er"]
+
+
+def write_tokenizer(path: Path) -> int:
+    """A small byte-fallback BPE in Gemma's shape; returns its vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + LETTERS)}
+    merges = [("\u2581", "t"), ("h", "e"), ("\u2581t", "he"), ("i", "n"), ("e", "r")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIALS])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True}))
+    return len(vocab)
+
+
+def hf_config(vocab_size: int, **overrides):
+    from transformers import Gemma3TextConfig
+
+    kw = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+              query_pre_attn_scalar=16, rope_theta=1e6, rope_local_base_freq=1e4, max_position_embeddings=512,
+              rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
+              attn_implementation="eager")
+    kw.update(overrides)
+    return Gemma3TextConfig(**kw)
+
+
+def make_tiny(path: Path, seed: int = 0, **overrides):
+    """Write a random tiny Gemma 3 to `path`; returns the transformers model (eval, float32)."""
+    from transformers import Gemma3ForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(path)
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(hf_config(vocab, **overrides)).eval()
+    with torch.no_grad():  # norms start at zero in HF; give them values so the (1 + w) form matters
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+            else:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model
