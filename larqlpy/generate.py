@@ -33,7 +33,7 @@ class GenerationConfig:
     """The defaults the CLI and the Python API share."""
 
     max_tokens: int = 64
-    prefill_chunk: int = 512
+    prefill_chunk: int = 1024
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_at_eos: bool = True
 

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from larqlpy.errors import LarqlError
+from larqlpy.generate import GenerationConfig
 
 try:  # recent typer vendors click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
@@ -46,7 +47,7 @@ def run(
     top_k: int = typer.Option(0, "--top-k", help="0 = off"),
     top_p: float = typer.Option(1.0, "--top-p", help="1 = off"),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="tokens per prefill block"),
+    prefill_chunk: int = typer.Option(GenerationConfig.prefill_chunk, "--prefill-chunk", help="tokens per prefill block"),
     stats: bool = typer.Option(False, "--stats", help="print engine, speeds and KV bytes to stderr"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
     device: str = DEVICE,
@@ -54,7 +55,7 @@ def run(
 ):
     """Generate a continuation of PROMPT."""
     from larqlpy.engines import parse_engine_spec
-    from larqlpy.generate import GenerationConfig, generate
+    from larqlpy.generate import generate
     from larqlpy.model.loader import load
 
     spec = parse_engine_spec(engine, continuation, continuation_option)  # refuse before loading weights

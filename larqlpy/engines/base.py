@@ -42,6 +42,9 @@ class LayerGeometry:
         return 0 if self.window is None else max(0, q_start - self.window + 1)
 
 
+QUERY_TILE = 256  # prefill queries attended per tile
+
+
 @dataclass(frozen=True)
 class AttentionParams:
     scale: float  # query_pre_attn_scalar ** -0.5
@@ -56,17 +59,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k
     n_heads, t, d = q.shape
     n_kv, n = k.shape[0], k.shape[1]
     group = n_heads // n_kv
-    qg = q.reshape(n_kv, group * t, d)  # (Hkv, G*T, D): one matmul per KV head
+    qg = q.reshape(1, n_kv, group * t, d)  # one matmul per KV head; 4-D lets torch pick its flash kernel
     mask = None
     if t > 1 or k_start + n - 1 != q_start:  # a single query over exactly its own rows needs no mask
         q_pos = torch.arange(q_start, q_start + t, device=q.device)
         k_pos = torch.arange(k_start, k_start + n, device=q.device)
         rel = q_pos[:, None] - k_pos[None, :]  # (T, N)
-        mask = rel >= 0
+        allowed = rel >= 0
         if window is not None:
-            mask &= rel < window
+            allowed &= rel < window
+        mask = torch.zeros(t, n, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
         mask = mask.repeat(group, 1)  # (G*T, N)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=p.scale)
+    out = F.scaled_dot_product_attention(qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=p.scale)
     return out.reshape(n_heads, t, d)
 
 
@@ -101,11 +105,20 @@ class LayerStore:
     # -- the one dispatch point attention calls ------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> torch.Tensor:
         """Append this block's rows and attend its queries (H, T, D) over what they may read."""
-        q_start = self.end
+        q_start, t = self.end, q.shape[1]
         self.append(k, v)
         start = self.geometry.read_start(q_start)
         keys, values = self.read(start, q.dtype)
-        out = attention(q, keys, values, q_start, start, self.geometry.window, p)
+        if t <= QUERY_TILE:
+            out = attention(q, keys, values, q_start, start, self.geometry.window, p)
+        else:  # tiles of queries read only the rows they can see: skips the causal / out-of-window work
+            outs = []
+            for a in range(0, t, QUERY_TILE):
+                b = min(t, a + QUERY_TILE)
+                lo, hi = self.geometry.read_start(q_start + a) - start, q_start + b - start
+                outs.append(attention(q[:, a:b], keys[:, lo:hi], values[:, lo:hi], q_start + a, start + lo,
+                                      self.geometry.window, p))
+            out = torch.cat(outs, dim=1)
         self.release()
         return out
 

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from larqlpy.engines.base import AttentionParams, EngineState, LayerGeometry
+from larqlpy.kernels.matvec import linear
 from larqlpy.model.config import Gemma3Config, RopeConfig
 
 
@@ -77,16 +78,16 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store) -> torch.Tensor:
         t = x.shape[0]
         h = rms_norm(x, self.input_layernorm, self.eps)  # (T, E)
-        q = F.linear(h, self.q_proj).view(t, self.n_heads, self.head_dim).transpose(0, 1)  # (H, T, D)
-        k = F.linear(h, self.k_proj).view(t, self.n_kv, self.head_dim).transpose(0, 1)  # (Hkv, T, D)
-        v = F.linear(h, self.v_proj).view(t, self.n_kv, self.head_dim).transpose(0, 1)
+        q = linear(h, self.q_proj).view(t, self.n_heads, self.head_dim).transpose(0, 1)  # (H, T, D)
+        k = linear(h, self.k_proj).view(t, self.n_kv, self.head_dim).transpose(0, 1)  # (Hkv, T, D)
+        v = linear(h, self.v_proj).view(t, self.n_kv, self.head_dim).transpose(0, 1)
         q = apply_rope(rms_norm(q, self.q_norm, self.eps), cos, sin)
         k = apply_rope(rms_norm(k, self.k_norm, self.eps), cos, sin)
         a = store.attend(q, k, v, self.attn)  # (H, T, D): the single dispatch point to the KV engine
-        a = F.linear(a.transpose(0, 1).reshape(t, -1), self.o_proj)
+        a = linear(a.transpose(0, 1).reshape(t, -1), self.o_proj)
         x = x + rms_norm(a, self.post_attention_layernorm, self.eps)
         h = rms_norm(x, self.pre_feedforward_layernorm, self.eps)
-        m = F.linear(F.gelu(F.linear(h, self.gate_proj), approximate="tanh") * F.linear(h, self.up_proj), self.down_proj)
+        m = linear(F.gelu(linear(h, self.gate_proj), approximate="tanh") * linear(h, self.up_proj), self.down_proj)
         return x + rms_norm(m, self.post_feedforward_layernorm, self.eps)
 
 
@@ -116,7 +117,7 @@ class Gemma3(nn.Module):
             x = block(x, *tables[store.geometry.kind], store)
         if not all_logits:
             x = x[-1:]
-        logits = F.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.embed_tokens)  # tied LM head
+        logits = linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.embed_tokens)  # tied LM head
         if self.cfg.final_logit_softcapping:
             cap = self.cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
