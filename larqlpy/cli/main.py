@@ -22,8 +22,9 @@ except ImportError:  # pragma: no cover
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Gemma 3 inference with pluggable KV engines.")
-err = Console(stderr=True, no_color="NO_COLOR" in os.environ, highlight=False)
-out = Console(no_color="NO_COLOR" in os.environ, highlight=False)
+NO_COLOR = "NO_COLOR" in os.environ
+err = Console(stderr=True, no_color=NO_COLOR, highlight=False)
+out = Console(no_color=NO_COLOR, highlight=False, width=None if sys.stdout.isatty() else 160)  # pipes: no wrapping
 
 DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda")
 DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16")
@@ -124,6 +125,41 @@ def convert_gguf_cmd(src: Path = typer.Argument(..., help="a Gemma 3 .gguf file"
 
         convert_gguf(src, dest, step, force=force)
     err.print(f"wrote {dest}")
+
+
+@app.command()
+def residency(
+    model: str = typer.Argument(..., help="model directory or named geometry (gemma3-270m, -1b, -4b, -12b, -27b)"),
+    positions: int = typer.Option(..., "--positions", help="sequence length to account for"),
+    engine: Optional[str] = typer.Option(None, "--engine", help="V2 spelling of one engine"),
+    continuation: Optional[str] = typer.Option(None, "--continuation", help="one engine by identity"),
+    continuation_option: List[str] = typer.Option([], "--continuation-option", help="key=value (repeatable)"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Rows and bytes per layer kind each engine keeps after N positions (no weights needed)."""
+    from larqlpy.engines import parse_engine_spec
+    from larqlpy.residency import residency as account
+
+    specs = None
+    if engine is not None or continuation is not None or continuation_option:
+        spec = parse_engine_spec(engine, continuation, continuation_option)
+        if spec.replay:
+            raise LarqlError("residency: no-cache keeps no KV rows between steps; name a continuation to account")
+        specs = [spec]
+    r = account(model, positions, specs)
+    if as_json:
+        sys.stdout.write(json.dumps(r) + "\n")
+        return
+    t = Table(title=f"{r['geometry']} at {r['positions']:,} positions "
+                    f"({r['kinds']['sliding']} sliding + {r['kinds']['global']} global layers)")
+    for col in ("engine", "sliding rows", "sliding bytes", "global rows", "global bytes", "total rows", "total"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    for e in r["engines"]:
+        name = e["engine"] + "".join(f" {k}={v}" for k, v in e["options"].items())
+        sl, gl = e["by_kind"].get("sliding", {}), e["by_kind"].get("global", {})
+        t.add_row(name, f"{sl.get('rows', 0):,}", _bytes(sl.get("bytes", 0)), f"{gl.get('rows', 0):,}",
+                  _bytes(gl.get("bytes", 0)), f"{e['rows']:,}", _bytes(e["bytes"]))
+    out.print(t)
 
 
 def _bytes(n: float) -> str:

@@ -164,6 +164,11 @@ class Provider:
         return ()
 
     @classmethod
+    def residency_variants(cls) -> tuple[tuple[tuple[str, object], ...], ...]:
+        """Option sets `larqlpy residency` shows when no engine is named."""
+        return ((),)
+
+    @classmethod
     def check_options(cls, options: dict, where: str) -> None:
         """Cross-option checks after each value parsed; raise LarqlError to refuse."""
 

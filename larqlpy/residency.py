@@ -1,0 +1,70 @@
+"""Accounted residency: rows and bytes per layer kind that each engine holds after N positions,
+from the same `retained_rows` / `row_bytes` the engines use. Works without weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from larqlpy.engines import LayerGeometry, Provider, build_provider
+from larqlpy.engines.registry import PROVIDERS
+from larqlpy.engines.spec import EngineSpec
+from larqlpy.errors import LarqlError
+
+# Gemma 3 text geometries (layers, sliding window, KV heads, head_dim); every 6th layer is global.
+NAMED_GEOMETRIES = {
+    "gemma3-270m": (18, 512, 1, 256),
+    "gemma3-1b": (26, 512, 1, 256),
+    "gemma3-4b": (34, 1024, 4, 256),
+    "gemma3-12b": (48, 1024, 8, 256),
+    "gemma3-27b": (62, 1024, 16, 128),
+}
+
+
+def named_geometry(name: str) -> list[LayerGeometry]:
+    layers, window, n_kv, head_dim = NAMED_GEOMETRIES[name]
+    return [LayerGeometry(i, None if (i + 1) % 6 == 0 else window, n_kv, head_dim) for i in range(layers)]
+
+
+def resolve_geometry(model_or_name: str) -> tuple[str, list[LayerGeometry]]:
+    if model_or_name in NAMED_GEOMETRIES:
+        return model_or_name, named_geometry(model_or_name)
+    path = Path(model_or_name)
+    if not path.exists():
+        raise LarqlError(f"{model_or_name}: neither a model directory nor a named geometry "
+                         f"({', '.join(NAMED_GEOMETRIES)})")
+    from larqlpy.model.loader import read_config
+
+    cfg = read_config(path)
+    return str(path), [LayerGeometry(i, cfg.window(i), cfg.num_key_value_heads, cfg.head_dim)
+                       for i in range(cfg.num_hidden_layers)]
+
+
+def account(provider: Provider, geometries: list[LayerGeometry], positions: int) -> dict:
+    provider.check_geometry(geometries)
+    by_kind: dict[str, dict[str, int]] = {}
+    for g in geometries:
+        k = by_kind.setdefault(g.kind, {"layers": 0, "rows": 0, "bytes": 0})
+        rows = provider.retained_rows(g, positions)
+        k["layers"] += 1
+        k["rows"] += rows
+        k["bytes"] += rows * provider.row_bytes(g)
+    return {"engine": provider.identity, "options": dict(provider.options), "by_kind": by_kind,
+            "rows": sum(k["rows"] for k in by_kind.values()), "bytes": sum(k["bytes"] for k in by_kind.values())}
+
+
+def default_specs() -> list[EngineSpec]:
+    """Every registered provider, with the options that show its range (e.g. each codec width)."""
+    specs = []
+    for identity, cls in PROVIDERS.items():
+        specs.extend(EngineSpec(identity, opts) for opts in cls.residency_variants())
+    return specs
+
+
+def residency(model_or_name: str, positions: int, specs: list[EngineSpec] | None = None) -> dict:
+    if positions < 0:
+        raise LarqlError(f"--positions must be >= 0, got {positions}")
+    name, geometries = resolve_geometry(model_or_name)
+    rows = [account(build_provider(s), geometries, positions) for s in (specs or default_specs())]
+    return {"geometry": name, "positions": positions, "layers": len(geometries),
+            "kinds": {kind: sum(1 for g in geometries if g.kind == kind) for kind in ("sliding", "global")},
+            "engines": rows}

@@ -1,0 +1,103 @@
+"""LARQL's two spellings, every refusal, and the accounted residency."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from larqlpy.engines import EngineSpec, parse_engine_spec
+from larqlpy.errors import LarqlError
+from larqlpy.residency import residency
+
+
+def test_v3_and_v2_spellings():
+    assert parse_engine_spec() == EngineSpec("canonical/v1")
+    assert parse_engine_spec(engine="standard") == EngineSpec("canonical/v1")
+    assert parse_engine_spec(continuation="window/v1") == EngineSpec("window/v1")
+    assert parse_engine_spec(engine="no-cache") == EngineSpec("canonical/v1", (), replay=True)
+    assert parse_engine_spec("no-cache", "window/v1") == EngineSpec("window/v1", (), replay=True)
+    assert parse_engine_spec(engine="windowed-checkpoint:window=600") == EngineSpec("window/v1", (("window", 600),))
+    assert parse_engine_spec(None, "window/v1", ["window=700"]).options_dict == {"window": 700}
+    assert parse_engine_spec("no-cache", "window/v1", ["window=700"]).describe() == "no-cache(window/v1 [window=700])"
+
+
+@pytest.mark.parametrize("engine, continuation, options, needle", [
+    ("warp", None, [], "unknown engine 'warp'"),
+    ("Standard", None, [], "malformed engine spec"),
+    ("standard:", None, [], "malformed engine spec"),
+    ("standard:x=1", None, [], "unknown parameter 'x'"),
+    ("no-cache:x=1", None, [], "no-cache takes no parameters"),
+    ("windowed-checkpoint:window", None, [], "malformed option"),
+    ("windowed-checkpoint:window=", None, [], "malformed option"),
+    ("windowed-checkpoint:size=4", None, [], "unknown parameter 'size'"),
+    ("windowed-checkpoint:window=abc", None, [], "expected an integer"),
+    ("windowed-checkpoint:window=0", None, [], "must be >= 1"),
+    ("windowed-checkpoint:window=5,window=6", None, [], "given twice"),
+    ("standard", "window/v1", [], "two spellings"),
+    (None, None, ["window=4"], "--continuation-option needs --continuation"),
+    (None, "nope/v1", [], "unknown continuation identity 'nope/v1'"),
+    (None, "window", [], "malformed identity"),
+    (None, "Window/v1", [], "malformed identity"),
+    (None, "window/v1", ["windw=4"], "has no option 'windw'"),
+    (None, "window/v1", ["window=4", "window=5"], "given twice"),
+    (None, "window/v1", ["=4"], "malformed option"),
+    (None, "canonical/v1", ["window=4"], "has no option 'window'"),
+])
+def test_refusals(engine, continuation, options, needle):
+    with pytest.raises(LarqlError, match=None) as exc:
+        parse_engine_spec(engine, continuation, options)
+    assert needle in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_turbo_quant_refused_clearly_while_codec_is_missing():
+    from larqlpy.engines.registry import PROVIDERS
+
+    if "codec/v1" in PROVIDERS:
+        pytest.skip("codec/v1 exists; its own tests cover turbo-quant")
+    with pytest.raises(LarqlError, match="--engine turbo-quant: unknown continuation identity 'codec/v1'"):
+        parse_engine_spec(engine="turbo-quant:bits=4")
+
+
+def test_gemma3_4b_figures_from_larql():
+    r = residency("gemma3-4b", 4096)
+    by = {e["engine"]: e for e in r["engines"]}
+    assert r["kinds"] == {"sliding": 29, "global": 5}
+    assert by["canonical/v1"]["rows"] == 34 * 4096 == 139_264
+    assert by["window/v1"]["rows"] == 29 * 1024 + 5 * 4096 == 50_176
+    assert by["canonical/v1"]["bytes"] == 139_264 * 8192  # 8 KiB per row per layer: 1.06 GiB
+    assert round(by["canonical/v1"]["bytes"] / 2**30, 2) == 1.06
+    assert round(by["window/v1"]["bytes"] / 2**30, 2) == 0.38
+    assert by["window/v1"]["by_kind"]["sliding"] == {"layers": 29, "rows": 29_696, "bytes": 29_696 * 8192}
+
+
+def test_residency_of_a_model_directory_matches_live_window_state(real, real_dir):
+    import torch
+
+    from larqlpy.engines import build_provider
+
+    r = residency(str(real_dir), 700, [parse_engine_spec(continuation="window/v1")])
+    state = build_provider(parse_engine_spec(continuation="window/v1")).new_state(real.model.geometries(), real.device)
+    real.model(torch.arange(1000, 1700), state)
+    live = state.resident_by_kind()
+    assert r["engines"][0]["by_kind"]["sliding"]["bytes"] == live["sliding"]
+    assert r["engines"][0]["by_kind"]["global"]["bytes"] <= live["global"]  # canonical rows double in capacity
+
+
+def test_residency_cli(monkeypatch, capsys):
+    import sys
+
+    from larqlpy.cli.main import main
+
+    for named in ("gemma3-270m", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b"):
+        monkeypatch.setattr(sys, "argv", ["larqlpy", "residency", named, "--positions", "4096", "--json"])
+        with pytest.raises(SystemExit) as exc:
+            main()
+        assert exc.value.code == 0
+        d = json.loads(capsys.readouterr().out)
+        assert {e["engine"] for e in d["engines"]} >= {"canonical/v1", "window/v1"}
+    monkeypatch.setattr(sys, "argv", ["larqlpy", "residency", "gemma3-4b", "--positions", "10", "--engine", "no-cache"])
+    with pytest.raises(SystemExit) as exc:
+        main()
+    assert exc.value.code == 2 and "no-cache keeps no KV rows" in capsys.readouterr().err

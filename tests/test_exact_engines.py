@@ -1,0 +1,119 @@
+"""Gates: window/v1 is bit-identical to canonical/v1; the no-cache replay agrees; horizons hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from larqlpy.engines import EngineSpec, build_provider, parse_engine_spec
+from larqlpy.generate import GenerationConfig, generate
+from larqlpy.model.loader import load
+from tiny import make_tiny
+
+WINDOW = parse_engine_spec(continuation="window/v1")
+CANONICAL = EngineSpec()
+
+
+def run_steps(loaded, spec, ids, chunks, decode_steps, check_horizon=None):
+    """Prefill `ids` in blocks of the given sizes (all logits), then greedy-decode; returns
+    (prefill logits, decode logits per step, generated ids)."""
+    state = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
+    pos, outs = 0, []
+    for size in chunks:
+        outs.append(loaded.model(torch.tensor(ids[pos:pos + size]), state, all_logits=True))
+        pos += size
+        if check_horizon:
+            check_horizon(state)
+    assert pos == len(ids)
+    logits, gen, steps = torch.cat(outs), [], []
+    nxt = int(logits[-1].argmax())
+    for _ in range(decode_steps):
+        gen.append(nxt)
+        step = loaded.model(torch.tensor([nxt]), state)[-1]
+        steps.append(step)
+        if check_horizon:
+            check_horizon(state)
+        nxt = int(step.argmax())
+    return logits, torch.stack(steps), gen
+
+
+def horizon_checker(keep_by_layer):
+    def check(state):
+        for store in state.layers:
+            base, end = store.retained()
+            assert end == state.position
+            keep = keep_by_layer(store.geometry)
+            assert base == (0 if keep is None else max(0, end - keep)), (store.geometry, base, end)
+    return check
+
+
+@pytest.fixture(scope="module")
+def prompt(real, long_text):
+    return real.tokenizer.encode(long_text)[:700]  # past the 512-token window
+
+
+@pytest.mark.parametrize("chunks", [[700], [300, 250, 150], [512, 1, 187]])
+def test_window_is_bit_identical_to_canonical_on_270m(real, prompt, chunks):
+    ref = run_steps(real, CANONICAL, prompt, chunks, 16, horizon_checker(lambda g: None))
+    got = run_steps(real, WINDOW, prompt, chunks, 16, horizon_checker(lambda g: g.window))
+    assert torch.equal(ref[0], got[0])  # every prefill position
+    assert torch.equal(ref[1], got[1])  # every decode step
+    assert ref[2] == got[2]
+
+
+def test_window_resident_bytes_are_bounded_on_270m(real, prompt):
+    state = build_provider(WINDOW).new_state(real.model.geometries(), real.device)
+    row = 2 * 256 * 4
+    for lo in range(0, 700, 100):
+        real.model(torch.tensor(prompt[lo:lo + 100]), state)
+        by_kind = state.resident_by_kind()
+        assert by_kind["sliding"] == 15 * 512 * row  # exactly the ring, whatever the length
+        assert by_kind["global"] >= 3 * (lo + 100) * row
+    provider = build_provider(WINDOW)
+    accounted = sum(provider.retained_rows(g, 700) * provider.row_bytes(g) for g in real.model.geometries()
+                    if g.kind == "sliding")
+    assert accounted == state.resident_by_kind()["sliding"]
+
+
+def test_no_cache_replay_matches_canonical_on_270m(real, prompt):
+    cfg = GenerationConfig(max_tokens=12, stop_at_eos=False)
+    ids = prompt[:600]
+    ref = list(generate(real.model, ids, CANONICAL, cfg))
+    for spec in (parse_engine_spec(engine="no-cache"), parse_engine_spec("no-cache", "window/v1")):
+        assert spec.replay
+        got = list(generate(real.model, ids, spec, cfg))
+        assert [t.id for t in got] == [t.id for t in ref]
+        diff = max((a.logits - b.logits).abs().max().item() for a, b in zip(got, ref))
+        assert diff <= 1e-4, diff
+
+
+@pytest.mark.parametrize("n_kv, window", [(2, 5), (1, 8), (2, 3)])
+def test_window_bit_identical_on_tiny_models(tmp_path, n_kv, window):
+    make_tiny(tmp_path, num_key_value_heads=n_kv, sliding_window=window)
+    loaded = load(tmp_path, device="cpu")
+    ids = list(range(10, 47))
+    for chunks in ([37], [4, 9, 1, 23], [1] * 37):
+        ref = run_steps(loaded, CANONICAL, ids, chunks, 20)
+        got = run_steps(loaded, WINDOW, ids, chunks, 20, horizon_checker(lambda g: g.window))
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]) and ref[2] == got[2]
+
+
+def test_window_option_keeps_more_rows_and_stays_exact(tmp_path):
+    make_tiny(tmp_path, sliding_window=5)
+    loaded = load(tmp_path, device="cpu")
+    spec = parse_engine_spec(engine="windowed-checkpoint:window=12")
+    assert spec.identity == "window/v1" and spec.options_dict == {"window": 12}
+    ids = list(range(10, 40))
+    ref = run_steps(loaded, CANONICAL, ids, [7, 23], 10)
+    got = run_steps(loaded, spec, ids, [7, 23], 10, horizon_checker(lambda g: None if g.window is None else 12))
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+
+
+def test_window_option_below_the_model_window_is_refused(tmp_path):
+    from larqlpy.errors import LarqlError
+
+    make_tiny(tmp_path, sliding_window=8)
+    loaded = load(tmp_path, device="cpu")
+    with pytest.raises(LarqlError, match="below layer 0's sliding window 8"):
+        build_provider(parse_engine_spec(engine="windowed-checkpoint:window=4")).new_state(
+            loaded.model.geometries(), loaded.device)
