@@ -12,70 +12,10 @@ do; keeping W matches LARQL's accounting (Gemma 3 4B at 4,096 positions: 50,176 
 
 from __future__ import annotations
 
-import torch
-
-from larqlpy.engines.base import LayerGeometry, LayerStore, Provider
-from larqlpy.engines.canonical import CanonicalStore
+from larqlpy.engines.base import LayerGeometry, Provider
+from larqlpy.engines.canonical import F32Store
 from larqlpy.engines.spec import OptionSpec, int_in
 from larqlpy.errors import LarqlError
-
-
-class RingStore(LayerStore):
-    """The newest `keep` rows of a sliding layer, in a ring; reads come back in position order."""
-
-    def __init__(self, geometry: LayerGeometry, device: torch.device, keep: int):
-        super().__init__(geometry, device)
-        self.keep = keep
-        shape = (geometry.n_kv_heads, keep, geometry.head_dim)
-        self.k = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.v = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.base = 0  # first retained position; position p lives at slot p % keep
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # this block's rows until release
-
-    def append(self, k, v):
-        assert self.pending is None, "append twice without release"
-        self.pending = (k.float(), v.float())
-        self.end += k.shape[1]
-
-    def _ring_rows(self, lo: int, hi: int, buf: torch.Tensor) -> list[torch.Tensor]:
-        """Slices of `buf` holding positions [lo, hi) in order (at most two: the ring may wrap)."""
-        if lo >= hi:
-            return []
-        a, b = lo % self.keep, (hi - 1) % self.keep + 1
-        return [buf[:, a:b]] if a < b else [buf[:, a:], buf[:, :b]]
-
-    def read(self, start, dtype):
-        stored_end = self.end - (self.pending[0].shape[1] if self.pending else 0)
-        if start < self.base:
-            raise RuntimeError(f"layer {self.geometry.index}: position {start} was released (base {self.base})")
-        ks = self._ring_rows(start, stored_end, self.k)
-        vs = self._ring_rows(start, stored_end, self.v)
-        if self.pending:
-            pk, pv = self.pending
-            lo = max(0, start - stored_end)
-            ks.append(pk[:, lo:])
-            vs.append(pv[:, lo:])
-        return torch.cat(ks, dim=1).to(dtype), torch.cat(vs, dim=1).to(dtype)
-
-    def release(self):
-        if self.pending is None:
-            return
-        pk, pv = self.pending
-        self.pending = None
-        n = min(pk.shape[1], self.keep)  # the block's newest `keep` rows survive, the rest are gone
-        a = (self.end - n) % self.keep
-        head = min(n, self.keep - a)
-        for ring, rows in ((self.k, pk[:, -n:]), (self.v, pv[:, -n:])):
-            ring[:, a:a + head] = rows[:, :head]
-            ring[:, :n - head] = rows[:, head:]  # wrapped part (empty when it fits)
-        self.base = max(0, self.end - self.keep)
-
-    def retained(self):
-        return self.base, self.end
-
-    def resident_bytes(self):
-        pending = sum(t.untyped_storage().nbytes() for t in self.pending) if self.pending else 0
-        return self.k.untyped_storage().nbytes() + self.v.untyped_storage().nbytes() + pending
 
 
 class Window(Provider):
@@ -96,9 +36,7 @@ class Window(Provider):
                                  f"{g.window}; rows attention still reads would be dropped")
 
     def make_store(self, geometry, device):
-        if geometry.window is None:
-            return CanonicalStore(geometry, device)
-        return RingStore(geometry, device, self.keep(geometry))
+        return F32Store(geometry, device, None if geometry.window is None else self.keep(geometry))
 
     def retained_rows(self, geometry, positions):
         return positions if geometry.window is None else min(positions, self.keep(geometry))

@@ -1,0 +1,94 @@
+"""Physical row storage the engines share: per-position fields for the logical range [base, end).
+
+Two shapes of storage:
+- growing (keep=None): every row from position 0, in buffers that double when full;
+- ring (keep=N): only the newest N rows, in buffers of exactly N rows. A block's rows wait in
+  `pending` while its queries read them, then `commit()` folds the newest N into the ring.
+
+Fields are tensors of shape (Hkv, rows, *field_shape): K/V rows in f32 for the exact engines,
+norms and packed codes for the codec engines. Reads come back in position order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class Rows:
+    MIN_CAPACITY = 256
+
+    def __init__(self, n_kv: int, fields: FieldSpec, device: torch.device, keep: int | None = None):
+        self.n_kv, self.fields, self.device, self.keep = n_kv, fields, device, keep
+        cap = keep or 0
+        self.buf = {name: torch.zeros((n_kv, cap, *shape), dtype=dtype, device=device)
+                    for name, (shape, dtype) in fields.items()}
+        self.base = self.end = 0
+        self.pending: dict[str, torch.Tensor] | None = None  # ring only: the current block's rows
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.buf.values())).shape[1]
+
+    def append(self, values: dict[str, torch.Tensor]) -> None:
+        t = next(iter(values.values())).shape[1]
+        if self.keep is not None:
+            assert self.pending is None, "append twice without commit"
+            self.pending = values
+        else:
+            n = self.end
+            if n + t > self.capacity:
+                cap = max(self.MIN_CAPACITY, 2 * self.capacity, n + t)
+                for name, old in self.buf.items():
+                    new = torch.empty((self.n_kv, cap, *old.shape[2:]), dtype=old.dtype, device=self.device)
+                    new[:, :n] = old[:, :n]
+                    self.buf[name] = new
+            for name, v in values.items():
+                self.buf[name][:, n:n + t] = v
+        self.end += t
+
+    def _stored_end(self) -> int:
+        return self.end - (next(iter(self.pending.values())).shape[1] if self.pending else 0)
+
+    def read(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """Fields for positions [lo, hi), in order: views for growing storage, copies for a ring."""
+        if lo < self.base or hi > self.end:
+            raise RuntimeError(f"rows [{lo}, {hi}) outside the retained [{self.base}, {self.end})")
+        if self.keep is None:
+            return {name: b[:, lo:hi] for name, b in self.buf.items()}
+        stored_end = self._stored_end()
+        out = {}
+        for name, b in self.buf.items():
+            pieces = self._ring_slices(lo, min(hi, stored_end), b)
+            if self.pending and hi > stored_end:
+                pieces.append(self.pending[name][:, max(0, lo - stored_end):hi - stored_end])
+            out[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        return out
+
+    def _ring_slices(self, lo: int, hi: int, b: torch.Tensor) -> list[torch.Tensor]:
+        if lo >= hi:
+            return []
+        a, z = lo % self.keep, (hi - 1) % self.keep + 1
+        return [b[:, a:z]] if a < z else [b[:, a:], b[:, :z]]
+
+    def commit(self) -> None:
+        """Ring: write the block's newest `keep` rows into the ring; older ones are gone."""
+        if self.pending is None:
+            return
+        values, self.pending = self.pending, None
+        t = next(iter(values.values())).shape[1]
+        n = min(t, self.keep)
+        a = (self.end - n) % self.keep
+        head = min(n, self.keep - a)
+        for name, v in values.items():
+            rows = v[:, t - n:]
+            self.buf[name][:, a:a + head] = rows[:, :head]
+            self.buf[name][:, :n - head] = rows[:, head:]  # the wrapped part (empty when it fits)
+        self.base = max(0, self.end - self.keep)
+
+    def nbytes(self) -> int:
+        live = sum(b.untyped_storage().nbytes() for b in self.buf.values())
+        if self.pending:
+            live += sum(v.untyped_storage().nbytes() for v in self.pending.values())
+        return live
