@@ -47,7 +47,7 @@ def account(provider: Provider, geometries: list[LayerGeometry], positions: int)
         rows = provider.retained_rows(g, positions)
         k["layers"] += 1
         k["rows"] += rows
-        k["bytes"] += rows * provider.row_bytes(g)
+        k["bytes"] += provider.layer_bytes(g, positions)
     return {"engine": provider.identity, "options": dict(provider.options), "by_kind": by_kind,
             "rows": sum(k["rows"] for k in by_kind.values()), "bytes": sum(k["bytes"] for k in by_kind.values())}
 

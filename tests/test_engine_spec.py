@@ -51,13 +51,26 @@ def test_refusals(engine, continuation, options, needle):
     assert "\n" not in str(exc.value)
 
 
-def test_turbo_quant_refused_clearly_while_codec_is_missing():
-    from larqlpy.engines.registry import PROVIDERS
+def test_turbo_quant_routes_to_codec():
+    assert parse_engine_spec(engine="turbo-quant:bits=4") == EngineSpec("codec/v1", (("bits", 4),))
+    assert parse_engine_spec(engine="turbo-quant:bits=3") == EngineSpec("codec/v1", (("bits", 3),))
 
-    if "codec/v1" in PROVIDERS:
-        pytest.skip("codec/v1 exists; its own tests cover turbo-quant")
-    with pytest.raises(LarqlError, match="--engine turbo-quant: unknown continuation identity 'codec/v1'"):
-        parse_engine_spec(engine="turbo-quant:bits=4")
+
+@pytest.mark.parametrize("engine, continuation, options, needle", [
+    ("turbo-quant", None, [], "codec/v1 requires option bits"),
+    ("turbo-quant:bits=5", None, [], "must be one of 3, 4"),
+    ("turbo-quant:bits=4,k=1", None, [], "unknown parameter 'k'"),
+    (None, "codec/v1", [], "codec/v1 requires option bits"),
+    (None, "codec/v1", ["bits=8"], "must be one of 3, 4"),
+    (None, "codec/v1", ["bits=4", "exact_recent_k=4"], "has no option 'exact_recent_k'"),
+    (None, "codec-recent/v1", ["bits=4"], "requires option exact_recent_k"),
+    (None, "codec-recent/v1", ["bits=4", "exact_recent_k=0"], "must be >= 1"),
+    (None, "int4-group/v1", ["bits=4"], "has no option 'bits'"),
+])
+def test_codec_refusals(engine, continuation, options, needle):
+    with pytest.raises(LarqlError) as exc:
+        parse_engine_spec(engine, continuation, options)
+    assert needle in str(exc.value)
 
 
 def test_gemma3_4b_figures_from_larql():

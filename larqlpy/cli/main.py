@@ -85,7 +85,7 @@ def run(
     if stats:
         err.print(f"engine {spec.describe()} | prompt {len(ids)} tok | prefill {metrics.get('prefill_tokens_per_s', 0):.1f} tok/s"
                   f" | decode {metrics.get('decode_tokens_per_s', 0):.1f} tok/s | resident KV "
-                  f"{_bytes(metrics.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}", soft_wrap=True)
+                  f"{_bytes(metrics.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}", soft_wrap=True, markup=False)
 
 
 @app.command()

@@ -126,22 +126,26 @@ class LayerStore:
 class EngineState:
     """All layers' stores for one sequence, plus the logical position counter."""
 
-    def __init__(self, identity: str, options: dict, stores: Sequence[LayerStore]):
+    def __init__(self, identity: str, options: dict, stores: Sequence[LayerStore], extras: Sequence = ()):
         self.identity = identity
         self.options = dict(options)
         self.layers = list(stores)
+        self.extras = list(extras)  # shared buffers (e.g. a codec's decode scratch), each with nbytes()
 
     @property
     def position(self) -> int:
         return self.layers[0].end if self.layers else 0
 
     def resident_bytes(self) -> int:
-        return sum(s.resident_bytes() for s in self.layers)
+        return sum(s.resident_bytes() for s in self.layers) + sum(e.nbytes() for e in self.extras)
 
     def resident_by_kind(self) -> dict[str, int]:
+        """Rows' bytes per layer kind, plus shared buffers under "scratch" when there are any."""
         out: dict[str, int] = {}
         for s in self.layers:
             out[s.geometry.kind] = out.get(s.geometry.kind, 0) + s.resident_bytes()
+        if self.extras:
+            out["scratch"] = sum(e.nbytes() for e in self.extras)
         return out
 
     def retained_rows(self) -> int:
@@ -188,3 +192,7 @@ class Provider:
 
     def row_bytes(self, geometry: LayerGeometry) -> int:
         return geometry.row_bytes_f32
+
+    def layer_bytes(self, geometry: LayerGeometry, positions: int) -> int:
+        """Bytes one layer's store holds after `positions` positions (what residency reports)."""
+        return self.retained_rows(geometry, positions) * self.row_bytes(geometry)

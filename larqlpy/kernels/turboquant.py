@@ -1,0 +1,213 @@
+"""TurboQuant codec for one head vector x of length d (a power of two), CPU kernels in numba.
+
+encode: norm = ||x|| (f32, summed in f64); u = x * (1 / norm); z = H(s * u), where s is a fixed +-1 sign
+    diagonal and H the unnormalised Walsh-Hadamard butterfly -- so z = sqrt(d) * (orthonormal
+    rotation of u) and each coordinate is close to N(0, 1); each z_i becomes the index of its
+    Lloyd-Max cell (boundaries at the midpoints between centroids); indices are packed (4 bits: two
+    per byte, low nibble first; 3 bits: eight per three bytes, little-endian).
+decode: z' = centroids[index]; x' = s * H(z') * (norm / d)  (the inverse rotation, times norm/sqrt(d)
+    for each of the two sqrt(d) factors).
+
+Attending on codes without decoding: with q_r = H(s * q), q . x' = norm/d * (q_r . z'), and
+sum_j p_j x'_j = s * H(sum_j p_j norm_j/d z'_j): rotate the query once per head, score against
+centroid values, accumulate values in the rotated domain, rotate back once.
+
+The torch twin (`turboquant_torch.py`) performs the same operations in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from larqlpy.kernels.codebooks import CENTROIDS
+
+SIGN_SEED = 0x7475726271  # "turbq"
+
+
+def signs(d: int) -> np.ndarray:
+    """The fixed +-1 diagonal of the randomized Hadamard transform for dimension d."""
+    rng = np.random.default_rng(SIGN_SEED + d)
+    return (rng.integers(0, 2, size=d) * 2 - 1).astype(np.float32)
+
+
+def codebook(bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(centroids, boundaries) in float32; boundaries are computed in float64 and rounded once."""
+    c = np.asarray(CENTROIDS[bits], dtype=np.float64)
+    return c.astype(np.float32), ((c[1:] + c[:-1]) / 2).astype(np.float32)
+
+
+def code_bytes(d: int, bits: int) -> int:
+    return d * bits // 8
+
+
+def check_dim(d: int) -> None:
+    if d < 8 or d & (d - 1):
+        raise ValueError(f"head_dim {d} is not a power of two >= 8 (the Walsh-Hadamard rotation needs one)")
+
+
+@njit(cache=True, inline="always")
+def _fwht(v):  # pragma: no cover - jitted
+    d = v.shape[0]
+    for i in range(0, d, 4):  # stages h=1 and h=2 fused: the same adds in the same order, in registers
+        a0 = v[i] + v[i + 1]
+        a1 = v[i] - v[i + 1]
+        a2 = v[i + 2] + v[i + 3]
+        a3 = v[i + 2] - v[i + 3]
+        v[i] = a0 + a2
+        v[i + 1] = a1 + a3
+        v[i + 2] = a0 - a2
+        v[i + 3] = a1 - a3
+    h = 4
+    while h < d:
+        for i in range(0, d, 2 * h):
+            for j in range(i, i + h):
+                a = v[j]
+                b = v[j + h]
+                v[j] = a + b
+                v[j + h] = a - b
+        h *= 2
+
+
+@njit(cache=True, inline="always")
+def _pack(idx, out, bits):  # pragma: no cover - jitted
+    d = idx.shape[0]
+    if bits == 4:
+        for i in range(d // 2):
+            out[i] = np.uint8(idx[2 * i] | (idx[2 * i + 1] << 4))
+    else:  # 3 bits: eight indices in three bytes
+        for g in range(d // 8):
+            word = 0
+            for k in range(8):
+                word |= np.int64(idx[8 * g + k]) << (3 * k)
+            out[3 * g] = np.uint8(word & 0xFF)
+            out[3 * g + 1] = np.uint8((word >> 8) & 0xFF)
+            out[3 * g + 2] = np.uint8((word >> 16) & 0xFF)
+
+
+@njit(cache=True, inline="always")
+def _unpack_values(code, centroids, bits, out):  # pragma: no cover - jitted
+    d = out.shape[0]
+    if bits == 4:
+        for i in range(d // 2):
+            byte = code[i]
+            out[2 * i] = centroids[byte & 0xF]
+            out[2 * i + 1] = centroids[byte >> 4]
+    else:
+        for g in range(d // 8):
+            word = np.int64(code[3 * g]) | (np.int64(code[3 * g + 1]) << 8) | (np.int64(code[3 * g + 2]) << 16)
+            for k in range(8):
+                out[8 * g + k] = centroids[(word >> (3 * k)) & 7]
+
+
+CHUNK = 64  # rows per parallel work item: per-row scratch is allocated once per chunk
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def encode(x, sgn, boundaries, bits, norms, codes):  # pragma: no cover - jitted
+    """x (n, d) f32 -> norms (n,) f32, codes (n, d*bits/8) u8."""
+    n, d = x.shape
+    nb = boundaries.shape[0]
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        v = np.empty(d, np.float32)
+        idx = np.empty(d, np.int32)
+        for r in range(c * CHUNK, min(n, (c + 1) * CHUNK)):
+            acc = 0.0
+            for i in range(d):
+                acc += np.float64(x[r, i]) * np.float64(x[r, i])
+            nrm = np.float32(math.sqrt(acc))
+            norms[r] = nrm
+            inv = np.float32(1.0) / nrm if nrm > 0 else np.float32(1.0)
+            for i in range(d):
+                v[i] = (x[r, i] * inv) * sgn[i]
+            _fwht(v)
+            idx[:] = 0
+            for k in range(nb):  # index = number of boundaries strictly below: branch-free, vectorizes
+                bk = boundaries[k]
+                for i in range(d):
+                    idx[i] += np.int32(v[i] > bk)
+            _pack(idx, codes[r], bits)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def decode(norms, codes, sgn, centroids, bits, out):  # pragma: no cover - jitted
+    """norms (n,), codes (n, nbytes) -> out (n, d) f32."""
+    n, d = out.shape
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        v = np.empty(d, np.float32)
+        for r in range(c * CHUNK, min(n, (c + 1) * CHUNK)):
+            _unpack_values(codes[r], centroids, bits, v)
+            _fwht(v)
+            scale = norms[r] / np.float32(d)
+            for i in range(d):
+                out[r, i] = v[i] * sgn[i] * scale
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def scores(qr, norms, codes, centroids, bits, out):  # pragma: no cover - jitted
+    """qr (G, d) rotated queries; rows' codes -> out (G, n) = norm/d * (qr . centroids[idx])."""
+    g_count, d = qr.shape
+    n = norms.shape[0]
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        v = np.empty(d, np.float32)
+        for r in range(c * CHUNK, min(n, (c + 1) * CHUNK)):
+            _unpack_values(codes[r], centroids, bits, v)
+            scale = norms[r] / np.float32(d)
+            for g in range(g_count):
+                acc = np.float32(0.0)
+                for i in range(d):
+                    acc += qr[g, i] * v[i]
+                out[g, r] = acc * scale
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def accumulate(p, norms, codes, centroids, bits, out):  # pragma: no cover - jitted
+    """p (G, n) attention weights -> out (G, d) = sum_j p_j norm_j/d centroids[idx_j] (rotated domain)."""
+    g_count, n = p.shape
+    d = out.shape[1]
+    chunks = 16
+    part = np.zeros((chunks, g_count, d), np.float32)
+    step = (n + chunks - 1) // chunks
+    for c in prange(chunks):
+        v = np.empty(d, np.float32)
+        for r in range(c * step, min(n, (c + 1) * step)):
+            _unpack_values(codes[r], centroids, bits, v)
+            scale = norms[r] / np.float32(d)
+            for g in range(g_count):
+                w = p[g, r] * scale
+                for i in range(d):
+                    part[c, g, i] += w * v[i]
+    for g in range(g_count):
+        for i in range(d):
+            acc = np.float32(0.0)
+            for c in range(chunks):
+                acc += part[c, g, i]
+            out[g, i] = acc
+
+
+@njit(cache=True)
+def rotate(x, sgn, out):  # pragma: no cover - jitted
+    """out = H(s * x) row by row (the forward rotation without the 1/sqrt(d))."""
+    n, d = x.shape
+    for r in range(n):  # a handful of query heads: not worth threads
+        v = np.empty(d, np.float32)
+        for i in range(d):
+            v[i] = x[r, i] * sgn[i]
+        _fwht(v)
+        for i in range(d):
+            out[r, i] = v[i]
+
+
+@njit(cache=True)
+def unrotate(y, sgn, out):  # pragma: no cover - jitted
+    """out = s * H(y) row by row (the inverse of `rotate` up to a factor d)."""
+    n, d = y.shape
+    for r in range(n):
+        v = np.empty(d, np.float32)
+        for i in range(d):
+            v[i] = y[r, i]
+        _fwht(v)
+        for i in range(d):
+            out[r, i] = v[i] * sgn[i]

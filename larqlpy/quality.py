@@ -1,0 +1,65 @@
+"""How far an engine's next-token distributions drift from canonical/v1's.
+
+Teacher-forced: both engines see the same tokens (the reference's greedy continuation), one decode
+step at a time, and we compare their next-token distributions at every step: KL(ref || test), top-1
+agreement. Free-running: each engine decodes greedily on its own; we count how many generated ids
+match the reference position by position, and the common prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from larqlpy.engines import EngineSpec, build_provider
+from larqlpy.generate import GenerationConfig, generate, prefill
+
+
+def kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> torch.Tensor:
+    """KL(ref || test) in nats over the last dim."""
+    lp, lq = torch.log_softmax(ref_logits.float(), -1), torch.log_softmax(test_logits.float(), -1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
+def teacher_forced_logits(model, spec: EngineSpec, prompt: Sequence[int], tokens: Sequence[int],
+                          chunk: int = 1024) -> torch.Tensor:
+    """Logits predicting tokens[i] for each i, feeding the given tokens one decode step at a time."""
+    state = build_provider(spec).new_state(model.geometries(), model.device)
+    out = [prefill(model, state, list(prompt), chunk)[-1]]
+    for t in tokens[:-1]:
+        out.append(model(torch.tensor([t]), state)[-1])
+    return torch.stack(out)
+
+
+@dataclass
+class Drift:
+    engine: str
+    steps: int
+    mean_kl: float
+    max_kl: float
+    top1: float  # teacher-forced argmax agreement
+    greedy_match: float  # free-running: fraction of positions with the same id
+    common_prefix: int
+
+    def as_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+def drift(model, spec: EngineSpec, prompt: Sequence[int], n: int,
+          reference: tuple[list[int], torch.Tensor] | None = None) -> tuple[Drift, tuple[list[int], torch.Tensor]]:
+    """Compare `spec` with canonical/v1 over n generated tokens after `prompt`."""
+    if reference is None:
+        cfg = GenerationConfig(max_tokens=n, stop_at_eos=False)
+        ref_ids = [t.id for t in generate(model, prompt, EngineSpec(), cfg)]
+        reference = (ref_ids, teacher_forced_logits(model, EngineSpec(), prompt, ref_ids))
+    ref_ids, ref_logits = reference
+    test_logits = teacher_forced_logits(model, spec, prompt, ref_ids)
+    k = kl(ref_logits, test_logits)
+    free = [t.id for t in generate(model, prompt, spec, GenerationConfig(max_tokens=n, stop_at_eos=False))]
+    prefix = next((i for i, (a, b) in enumerate(zip(free, ref_ids)) if a != b), len(ref_ids))
+    d = Drift(spec.describe(), len(ref_ids), k.mean().item(), k.max().item(),
+              (test_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(),
+              sum(a == b for a, b in zip(free, ref_ids)) / len(ref_ids), prefix)
+    return d, reference

@@ -1,0 +1,162 @@
+"""codec/v1: the codebooks, the numba and torch kernels, the engines, and their accuracy on real rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from larqlpy.engines import build_provider, parse_engine_spec
+from larqlpy.engines.codec import CodecStore, Scratch
+from larqlpy.engines.base import AttentionParams, LayerGeometry
+from larqlpy.errors import LarqlError
+from larqlpy.kernels import codebooks, turboquant as tq
+from larqlpy.kernels.lloyd_max import gaussian_codebook
+from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
+from larqlpy.kernels.turboquant_torch import TorchCodec
+from larqlpy.model.loader import load
+from tiny import make_tiny
+
+CPU = torch.device("cpu")
+
+
+def test_codebooks_are_lloyd_max_for_the_normal():
+    for bits, known in ((3, 0.0345), (4, 0.0095)):
+        c, b, mse = gaussian_codebook(bits)
+        assert abs(mse - known) < 1e-4, (bits, mse)
+        assert np.allclose(c, codebooks.CENTROIDS[bits], atol=1e-12)
+        assert np.allclose(c, -c[::-1]) and np.allclose(b, (c[1:] + c[:-1]) / 2)
+    # empirical MSE per coordinate of the whole codec on random directions matches the codebook's
+    x = torch.randn(4096, 256, generator=torch.Generator().manual_seed(0))
+    for bits, mse in ((3, 0.0345), (4, 0.0095)):
+        codec = TurboQuantCodec(256, bits, CPU)
+        err = (codec.decode(codec.encode(x)) - x) / x.norm(dim=-1, keepdim=True)
+        assert abs(err.pow(2).sum(-1).mean().item() - mse) < 0.1 * mse
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("d", [64, 256])
+def test_numba_and_torch_give_the_same_codes_and_values(bits, d):
+    x = torch.randn(1000, d, generator=torch.Generator().manual_seed(bits * d)) * 5
+    x[3] = 0.0  # a zero row must not produce NaNs
+    numba_codec, torch_codec = TurboQuantCodec(d, bits, CPU), TorchCodec(d, bits, CPU)
+    a = numba_codec.encode(x)
+    norms, codes = torch_codec.encode(x)
+    assert torch.equal(a["norm"], norms) and torch.equal(a["code"], codes)
+    assert torch.equal(numba_codec.decode(a), torch_codec.decode(norms, codes))
+    assert torch.equal(numba_codec.decode(a)[3], torch.zeros(d))
+    assert a["code"].shape == (1000, d * bits // 8)
+
+
+def test_packing_layout():
+    idx = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0] * 2])
+    c3 = TorchCodec(16, 3, CPU).pack(idx)
+    word = sum(v << (3 * k) for k, v in enumerate([1, 2, 3, 4, 5, 6, 7, 0]))
+    assert c3.tolist() == [[word & 0xFF, (word >> 8) & 0xFF, word >> 16] * 2]  # eight per three bytes
+    c4 = TorchCodec(16, 4, CPU).pack(torch.tensor([[1, 15, 2, 14, 0, 0, 9, 3] * 2]))
+    assert c4.tolist()[0][:4] == [0xF1, 0xE2, 0x00, 0x39]  # two per byte, low nibble first
+    codec = TorchCodec(16, 3, CPU)
+    assert torch.equal(codec.unpack_values(c3), codec.centroids[idx])
+
+
+def test_attending_on_codes_equals_decoding_them():
+    g = LayerGeometry(0, None, 2, 64)
+    codec = TurboQuantCodec(64, 4, CPU)
+    fused = CodecStore(g, CPU, codec, None, Scratch(CPU))
+    plain = CodecStore(g, CPU, codec, None, Scratch(CPU))
+    p = AttentionParams(scale=0.125)
+    gen = torch.Generator().manual_seed(1)
+    for t in (5, 1, 1, 3, 1):
+        q, k, v = (torch.randn(h, t, 64, generator=gen) for h in (4, 2, 2))
+        a = fused.attend(q, k, v, p)
+        b = super(CodecStore, plain).attend(q, k, v, p)  # the decode-to-scratch path
+        assert (a - b).abs().max().item() < 1e-4
+
+
+def test_recent_rows_write_the_bytes_codec_writes():
+    g = LayerGeometry(0, 6, 1, 64)
+    codec = TurboQuantCodec(64, 3, CPU)
+    plain = CodecStore(g, CPU, codec, 6, Scratch(CPU))
+    recent = CodecStore(g, CPU, codec, 6, Scratch(CPU), exact_recent=4)
+    p = AttentionParams(scale=0.125)
+    gen = torch.Generator().manual_seed(2)
+    for t in (3, 1, 1, 4, 1, 1, 1):
+        q, k, v = (torch.randn(h, t, 64, generator=gen) for h in (4, 1, 1))
+        plain.attend(q, k, v, p)
+        recent.attend(q, k, v, p)
+        assert (recent.recent.base, recent.recent.end) == (max(0, recent.end - 4), recent.end)
+    a, b = plain.rows.read(*plain.retained()), recent.rows.read(*recent.retained())
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    k_read, _ = recent.read(recent.end - 6, torch.float32)
+    exact = recent.recent.read(recent.end - 4, recent.end)["k"]
+    assert torch.equal(k_read[:, -4:], exact)  # the newest k K rows come back exact
+
+
+def test_head_dim_must_be_a_power_of_two(tmp_path):
+    make_tiny(tmp_path, head_dim=12, query_pre_attn_scalar=12)
+    loaded = load(tmp_path)
+    for spec in (parse_engine_spec(continuation="codec/v1", continuation_options=["bits=4"]),
+                 parse_engine_spec(engine="turbo-quant:bits=3")):
+        with pytest.raises(LarqlError, match="head_dim 12 is not a power of two"):
+            build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
+
+
+def test_int4_group_codec():
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(3))
+    codec = Int4GroupCodec(256, 32, CPU)
+    f = codec.encode(x)
+    assert f["scale"].dtype == torch.float16 and f["scale"].shape == (300, 8) and f["code"].shape == (300, 128)
+    assert codec.row_bytes == 8 * 2 + 128  # 4.5 bits per value
+    y = codec.decode(f)
+    step = f["scale"].float().repeat_interleave(32, dim=1) / 7
+    assert ((y - x).abs() <= step / 2 + 1e-3).all()  # round-to-nearest on each group's grid
+
+
+@pytest.fixture(scope="module")
+def real_rows(real, long_text):
+    """K and V rows of every layer of the 270M over 1,024 real positions (canonical run)."""
+    ids = real.tokenizer.encode(long_text)[:1024]
+    state = build_provider(parse_engine_spec()).new_state(real.model.geometries(), real.device)
+    real.model(torch.tensor(ids), state)
+    return [s.read(0, torch.float32) for s in state.layers]
+
+
+@pytest.mark.parametrize("bits, floor", [(4, 0.995), (3, 0.982)])
+def test_per_row_cosine_on_real_rows(real_rows, bits, floor):
+    codec = TurboQuantCodec(256, bits, CPU)
+    for layer, (k, v) in enumerate(real_rows):
+        for x in (k[0], v[0]):
+            y = codec.decode(codec.encode(x))
+            cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
+            assert cos.mean().item() >= floor, (layer, cos.mean().item())
+
+
+@pytest.mark.parametrize("spec_args, bits", [(("codec/v1", ["bits=4"]), 4), (("codec/v1", ["bits=3"]), 3)])
+def test_resident_bytes_follow_the_formula(real, long_text, spec_args, bits):
+    spec = parse_engine_spec(continuation=spec_args[0], continuation_options=spec_args[1])
+    state = build_provider(spec).new_state(real.model.geometries(), real.device)
+    ids = real.tokenizer.encode(long_text)[:700]
+    real.model(torch.tensor(ids[:600]), state)
+    for t in ids[600:610]:
+        real.model(torch.tensor([t]), state)
+    per_row = 2 * 1 * (4 + 256 * bits // 8)
+    by_kind = state.resident_by_kind()
+    assert by_kind["sliding"] == 15 * 512 * per_row  # exactly the rings of codes
+    assert 3 * 610 * per_row <= by_kind["global"] <= 2 * 3 * 610 * per_row
+    assert by_kind["scratch"] <= 2 * 1 * 610 * 256 * 4  # bounded by one layer's decoded rows
+
+
+def test_codec_tracks_canonical_on_270m(real):
+    """Teacher-forced next-token drift against canonical/v1 over 32 steps (the docs' table runs 256)."""
+    from larqlpy.quality import drift
+
+    ids = real.tokenizer.encode("The history of the printing press begins in")
+    window, ref = drift(real.model, parse_engine_spec(continuation="window/v1"), ids, 32)
+    assert window.mean_kl == 0.0 and window.top1 == 1.0 and window.common_prefix == 32
+    four, _ = drift(real.model, parse_engine_spec(continuation="codec/v1", continuation_options=["bits=4"]), ids, 32, ref)
+    three, _ = drift(real.model, parse_engine_spec(continuation="codec/v1", continuation_options=["bits=3"]), ids, 32, ref)
+    recent, _ = drift(real.model, parse_engine_spec(continuation="codec-recent/v1",
+                                                    continuation_options=["bits=4", "exact_recent_k=64"]), ids, 32, ref)
+    assert 0 < four.mean_kl < 0.2 and four.top1 >= 0.7
+    assert four.mean_kl < three.mean_kl < 0.6
+    assert recent.mean_kl < four.mean_kl / 4  # exact recent keys recover most of the loss
