@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL_DIR := models/gemma-3-270m
 PROMPT ?= Question: What is the capital of France? Answer:
 
-.PHONY: setup model run test bench clean
+.PHONY: setup model run test bench codec-quality clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ test: model
 
 bench: model
 	$(BIN)/python bench/decode.py --model $(MODEL_DIR)
+	$(BIN)/python bench/codec.py --model $(MODEL_DIR)
+
+# The codec accuracy tables in docs/codec.md (about 10 minutes).
+codec-quality: model
+	$(BIN)/python bench/codec_quality.py --model $(MODEL_DIR)
 
 clean:
 	rm -rf $(VENV) $(MODEL_DIR) .pytest_cache
