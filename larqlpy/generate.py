@@ -55,6 +55,7 @@ class GenerationConfig:
 @dataclass
 class Metrics:
     prompt_tokens: int = 0
+    prefilled_tokens: int = 0  # fewer than prompt_tokens when a resumed state already held a prefix
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
@@ -64,7 +65,7 @@ class Metrics:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -73,7 +74,7 @@ class Metrics:
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "prefill_seconds": round(self.prefill_seconds, 6),
+        return {"prompt_tokens": self.prompt_tokens, "prefilled_tokens": self.prefilled_tokens, "prefill_seconds": round(self.prefill_seconds, 6),
                 "prefill_tokens_per_s": round(self.prefill_tps, 3), "decode_tokens": self.decode_tokens,
                 "decode_seconds": round(self.decode_seconds, 6), "decode_tokens_per_s": round(self.decode_tps, 3),
                 "resident_kv_bytes": self.resident_kv_bytes, "resident_kv_by_kind": dict(self.resident_kv_by_kind),
@@ -109,6 +110,7 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
 def prefill(model, state: EngineState, ids: Sequence[int], chunk: int, all_logits: bool = False) -> torch.Tensor:
     """Run ids through the model in chunks; logits of the last position (or of every position)."""
     outs = []
+    chunk = min(chunk, state.max_chunk or chunk)
     for lo in range(0, len(ids), chunk):
         block = torch.tensor(ids[lo:lo + chunk], dtype=torch.long)
         outs.append(model(block, state, all_logits=all_logits))
@@ -117,9 +119,14 @@ def prefill(model, state: EngineState, ids: Sequence[int], chunk: int, all_logit
 
 def generate(model, prompt_ids: Sequence[int], spec: EngineSpec = EngineSpec(),
              cfg: GenerationConfig = GenerationConfig(), stop_ids: set[int] | None = None,
-             tokenizer=None, state: EngineState | None = None) -> Iterator[Token]:
-    """Yield generated tokens. With spec.replay (no-cache), every step starts from fresh state and
-    runs the whole history; only token ids survive between steps."""
+             tokenizer=None, state: EngineState | None = None, logits: torch.Tensor | None = None) -> Iterator[Token]:
+    """Yield generated tokens.
+
+    `state` may arrive holding the first `state.position` prompt tokens already (a resumed session):
+    only the rest is prefilled; if nothing is left, `logits` (the last position's) must be given.
+    With spec.replay (no-cache), every step starts from fresh state and runs the whole history; only
+    token ids survive between steps. The state's `last_logits` follows every forward pass.
+    """
     if not prompt_ids:
         raise LarqlError("empty prompt: nothing to condition on")
     provider = build_provider(spec)
@@ -130,13 +137,18 @@ def generate(model, prompt_ids: Sequence[int], spec: EngineSpec = EngineSpec(),
     if cfg.sampling.seed is not None:
         gen = torch.Generator().manual_seed(cfg.sampling.seed)
     stop_ids = stop_ids or set()
-    metrics = Metrics(prompt_tokens=len(prompt_ids))
     history = list(prompt_ids)
+    start = state.position
+    metrics = Metrics(prompt_tokens=len(history), prefilled_tokens=len(history) - start)
+    t0 = time.perf_counter()
+    if start < len(history):
+        logits = prefill(model, state, history[start:], cfg.prefill_chunk)[-1]
+    elif logits is None:
+        raise LarqlError("the state already holds the whole prompt and no logits came with it")
+    state.last_logits = logits
+    metrics.prefill_seconds = time.perf_counter() - t0
     if cfg.max_tokens == 0:
         return
-    t0 = time.perf_counter()
-    logits = prefill(model, state, history, cfg.prefill_chunk)[-1]
-    metrics.prefill_seconds = time.perf_counter() - t0
     decoded_text = ""
     t_decode = time.perf_counter()
     for i in range(cfg.max_tokens):
@@ -161,3 +173,4 @@ def generate(model, prompt_ids: Sequence[int], spec: EngineSpec = EngineSpec(),
             logits = prefill(model, state, history, cfg.prefill_chunk)[-1]
         else:
             logits = model(torch.tensor([tok], dtype=torch.long), state)[-1]
+        state.last_logits = logits

@@ -39,11 +39,15 @@ def read_prompt(prompt: str) -> str:
 @app.command()
 def run(
     model: Path = typer.Argument(..., help="model directory (HF layout)"),
-    prompt: str = typer.Argument(..., help="prompt text, or - to read stdin"),
+    prompt: str = typer.Argument(..., help="prompt text, or - to read stdin ('' with --resume: continue)"),
     max_tokens: int = typer.Option(64, "-n", "--max-tokens", help="tokens to generate at most"),
     engine: Optional[str] = typer.Option(None, "--engine", help="V2 spelling: standard | no-cache | name:k=v,..."),
     continuation: Optional[str] = typer.Option(None, "--continuation", help="provider identity, e.g. canonical/v1"),
     continuation_option: List[str] = typer.Option([], "--continuation-option", help="key=value (repeatable)"),
+    kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="resident KV budget, e.g. 64MiB (cells/v1)"),
+    save_state: Optional[Path] = typer.Option(None, "--save-state", help="write the attention state here after the run"),
+    resume_from: Optional[Path] = typer.Option(None, "--resume", help="continue from a saved state file"),
+    reprefill: bool = typer.Option(False, "--reprefill", help="with --resume: prefill afresh if the state cannot be trimmed"),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy"),
     top_k: int = typer.Option(0, "--top-k", help="0 = off"),
     top_p: float = typer.Option(1.0, "--top-p", help="1 = off"),
@@ -55,37 +59,75 @@ def run(
     dtype: str = DTYPE,
 ):
     """Generate a continuation of PROMPT."""
-    from larqlpy.engines import parse_engine_spec
+    from larqlpy.engines import build_provider, parse_engine_spec
     from larqlpy.generate import generate
     from larqlpy.model.loader import load
+    from larqlpy.session import resume, save
 
-    spec = parse_engine_spec(engine, continuation, continuation_option)  # refuse before loading weights
+    options = list(continuation_option)
+    if kv_budget is not None:  # --kv-budget is cells/v1's budget option
+        if engine is not None or continuation not in (None, "cells/v1"):
+            raise LarqlError("--kv-budget applies to cells/v1: drop --engine, or use --continuation cells/v1")
+        continuation = "cells/v1"
+        options.append(f"budget={kv_budget}")
+    chosen = engine is not None or continuation is not None or options
+    spec = parse_engine_spec(engine, continuation, options) if chosen or resume_from is None else None
+    if spec is not None and spec.replay and (save_state or resume_from):
+        raise LarqlError("--engine no-cache keeps no attention state: it cannot be saved or resumed")
+    if reprefill and resume_from is None:
+        raise LarqlError("--reprefill only makes sense with --resume")
     cfg = GenerationConfig.from_dict(dict(max_tokens=max_tokens, prefill_chunk=prefill_chunk, temperature=temperature,
                                           top_k=top_k, top_p=top_p, seed=seed))
     text_in = read_prompt(prompt)
     loaded = load(model, device=device, dtype=dtype)
-    ids = loaded.tokenizer.encode(text_in)
+    session: dict = {}
+    if resume_from is not None:
+        prompt_ids = None if text_in == "" else loaded.tokenizer.encode(text_in)
+        plan, ids = resume(loaded, resume_from, prompt_ids, spec, reprefill)
+        spec, state, logits = plan.spec, plan.state, plan.logits
+        session = {"resumed_from": str(resume_from), "reused_tokens": plan.reused, "trimmed_from": plan.trimmed_from}
+    else:
+        ids = loaded.tokenizer.encode(text_in)
+        state = None if spec.replay else build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
+        logits = None
     pieces, token_ids, last = [], [], None
-    for tok in generate(loaded.model, ids, spec, cfg, loaded.tokenizer.stop_ids, loaded.tokenizer):
+    for tok in generate(loaded.model, ids, spec, cfg, loaded.tokenizer.stop_ids, loaded.tokenizer, state, logits):
         pieces.append(tok.text)
         token_ids.append(tok.id)
         last = tok
         if not as_json:
             sys.stdout.write(tok.text)
             sys.stdout.flush()
+    if save_state is not None:
+        session["saved_to"] = str(save_state)
+        session["saved_bytes"] = save(loaded, save_state, state, ids + token_ids)
     metrics = last.metrics.as_dict() if last else {"prompt_tokens": len(ids)}
     result = {"text": "".join(pieces), "tokens": token_ids, "prompt_tokens": len(ids), "engine": spec.describe(),
               "finish_reason": last.finish_reason if last else "length", "device": str(loaded.device),
               "dtype": dtype, "stats": metrics}
+    if state is not None:
+        result.update(state.report())
+    if session:
+        result["session"] = session
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:
         sys.stdout.write("\n")
     sys.stdout.flush()
     if stats:
+        extra = ""
+        if session.get("resumed_from"):
+            extra += f" | resumed {session['reused_tokens']} tok from {session['resumed_from']}"
+        if session.get("saved_to"):
+            extra += f" | saved {_bytes(session['saved_bytes'])} to {session['saved_to']}"
         err.print(f"engine {spec.describe()} | prompt {len(ids)} tok | prefill {metrics.get('prefill_tokens_per_s', 0):.1f} tok/s"
                   f" | decode {metrics.get('decode_tokens_per_s', 0):.1f} tok/s | resident KV "
-                  f"{_bytes(metrics.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}", soft_wrap=True, markup=False)
+                  f"{_bytes(metrics.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}{extra}",
+                  soft_wrap=True, markup=False)
+        if "transitions" in result:
+            cells = ", ".join(f"{k} {v}" for k, v in sorted(result["cells"].items()))
+            moves = ", ".join(f"{t['event']} {t['from']}->{t['to']} x{t['count']}" for t in result["transitions"])
+            err.print(f"cells: {cells} | transitions: {moves}", soft_wrap=True, markup=False)
 
 
 @app.command()
@@ -159,6 +201,48 @@ def residency(
         sl, gl = e["by_kind"].get("sliding", {}), e["by_kind"].get("global", {})
         t.add_row(name, f"{sl.get('rows', 0):,}", _bytes(sl.get("bytes", 0)), f"{gl.get('rows', 0):,}",
                   _bytes(gl.get("bytes", 0)), f"{e['rows']:,}", _bytes(e["bytes"]))
+    out.print(t)
+
+
+state_app = typer.Typer(no_args_is_help=True, help="Saved attention state files.")
+app.add_typer(state_app, name="state")
+
+
+@state_app.command("inspect")
+def state_inspect(path: Path = typer.Argument(..., help="a state file written by --save-state"),
+                  as_json: bool = typer.Option(False, "--json")):
+    """Header, cells by state and layer, sizes. Verifies every checksum."""
+    from larqlpy.state.store import load_state
+
+    saved = load_state(path)
+    h = saved.header
+    by_layer: dict[int, dict[str, list[int]]] = {}
+    for c in h["cells"]:
+        slot = by_layer.setdefault(c["layer"], {}).setdefault(f"{c['state']} {c['precision']}", [0, 0, 0])
+        slot[0] += 1
+        slot[1] += c["n"]
+        slot[2] += sum(f["length"] for f in c["fields"].values())
+    summary = {"path": str(path), "bytes": path.stat().st_size, "format": h["format"], "larqlpy": h.get("larqlpy"),
+               "model_fingerprint": h["model_fingerprint"], "tokenizer_fingerprint": h["tokenizer_fingerprint"],
+               "engine": h["engine"], "tokens": len(h["tokens"]), "processed": h["processed"],
+               "layers": [{"index": l["index"], "kind": l["kind"], "retained": l["retained"],
+                           "cells": {k: {"cells": v[0], "positions": v[1], "bytes": v[2]}
+                                     for k, v in sorted(by_layer.get(l["index"], {}).items())}}
+                          for l in h["layers"]]}
+    if as_json:
+        sys.stdout.write(json.dumps(summary) + "\n")
+        return
+    opts = ",".join(f"{k}={v}" for k, v in sorted(h["engine"]["options"].items()))
+    out.print(f"{path}: {_bytes(summary['bytes'])}, format {h['format']}, engine {h['engine']['identity']}"
+              f"{' [' + opts + ']' if opts else ''}", markup=False)
+    out.print(f"tokens {len(h['tokens'])} (processed {h['processed']}), model {h['model_fingerprint']}, "
+              f"tokenizer {h['tokenizer_fingerprint']}", markup=False)
+    t = Table()
+    for col in ("layer", "kind", "retained", "cells (state precision: cells / positions / bytes)"):
+        t.add_column(col)
+    for l in summary["layers"]:
+        cells = "; ".join(f"{k}: {v['cells']} / {v['positions']} / {_bytes(v['bytes'])}" for k, v in l["cells"].items())
+        t.add_row(str(l["index"]), l["kind"], f"{l['retained'][0]}-{l['retained'][1]}", cells, )
     out.print(t)
 
 

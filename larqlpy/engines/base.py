@@ -43,6 +43,7 @@ class LayerGeometry:
 
 
 QUERY_TILE = 256  # prefill queries attended per tile
+CELL_POSITIONS = 64  # saved states cut each layer's rows into cells of this many positions
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,53 @@ class LayerStore:
     def release(self) -> None:
         """Drop rows no later query can read. Exact engines that keep everything do nothing."""
 
+    # -- persistence: saved as cells of CELL_POSITIONS positions -------------------------------
+    def row_sets(self) -> dict:
+        """Named `Rows` this store keeps, with the cell state and precision they are saved as."""
+        raise NotImplementedError
+
+    def export(self) -> list[tuple[dict, dict]]:
+        """(cell meta, field -> numpy array) for every retained cell, oldest first."""
+        out = []
+        for name, (rows, state, precision) in self.row_sets().items():
+            for lo in range(rows.base - rows.base % CELL_POSITIONS, rows.end, CELL_POSITIONS):
+                a, b = max(lo, rows.base), min(lo + CELL_POSITIONS, rows.end)
+                if a < b:
+                    vals = rows.read(a, b)
+                    out.append(({"set": name, "start": a, "n": b - a, "state": state, "precision": precision},
+                                {k: v.contiguous().cpu().numpy() for k, v in vals.items()}))
+        return out
+
+    def restore(self, end: int, records: list[tuple[dict, dict]]) -> None:
+        """Refill from `export()`'s records (already checksummed). Raises ValueError if inconsistent."""
+        sets = self.row_sets()
+        for name, (rows, state, precision) in sets.items():
+            mine = sorted((r for r in records if r[0]["set"] == name), key=lambda r: r[0]["start"])
+            pos = mine[0][0]["start"] if mine else (end if rows.keep is not None else 0)
+            base = pos
+            for meta, arrays in mine:
+                if meta["start"] != pos or meta["state"] != state or meta["precision"] != precision:
+                    raise ValueError(f"layer {self.geometry.index}: cell at {meta['start']} does not fit "
+                                     f"({meta['state']} {meta['precision']}, expected {state} {precision} at {pos})")
+                if set(arrays) != set(rows.fields):
+                    raise ValueError(f"layer {self.geometry.index}: cell at {pos} has fields {sorted(arrays)}")
+                pos += meta["n"]
+            if pos != end or (rows.keep is None and base != 0) or (rows.keep is not None and end - base > rows.keep):
+                raise ValueError(f"layer {self.geometry.index}: saved rows [{base}, {pos}) do not fit end {end}")
+            rows.restore(base, end, [(m["start"], {k: torch.from_numpy(a.copy()) for k, a in arr.items()})
+                                     for m, arr in mine])
+        self.end = end
+
+    def can_trim(self, end: int) -> bool:
+        """Whether the store can forget positions >= end and still serve a query at `end`."""
+        main = self.row_sets()["main"][0]
+        return end <= self.end and main.base <= self.geometry.read_start(end)
+
+    def trim(self, end: int) -> None:
+        for rows, _, _ in self.row_sets().values():
+            rows.trim(max(rows.base, end) if rows.keep is not None else end)
+        self.end = end
+
     # -- the one dispatch point attention calls ------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> torch.Tensor:
         """Append this block's rows and attend its queries (H, T, D) over what they may read."""
@@ -131,6 +179,8 @@ class EngineState:
         self.options = dict(options)
         self.layers = list(stores)
         self.extras = list(extras)  # shared buffers (e.g. a codec's decode scratch), each with nbytes()
+        self.max_chunk: int | None = None  # an engine that must act between blocks caps the block size
+        self.last_logits: torch.Tensor | None = None  # logits of the newest processed position
 
     @property
     def position(self) -> int:
@@ -150,6 +200,14 @@ class EngineState:
 
     def retained_rows(self) -> int:
         return sum(end - base for base, end in (s.retained() for s in self.layers))
+
+    def report(self) -> dict:
+        """Engine-specific figures (e.g. cell transitions) for --stats and --json."""
+        out: dict = {}
+        for e in self.extras:
+            if hasattr(e, "report"):
+                out.update(e.report())
+        return out
 
 
 class Provider:

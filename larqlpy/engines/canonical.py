@@ -27,6 +27,9 @@ class F32Store(LayerStore):
     def release(self):
         self.rows.commit()
 
+    def row_sets(self):
+        return {"main": (self.rows, "ACTIVE", "f32")}
+
     def retained(self):
         return self.rows.base, self.rows.end
 

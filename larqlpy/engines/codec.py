@@ -112,6 +112,18 @@ class CodecStore(LayerStore):
         if self.recent is not None:
             self.recent.commit()
 
+    def row_sets(self):
+        sets = {"main": (self.rows, "QUANTIZED", self.codec.label)}
+        if self.recent is not None:
+            sets["recent"] = (self.recent, "ACTIVE", "f32")
+        return sets
+
+    def can_trim(self, end):
+        # the exact recent K rows below the old end are gone: only the newest position can be redone
+        if self.recent is not None and self.recent.base > max(0, end - self.recent.keep):
+            return False
+        return super().can_trim(end)
+
     def retained(self):
         return self.rows.base, self.rows.end
 

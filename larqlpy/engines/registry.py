@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from larqlpy.engines.base import Provider
 from larqlpy.engines.canonical import Canonical
+from larqlpy.engines.cells import Cells
 from larqlpy.engines.codec import Codec, CodecRecent, Int4Group
 from larqlpy.engines.spec import EngineSpec
 from larqlpy.engines.window import Window
 from larqlpy.errors import LarqlError
 
-PROVIDERS: dict[str, type[Provider]] = {cls.identity: cls for cls in (Canonical, Window, Codec, CodecRecent, Int4Group)}
+PROVIDERS: dict[str, type[Provider]] = {cls.identity: cls for cls in (Canonical, Window, Codec, CodecRecent, Int4Group, Cells)}
 
 
 def provider_class(identity: str, via: str = "--continuation") -> type[Provider]:

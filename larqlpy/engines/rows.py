@@ -87,6 +87,34 @@ class Rows:
             self.buf[name][:, :n - head] = rows[:, head:]  # the wrapped part (empty when it fits)
         self.base = max(0, self.end - self.keep)
 
+    def _write(self, lo: int, values: dict[str, torch.Tensor]) -> None:
+        t = next(iter(values.values())).shape[1]
+        if self.keep is None:
+            for name, v in values.items():
+                self.buf[name][:, lo:lo + t] = v
+            return
+        a = lo % self.keep
+        head = min(t, self.keep - a)
+        for name, v in values.items():
+            self.buf[name][:, a:a + head] = v[:, :head]
+            self.buf[name][:, :t - head] = v[:, head:]
+
+    def restore(self, base: int, end: int, pieces: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
+        """Refill from saved rows: `pieces` are (first position, fields) covering [base, end)."""
+        self.pending = None
+        if self.keep is None:
+            cap = max(self.MIN_CAPACITY, end)
+            self.buf = {name: torch.zeros((self.n_kv, cap, *shape), dtype=dtype, device=self.device)
+                        for name, (shape, dtype) in self.fields.items()}
+        for lo, values in pieces:
+            self._write(lo, {k: v.to(self.device) for k, v in values.items()})
+        self.base, self.end = base, end
+
+    def trim(self, end: int) -> None:
+        """Forget positions from `end` on (the caller checked the rows it still needs are here)."""
+        assert self.pending is None and self.base <= end <= self.end
+        self.end = end
+
     def nbytes(self) -> int:
         live = sum(b.untyped_storage().nbytes() for b in self.buf.values())
         if self.pending:

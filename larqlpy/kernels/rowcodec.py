@@ -40,6 +40,7 @@ class TurboQuantCodec(RowCodec):
         self.cpu = device.type == "cpu"
         self.fused = self.cpu
         self.fields = {"norm": ((), torch.float32), "code": ((tq.code_bytes(d, bits),), torch.uint8)}
+        self.label = f"tq{bits}"
         self.torch = TorchCodec(d, bits, device)
         self.signs = tq.signs(d)
         self.centroids, self.boundaries = tq.codebook(bits)
@@ -94,6 +95,7 @@ class Int4GroupCodec(RowCodec):
             raise ValueError(f"group {group} must be even and divide head_dim {d}")
         self.d, self.group, self.device = d, group, device
         self.fields = {"scale": ((d // group,), torch.float16), "code": ((d // 2,), torch.uint8)}
+        self.label = f"int4g{group}"
 
     def encode(self, x):
         x = x.reshape(-1, self.d).float()

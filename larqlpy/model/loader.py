@@ -129,8 +129,13 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32") -> Load
         hasher.update(f"{hf}:{info.get_dtype()}:{list(got)}".encode())
         owner, _, attr = ours.rpartition(".")
         setattr(model.get_submodule(owner), attr, torch.nn.Parameter(tensor.to(device=dev, dtype=tdtype), requires_grad=False))
-    for f in handles:
-        hasher.update(f"{f.name}:{f.stat().st_size}".encode())
+    for f in handles:  # the bytes themselves: a sample from each end of every file, and its size
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            hasher.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            hasher.update(fh.read(1 << 20))
+        hasher.update(f"{f.name}:{size}".encode())
     return LoadedModel(path, cfg, model, tokenizer, hasher.hexdigest()[:16])
 
 

@@ -1,0 +1,75 @@
+"""Sessions across processes: resume a saved state, reuse its prefix, save where the run stopped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from larqlpy.engines import EngineSpec, EngineState, build_provider
+from larqlpy.engines.spec import validate_options
+from larqlpy.errors import LarqlError
+from larqlpy.model.loader import LoadedModel
+from larqlpy.state.store import check_compatible, common_prefix, load_state, restore_state, save_state
+
+
+@dataclass
+class Resumed:
+    spec: EngineSpec
+    state: EngineState
+    logits: torch.Tensor | None  # set when the state already holds the whole prompt
+    reused: int  # prompt tokens the state already held (not prefilled again)
+    trimmed_from: int | None = None  # the saved position, when the state was cut back to a common prefix
+
+
+def resume(loaded: LoadedModel, path: str | Path, prompt_ids: list[int] | None, spec: EngineSpec | None,
+           reprefill: bool = False) -> tuple[Resumed, list[int]]:
+    """Load `path` into a fresh state of its engine; returns the plan and the ids to generate from.
+
+    prompt_ids None: continue from the saved tokens. A prompt that extends the saved tokens reuses
+    them and prefills only the suffix; one that diverges trims the state to the common prefix where
+    the engine can (else refuses, unless `reprefill`)."""
+    saved = load_state(path)
+    engine = saved.header["engine"]
+    if spec is None:
+        opts = validate_options(engine["identity"], [(k, str(v)) for k, v in engine["options"].items()],
+                                f"{path}: saved engine")
+        spec = EngineSpec(engine["identity"], opts)
+    if spec.replay:
+        raise LarqlError("--engine no-cache keeps no state between steps: nothing to resume into")
+    check_compatible(saved, model_fingerprint=loaded.fingerprint, tokenizer_fingerprint=loaded.tokenizer.fingerprint,
+                     identity=spec.identity, options=spec.options_dict)
+    state = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
+    restore_state(saved, state)
+    state.last_logits = saved.logits
+    ids = list(saved.tokens) if prompt_ids is None else list(prompt_ids)
+    if not ids:
+        raise LarqlError("empty prompt: nothing to condition on")
+    processed = saved.processed
+    common = common_prefix(saved.tokens[:processed], ids)
+    if common == processed and len(ids) >= processed:
+        logits = saved.logits if len(ids) == processed else None
+        if len(ids) > processed or logits is not None:
+            return Resumed(spec, state, logits, processed), ids
+    target = min(common, len(ids) - 1)
+    if all(s.can_trim(target) for s in state.layers):
+        for s in state.layers:
+            s.trim(target)
+        return Resumed(spec, state, None, target, trimmed_from=processed), ids
+    if not reprefill:
+        raise LarqlError(f"{path}: the prompt diverges from the saved tokens at position {common}, and "
+                         f"{spec.identity} can no longer go back there (its window moved past it); "
+                         "pass --reprefill to prefill the prompt from scratch")
+    fresh = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
+    return Resumed(spec, fresh, None, 0, trimmed_from=processed), ids
+
+
+def save(loaded: LoadedModel, path: str | Path, state: EngineState, tokens: list[int]) -> int:
+    """Save where the run stopped: `tokens` is the whole history (the last sampled token included,
+    even though it has not been fed yet); the state holds `state.position` of them."""
+    from larqlpy import __version__
+
+    return save_state(path, state, model_fingerprint=loaded.fingerprint,
+                      tokenizer_fingerprint=loaded.tokenizer.fingerprint, tokens=tokens,
+                      logits=state.last_logits, extra={"larqlpy": __version__})

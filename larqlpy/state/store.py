@@ -1,0 +1,250 @@
+"""The state file: one session's attention state, saved atomically and loaded with every check.
+
+Layout (little-endian):
+
+    0   8  magic  b"LARQLKV\\0"
+    8   4  format version (1)
+    12  4  reserved (0)
+    16  8  header length H
+    24  4  CRC32 of the header
+    28  4  reserved (0)
+    32  H  header: UTF-8 JSON -- model and tokenizer fingerprints, engine identity and options,
+           token ids, the processed count, the layers, and the cell table (layer, set, positions,
+           state, precision, and per field: dtype, shape, offset, length, CRC32)
+    ... zero padding to a 4096-byte boundary: the data area, read through mmap
+    data   each field's bytes at its offset (64-byte aligned); the last position's logits too
+
+Saving writes a temp file beside the target, fsyncs it, renames it over the target and fsyncs the
+directory: a crash at any moment leaves the previous complete state in place.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from larqlpy.engines.base import EngineState
+from larqlpy.errors import LarqlError
+
+MAGIC = b"LARQLKV\0"
+VERSION = 1
+PREFIX = struct.Struct("<8sIIQII")  # magic, version, reserved, header length, header crc, reserved
+PAGE = 4096
+ALIGN = 64
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class SavedState:
+    """A loaded, verified state file: what `restore_state` needs."""
+
+    path: Path
+    header: dict
+    records: dict[int, list[tuple[dict, dict]]]  # layer -> (cell meta, field -> array view)
+    logits: torch.Tensor | None
+    backing: object  # keeps the mmap open for PERSISTED cells
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.header["tokens"]
+
+    @property
+    def processed(self) -> int:
+        return self.header["processed"]
+
+
+def save_state(path: str | Path, state: EngineState, *, model_fingerprint: str, tokenizer_fingerprint: str,
+               tokens: list[int], logits: torch.Tensor | None, extra: dict | None = None) -> int:
+    """Write `state` to `path` atomically. Returns the file size."""
+    path = Path(path)
+    blobs: list[bytes] = []
+    offset = 0
+    cells, layers = [], []
+
+    def put(a: np.ndarray) -> dict:
+        nonlocal offset
+        raw = np.ascontiguousarray(a).tobytes()
+        entry = {"dtype": np.dtype(a.dtype).str, "shape": list(a.shape), "offset": offset, "length": len(raw),
+                 "crc32": zlib.crc32(raw)}
+        pad = _align(len(raw), ALIGN) - len(raw)
+        blobs.append(raw + b"\0" * pad)
+        offset += len(raw) + pad
+        return entry
+
+    for store in state.layers:
+        g = store.geometry
+        layers.append({"index": g.index, "kind": g.kind, "window": g.window, "n_kv_heads": g.n_kv_heads,
+                       "head_dim": g.head_dim, "end": store.end, "retained": list(store.retained())})
+        for meta, arrays in store.export():
+            cells.append({"layer": g.index, **meta, "fields": {name: put(a) for name, a in arrays.items()}})
+    header = {
+        "format": VERSION, "model_fingerprint": model_fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint,
+        "engine": {"identity": state.identity, "options": _jsonable(state.options)},
+        "tokens": [int(t) for t in tokens], "processed": state.position, "layers": layers, "cells": cells,
+        "logits": put(logits.float().cpu().numpy()) if logits is not None else None,
+        **(extra or {}),
+    }
+    raw_header = json.dumps(header, separators=(",", ":")).encode()
+    data_offset = _align(PREFIX.size + len(raw_header), PAGE)
+    header_bytes = PREFIX.pack(MAGIC, VERSION, 0, len(raw_header), zlib.crc32(raw_header), 0) + raw_header
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(header_bytes)
+            f.write(b"\0" * (data_offset - len(header_bytes)))
+            for b in blobs:
+                f.write(b)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return data_offset + offset
+
+
+def _jsonable(options: dict) -> dict:
+    return json.loads(json.dumps(options, default=str))
+
+
+class _FileBacking:
+    """The loaded file's bytes through mmap; PERSISTED cells of cells/v1 keep reading from it."""
+
+    def __init__(self, path: Path, data_offset: int):
+        self.f = open(path, "rb")
+        self.map = mmap.mmap(self.f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(self.f.fileno()).st_size else b""
+        self.data_offset = data_offset
+
+    def read(self, loc) -> np.ndarray:
+        offset, length, dtype, shape = loc
+        dt = np.dtype(dtype)
+        return np.frombuffer(self.map, dtype=dt, count=length // dt.itemsize, offset=self.data_offset + offset).reshape(shape)
+
+
+def load_state(path: str | Path) -> SavedState:
+    """Read and verify a state file. Every problem is a one-line LarqlError naming what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise LarqlError(f"{path}: no such state file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(PREFIX.size)
+        if len(prefix) < PREFIX.size:
+            raise LarqlError(f"{path}: not a larqlpy state file (too short: {size} bytes)")
+        magic, version, _, header_len, header_crc, _ = PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise LarqlError(f"{path}: not a larqlpy state file (bad magic)")
+        if version != VERSION:
+            raise LarqlError(f"{path}: state format version {version} is not supported (this larqlpy reads {VERSION})")
+        if PREFIX.size + header_len > size:
+            raise LarqlError(f"{path}: truncated: header of {header_len} bytes, file has {size}")
+        raw = f.read(header_len)
+    if zlib.crc32(raw) != header_crc:
+        raise LarqlError(f"{path}: header checksum mismatch (the file is corrupted)")
+    try:
+        header = json.loads(raw)
+        data_offset = _align(PREFIX.size + header_len, PAGE)
+        entries = [(c, name, e) for c in header["cells"] for name, e in c["fields"].items()]
+        if header["logits"] is not None:
+            entries.append((None, "logits", header["logits"]))
+        need = max((e["offset"] + e["length"] for _, _, e in entries), default=0)
+        tokens, processed = header["tokens"], header["processed"]
+        if not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
+                and isinstance(processed, int) and 0 <= processed <= len(tokens)):
+            raise ValueError("bad token list")
+        for c in header["cells"]:
+            for key in ("layer", "start", "n"):
+                if not isinstance(c[key], int) or c[key] < 0:
+                    raise ValueError(f"bad cell {key}")
+        for _, _, e in entries:
+            if e["offset"] < 0 or e["length"] < 0 or np.prod(e["shape"]) * np.dtype(e["dtype"]).itemsize != e["length"]:
+                raise ValueError("bad field extent")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise LarqlError(f"{path}: malformed header ({e})") from None
+    if data_offset + need > size:
+        raise LarqlError(f"{path}: truncated: data needs {data_offset + need} bytes, file has {size}")
+    backing = _FileBacking(path, data_offset)
+    records: dict[int, list[tuple[dict, dict]]] = {}
+    logits = None
+    for cell, name, e in entries:
+        loc = (e["offset"], e["length"], e["dtype"], tuple(e["shape"]))
+        arr = backing.read(loc)
+        if zlib.crc32(arr) != e["crc32"]:
+            what = "logits" if cell is None else f"cell layer {cell['layer']} positions {cell['start']}-{cell['start'] + cell['n']} ({name})"
+            raise LarqlError(f"{path}: checksum mismatch in {what}")
+        if cell is None:
+            logits = torch.from_numpy(arr.copy())
+    for cell in header["cells"]:
+        meta = {k: cell[k] for k in ("set", "start", "n", "state", "precision")}
+        locs = {name: (e["offset"], e["length"], e["dtype"], tuple(e["shape"])) for name, e in cell["fields"].items()}
+        meta["_where"] = (backing, locs)
+        records.setdefault(cell["layer"], []).append((meta, {name: backing.read(loc) for name, loc in locs.items()}))
+    return SavedState(path, header, records, logits, backing)
+
+
+def check_compatible(saved: SavedState, *, model_fingerprint: str, tokenizer_fingerprint: str,
+                     identity: str, options: dict) -> None:
+    h, p = saved.header, saved.path
+    if h["model_fingerprint"] != model_fingerprint:
+        raise LarqlError(f"{p}: made with a different model (fingerprint {h['model_fingerprint']}, "
+                         f"this model {model_fingerprint})")
+    if h["tokenizer_fingerprint"] != tokenizer_fingerprint:
+        raise LarqlError(f"{p}: made with a different tokenizer (fingerprint {h['tokenizer_fingerprint']}, "
+                         f"this one {tokenizer_fingerprint})")
+    want = {"identity": identity, "options": _jsonable(options)}
+    if h["engine"] != want:
+        raise LarqlError(f"{p}: made with engine {_engine_str(h['engine'])}, this run asks for {_engine_str(want)}; "
+                         "refusing (resume with the same engine, or drop --resume to prefill afresh)")
+
+
+def _engine_str(e: dict) -> str:
+    opts = ",".join(f"{k}={v}" for k, v in sorted(e.get("options", {}).items()))
+    return e.get("identity", "?") + (f" [{opts}]" if opts else "")
+
+
+def restore_state(saved: SavedState, state: EngineState) -> None:
+    """Fill a fresh state (same engine, same geometry) with the saved cells."""
+    layers = saved.header["layers"]
+    if len(layers) != len(state.layers):
+        raise LarqlError(f"{saved.path}: {len(layers)} layers saved, the model has {len(state.layers)}")
+    try:
+        for info, store in zip(layers, state.layers):
+            g = store.geometry
+            if (info["index"], info["window"], info["n_kv_heads"], info["head_dim"]) != \
+                    (g.index, g.window, g.n_kv_heads, g.head_dim):
+                raise ValueError(f"layer {g.index} geometry differs")
+            store.restore(info["end"], saved.records.get(g.index, []))
+        if any(s.end != saved.processed for s in state.layers):
+            raise ValueError("layers disagree with the processed count")
+    except (ValueError, KeyError, TypeError) as e:
+        raise LarqlError(f"{saved.path}: cell table does not fit this engine ({e})") from None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
