@@ -30,6 +30,7 @@ test: model
 bench: model
 	$(BIN)/python bench/decode.py --model $(MODEL_DIR)
 	$(BIN)/python bench/codec.py --model $(MODEL_DIR)
+	$(BIN)/python bench/resume.py --model $(MODEL_DIR)
 
 # The codec accuracy tables in docs/codec.md (about 10 minutes).
 codec-quality: model

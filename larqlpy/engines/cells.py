@@ -393,7 +393,8 @@ class Cells(Provider):
         manager = CellManager(rules, self.options.get("budget"), device)
         manager.stores = [CellStore(g, device, manager) for g in geometries]
         state = EngineState(self.identity, self.options, manager.stores, extras=[manager])
-        state.max_chunk = self.rules.cell_size  # hold the budget between blocks of one cell
+        if manager.budget is not None:
+            state.max_chunk = self.rules.cell_size  # hold the budget between blocks of one cell
         return state
 
     def retained_rows(self, geometry, positions):
