@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 
@@ -21,13 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def best_time(fn, repeats: int = 5) -> float:
+    """Median seconds of `fn` after one warm-up call."""
+    from decode import median_time
+
     fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(fn, repeats)
 
 
 def kernels(rows: int = 65536, d: int = 256) -> None:
