@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +117,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32") -> Load
 
     model = Gemma3(cfg, device=dev, dtype=tdtype)
     handles = {f: _open(f) for f in sorted(set(files[hf] for hf, _ in wanted.values()))}
+    maps: dict[Path, _MappedFile] = {}
     hasher = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode())
     for ours, (hf, shape) in wanted.items():
         handle = handles[files[hf]]
@@ -122,13 +125,16 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32") -> Load
         got = tuple(info.get_shape())
         if got != shape:
             raise LarqlError(f"{path}: tensor {hf} has shape {list(got)}, expected {list(shape)}")
-        try:
-            tensor = handle.get_tensor(hf)
-        except Exception as e:
-            raise LarqlError(f"{files[hf]}: cannot read tensor {hf} ({str(e).splitlines()[0]})") from None
         hasher.update(f"{hf}:{info.get_dtype()}:{list(got)}".encode())
+        if dev.type == "cpu" and info.get_dtype() == "F32" and tdtype == torch.float32:
+            tensor = maps.setdefault(files[hf], _MappedFile(files[hf])).tensor(hf)  # zero-copy, shared pages
+        else:
+            try:
+                tensor = handle.get_tensor(hf).to(device=dev, dtype=tdtype)
+            except Exception as e:
+                raise LarqlError(f"{files[hf]}: cannot read tensor {hf} ({str(e).splitlines()[0]})") from None
         owner, _, attr = ours.rpartition(".")
-        setattr(model.get_submodule(owner), attr, torch.nn.Parameter(tensor.to(device=dev, dtype=tdtype), requires_grad=False))
+        setattr(model.get_submodule(owner), attr, torch.nn.Parameter(tensor, requires_grad=False))
     for f in handles:  # the bytes themselves: a sample from each end of every file, and its size
         size = f.stat().st_size
         with open(f, "rb") as fh:
@@ -137,6 +143,27 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32") -> Load
             hasher.update(fh.read(1 << 20))
         hasher.update(f"{f.name}:{size}".encode())
     return LoadedModel(path, cfg, model, tokenizer, hasher.hexdigest()[:16])
+
+
+class _MappedFile:
+    """float32 tensors straight from a safetensors file's pages (a private copy-on-write mapping):
+    loading costs no copy, and processes that load the same file share its page cache."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        (n,) = struct.unpack_from("<Q", self.map, 0)
+        self.header = json.loads(bytes(self.map[8:8 + n]))
+        self.data = 8 + n
+        self.path = path
+
+    def tensor(self, name: str) -> torch.Tensor:
+        info = self.header[name]
+        lo, hi = info["data_offsets"]
+        if self.data + hi > len(self.map):
+            raise LarqlError(f"{self.path}: truncated: tensor {name} runs past the end of the file")
+        t = torch.frombuffer(self.map, dtype=torch.float32, count=(hi - lo) // 4, offset=self.data + lo)
+        return t.view(*info["shape"])
 
 
 def resolve_device(device: str) -> torch.device:
