@@ -59,75 +59,142 @@ def run(
     dtype: str = DTYPE,
 ):
     """Generate a continuation of PROMPT."""
-    from larqlpy.engines import build_provider, parse_engine_spec
-    from larqlpy.generate import generate
     from larqlpy.model.loader import load
-    from larqlpy.session import resume, save
+    from larqlpy.runner import Request, execute
 
-    options = list(continuation_option)
-    if kv_budget is not None:  # --kv-budget is cells/v1's budget option
-        if engine is not None or continuation not in (None, "cells/v1"):
-            raise LarqlError("--kv-budget applies to cells/v1: drop --engine, or use --continuation cells/v1")
-        continuation = "cells/v1"
-        options.append(f"budget={kv_budget}")
-    chosen = engine is not None or continuation is not None or options
-    spec = parse_engine_spec(engine, continuation, options) if chosen or resume_from is None else None
-    if spec is not None and spec.replay and (save_state or resume_from):
-        raise LarqlError("--engine no-cache keeps no attention state: it cannot be saved or resumed")
-    if reprefill and resume_from is None:
-        raise LarqlError("--reprefill only makes sense with --resume")
-    cfg = GenerationConfig.from_dict(dict(max_tokens=max_tokens, prefill_chunk=prefill_chunk, temperature=temperature,
-                                          top_k=top_k, top_p=top_p, seed=seed))
-    text_in = read_prompt(prompt)
+    req = Request.from_dict(dict(
+        prompt=read_prompt(prompt), engine=engine, continuation=continuation, options=list(continuation_option),
+        kv_budget=kv_budget, resume=str(resume_from) if resume_from else None,
+        save_state=str(save_state) if save_state else None, reprefill=reprefill, max_tokens=max_tokens,
+        prefill_chunk=prefill_chunk, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+    spec = req.spec()  # every refusal before the weights load
+    del spec
     loaded = load(model, device=device, dtype=dtype)
-    session: dict = {}
-    if resume_from is not None:
-        prompt_ids = None if text_in == "" else loaded.tokenizer.encode(text_in)
-        plan, ids = resume(loaded, resume_from, prompt_ids, spec, reprefill)
-        spec, state, logits = plan.spec, plan.state, plan.logits
-        session = {"resumed_from": str(resume_from), "reused_tokens": plan.reused, "trimmed_from": plan.trimmed_from}
-    else:
-        ids = loaded.tokenizer.encode(text_in)
-        state = None if spec.replay else build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
-        logits = None
-    pieces, token_ids, last = [], [], None
-    for tok in generate(loaded.model, ids, spec, cfg, loaded.tokenizer.stop_ids, loaded.tokenizer, state, logits):
-        pieces.append(tok.text)
-        token_ids.append(tok.id)
-        last = tok
+
+    def stream(tok):
         if not as_json:
             sys.stdout.write(tok.text)
             sys.stdout.flush()
-    if save_state is not None:
-        session["saved_to"] = str(save_state)
-        session["saved_bytes"] = save(loaded, save_state, state, ids + token_ids)
-    metrics = last.metrics.as_dict() if last else {"prompt_tokens": len(ids)}
-    result = {"text": "".join(pieces), "tokens": token_ids, "prompt_tokens": len(ids), "engine": spec.describe(),
-              "finish_reason": last.finish_reason if last else "length", "device": str(loaded.device),
-              "dtype": dtype, "stats": metrics}
-    if state is not None:
-        result.update(state.report())
-    if session:
-        result["session"] = session
+
+    result = execute(loaded, req, stream)
+    result.pop("id")
+    result.pop("error")
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:
         sys.stdout.write("\n")
     sys.stdout.flush()
     if stats:
-        extra = ""
-        if session.get("resumed_from"):
-            extra += f" | resumed {session['reused_tokens']} tok from {session['resumed_from']}"
-        if session.get("saved_to"):
-            extra += f" | saved {_bytes(session['saved_bytes'])} to {session['saved_to']}"
-        err.print(f"engine {spec.describe()} | prompt {len(ids)} tok | prefill {metrics.get('prefill_tokens_per_s', 0):.1f} tok/s"
-                  f" | decode {metrics.get('decode_tokens_per_s', 0):.1f} tok/s | resident KV "
-                  f"{_bytes(metrics.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}{extra}",
-                  soft_wrap=True, markup=False)
-        if "transitions" in result:
-            cells = ", ".join(f"{k} {v}" for k, v in sorted(result["cells"].items()))
-            moves = ", ".join(f"{t['event']} {t['from']}->{t['to']} x{t['count']}" for t in result["transitions"])
-            err.print(f"cells: {cells} | transitions: {moves}", soft_wrap=True, markup=False)
+        print_stats(result)
+
+
+def print_stats(result: dict) -> None:
+    m, session = result["stats"], result.get("session", {})
+    extra = ""
+    if session.get("resumed_from"):
+        extra += f" | resumed {session['reused_tokens']} tok from {session['resumed_from']}"
+    if session.get("saved_to"):
+        extra += f" | saved {_bytes(session['saved_bytes'])} to {session['saved_to']}"
+    err.print(f"engine {result['engine']} | prompt {result['prompt_tokens']} tok | prefill "
+              f"{m.get('prefill_tokens_per_s', 0):.1f} tok/s | decode {m.get('decode_tokens_per_s', 0):.1f} tok/s | "
+              f"resident KV {_bytes(m.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}{extra}",
+              soft_wrap=True, markup=False)
+    if "transitions" in result:
+        cells = ", ".join(f"{k} {v}" for k, v in sorted(result["cells"].items()))
+        moves = ", ".join(f"{t['event']} {t['from']}->{t['to']} x{t['count']}" for t in result["transitions"])
+        err.print(f"cells: {cells} | transitions: {moves}", soft_wrap=True, markup=False)
+
+
+_WORKER: dict = {}
+
+
+def _worker_init(model: str, device: str, dtype: str) -> None:
+    from larqlpy.model.loader import load
+
+    _WORKER["loaded"] = load(model, device=device, dtype=dtype)  # float32 on CPU maps the file: pages are shared
+
+
+def _run_line(item: tuple[int, str]) -> dict:
+    from larqlpy.runner import Request, execute
+
+    lineno, line = item
+    rid = None
+    try:
+        raw = json.loads(line)
+        rid = raw.get("id", lineno) if isinstance(raw, dict) else lineno
+        return {**execute(_WORKER["loaded"], Request.from_dict({**raw, "id": rid})), "line": lineno}
+    except json.JSONDecodeError as e:
+        msg = f"line {lineno}: not valid JSON ({e.msg})"
+    except LarqlError as e:
+        msg = f"line {lineno}: {e}"
+    except Exception as e:  # one bad line must not take the others down
+        msg = f"line {lineno}: {type(e).__name__}: {e}"
+    return {"id": rid if rid is not None else lineno, "line": lineno, "text": None, "tokens": None,
+            "stats": None, "error": msg}
+
+
+@app.command()
+def batch(
+    model: Path = typer.Argument(..., help="model directory"),
+    infile: str = typer.Argument(..., help="JSON lines of requests, or - for stdin"),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="write results here (default stdout)"),
+    workers: int = typer.Option(1, "--workers", help="processes, each mapping the same weights"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+):
+    """Run one request per input line; one result per output line, in input order.
+
+    A line: {"prompt": ..., "id": ..., "max_tokens": ..., "temperature"/"top_k"/"top_p"/"seed": ...,
+    "engine" or "continuation" + "options": {...}, "kv_budget", "resume", "save_state"}. A bad line
+    yields a record with "error" and the rest go on; the exit code is 1 when any line failed."""
+    import multiprocessing as mp
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from larqlpy.model.loader import read_config
+
+    if workers < 1:
+        raise LarqlError(f"--workers must be >= 1, got {workers}")
+    read_config(model)  # a bad model directory is one line, not one error per request
+    if infile == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        try:
+            lines = Path(infile).read_text().splitlines()
+        except OSError as e:
+            raise LarqlError(f"{infile}: {e.strerror or e}") from None
+    items = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    sink = open(output, "w") if output else sys.stdout
+    failed = 0
+    show = err.is_terminal and not quiet
+    try:
+        with Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, disable=not show) as bar:
+            task = bar.add_task("batch", total=len(items))
+            if workers == 1:
+                _worker_init(str(model), device, dtype)
+                results = map(_run_line, items)
+                pool = None
+            else:
+                pool = mp.get_context("spawn").Pool(workers, _worker_init, (str(model), device, dtype))
+                results = pool.imap(_run_line, items)  # ordered: output follows the input
+            try:
+                for r in results:
+                    failed += r["error"] is not None
+                    sink.write(json.dumps(r) + "\n")
+                    sink.flush()
+                    bar.advance(task)
+            finally:
+                if pool is not None:
+                    pool.close()
+                    pool.join()
+    finally:
+        if output:
+            sink.close()
+    if failed and not quiet:
+        err.print(f"larqlpy: {failed} of {len(items)} lines failed", markup=False)
+    raise typer.Exit(1 if failed else 0)
 
 
 @app.command()
