@@ -54,7 +54,7 @@ def decode_speed(model_dir: Path, contexts: list[int], steps: int) -> None:
     from larqlpy.model.loader import load
 
     loaded = load(model_dir, device="cpu")
-    text = (ROOT / "tests" / "data" / "long.txt").read_text()
+    text = (ROOT / "larqlpy" / "data" / "long.txt").read_text()
     ids = loaded.tokenizer.encode(text * (1 + max(contexts) // 2500))
     specs = [("window/v1", parse_engine_spec(continuation="window/v1"), True),
              ("codec/v1 bits=4 (on codes)", parse_engine_spec(continuation="codec/v1", continuation_options=["bits=4"]), True),

@@ -35,13 +35,13 @@ def cosine_table(loaded) -> None:
     from larqlpy.engines import build_provider, parse_engine_spec
     from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
 
-    ids = loaded.tokenizer.encode((ROOT / "tests" / "data" / "long.txt").read_text())[:1024]
+    ids = loaded.tokenizer.encode((ROOT / "larqlpy" / "data" / "long.txt").read_text())[:1024]
     state = build_provider(parse_engine_spec()).new_state(loaded.model.geometries(), loaded.device)
     loaded.model(torch.tensor(ids), state)
     cpu = torch.device("cpu")
     codecs = [("tq4", TurboQuantCodec(256, 4, cpu)), ("tq3", TurboQuantCodec(256, 3, cpu)),
               ("int4g", Int4GroupCodec(256, 32, cpu))]
-    print(f"\nPer-row cosine, decoded vs original, {len(ids)} positions of tests/data/long.txt\n")
+    print(f"\nPer-row cosine, decoded vs original, {len(ids)} positions of larqlpy/data/long.txt\n")
     print("| layer | kind | " + " | ".join(f"{t} {n} min / mean" for n, _ in codecs for t in ("K", "V")) + " |")
     print("|---|---|" + "---|" * (2 * len(codecs)))
     means = {n: [] for n, _ in codecs}

@@ -99,7 +99,7 @@ def main() -> None:
     loaded, ours_prefill, ours_decode, params = larqlpy_runner(path, args.engine)
     hf_prefill, hf_decode = transformers_runner(path)
     tok = loaded.tokenizer
-    long_ids = tok.encode((ROOT / "tests" / "data" / "long.txt").read_text())[: args.prefill]
+    long_ids = tok.encode((ROOT / "larqlpy" / "data" / "long.txt").read_text())[: args.prefill]
     short_ids = tok.encode("The history of the printing press begins")
     weight_bytes = params * 4  # float32; the tied LM head is read once per token, the embedding row is noise
 

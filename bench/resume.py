@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     loaded = load(args.model, device="cpu")
-    text = (ROOT / "tests" / "data" / "long.txt").read_text()
+    text = (ROOT / "larqlpy" / "data" / "long.txt").read_text()
     ids = loaded.tokenizer.encode(text * 2)[: args.positions]
     cfg = GenerationConfig(max_tokens=args.tokens, stop_at_eos=False)
     print(f"{args.positions}-token prompt, then {args.tokens} tokens; median of {args.repeats}")

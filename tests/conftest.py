@@ -29,4 +29,4 @@ def real(real_dir):
 @pytest.fixture(scope="session")
 def long_text() -> str:
     """A deterministic English text of a few thousand tokens (no downloads)."""
-    return (ROOT / "tests" / "data" / "long.txt").read_text()
+    return (ROOT / "larqlpy" / "data" / "long.txt").read_text()

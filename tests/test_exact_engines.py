@@ -67,7 +67,9 @@ def test_window_resident_bytes_are_bounded_on_270m(real, prompt):
     for lo in range(0, 700, 100):
         real.model(torch.tensor(prompt[lo:lo + 100]), state)
         by_kind = state.resident_by_kind()
-        assert by_kind["sliding"] == 15 * 512 * row  # exactly the ring, whatever the length
+        assert by_kind["sliding"] <= 15 * 512 * row  # never more than the ring ...
+        if lo + 100 >= 512:
+            assert by_kind["sliding"] == 15 * 512 * row  # ... and exactly the ring once it is full
         assert by_kind["global"] >= 3 * (lo + 100) * row
     provider = build_provider(WINDOW)
     accounted = sum(provider.retained_rows(g, 700) * provider.row_bytes(g) for g in real.model.geometries()

@@ -10,6 +10,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from larqlpy.errors import LarqlError
@@ -269,6 +270,63 @@ def residency(
         t.add_row(name, f"{sl.get('rows', 0):,}", _bytes(sl.get("bytes", 0)), f"{gl.get('rows', 0):,}",
                   _bytes(gl.get("bytes", 0)), f"{e['rows']:,}", _bytes(e["bytes"]))
     out.print(t)
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Measurements on a real model.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("ladder")
+def bench_ladder(
+    model: Path = typer.Argument(..., help="model directory"),
+    positions: str = typer.Option("512,2048,8192", "--positions", help="comma-separated context lengths"),
+    engine: Optional[str] = typer.Option(None, "--engine", help="one engine, V2 spelling"),
+    continuation: Optional[str] = typer.Option(None, "--continuation", help="one engine by identity"),
+    continuation_option: List[str] = typer.Option([], "--continuation-option", help="key=value (repeatable)"),
+    steps: int = typer.Option(8, "--steps", help="decode steps per length (teacher-forced)"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG: bytes against positions, log scale"),
+    as_json: bool = typer.Option(False, "--json"),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+):
+    """Each engine at several lengths: live KV bytes, speed, row cosine and KL against canonical/v1."""
+    from larqlpy.engines import parse_engine_spec
+    from larqlpy.ladder import ladder, plot as draw
+    from larqlpy.model.loader import load
+
+    try:
+        lengths = [int(p) for p in positions.split(",")]
+    except ValueError:
+        raise LarqlError(f"--positions: expected comma-separated integers, got {positions!r}") from None
+    if not lengths or min(lengths) < 1 or steps < 1:
+        raise LarqlError("--positions and --steps must be positive")
+    specs = None
+    if engine is not None or continuation is not None or continuation_option:
+        spec = parse_engine_spec(engine, continuation, continuation_option)
+        if spec.replay:
+            raise LarqlError("bench ladder: no-cache keeps no KV rows; name a continuation")
+        specs = [spec]
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise LarqlError(f"--plot: expected a .png path, got {plot}")
+    loaded = load(model, device=device, dtype=dtype)
+    result = ladder(loaded, lengths, specs, steps)
+    if plot is not None:
+        draw(result, plot)
+        result["plot"] = str(plot)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    t = Table(title=f"{model}: {steps} teacher-forced decode steps after each length")
+    for col in ("engine", "positions", "resident KV", "bytes/pos", "prefill tok/s", "decode tok/s", "row cosine",
+                "next-token KL"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    for r in result["rows"]:
+        t.add_row(escape(r["engine"]), f"{r['positions']:,}", _bytes(r["resident_kv_bytes"]), f"{r['bytes_per_position']:,.0f}",
+                  f"{r['prefill_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.2f}", f"{r['row_cosine']:.4f}",
+                  f"{r['next_token_kl']:.4f}")
+    out.print(t)
+    if plot is not None:
+        err.print(f"wrote {plot}", markup=False)
 
 
 state_app = typer.Typer(no_args_is_help=True, help="Saved attention state files.")

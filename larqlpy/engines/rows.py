@@ -21,8 +21,7 @@ class Rows:
 
     def __init__(self, n_kv: int, fields: FieldSpec, device: torch.device, keep: int | None = None):
         self.n_kv, self.fields, self.device, self.keep = n_kv, fields, device, keep
-        cap = keep or 0
-        self.buf = {name: torch.zeros((n_kv, cap, *shape), dtype=dtype, device=device)
+        self.buf = {name: torch.zeros((n_kv, 0, *shape), dtype=dtype, device=device)
                     for name, (shape, dtype) in fields.items()}
         self.base = self.end = 0
         self.pending: dict[str, torch.Tensor] | None = None  # ring only: the current block's rows
@@ -38,15 +37,29 @@ class Rows:
             self.pending = values
         else:
             n = self.end
-            if n + t > self.capacity:
-                cap = max(self.MIN_CAPACITY, 2 * self.capacity, n + t)
-                for name, old in self.buf.items():
-                    new = torch.empty((self.n_kv, cap, *old.shape[2:]), dtype=old.dtype, device=self.device)
-                    new[:, :n] = old[:, :n]
-                    self.buf[name] = new
+            self._reserve(n + t)
             for name, v in values.items():
                 self.buf[name][:, n:n + t] = v
         self.end += t
+
+    def _reserve(self, rows: int) -> None:
+        """Grow the buffers (doubling) to hold `rows` rows; a ring grows this way up to `keep`, so
+        a short sequence costs what it holds, and wraps only once it is full."""
+        if self.keep is not None:
+            rows = min(rows, self.keep)
+        if rows <= self.capacity:
+            return
+        cap = max(self.MIN_CAPACITY, 2 * self.capacity, rows)
+        if self.keep is not None:
+            cap = min(cap, self.keep)
+        n = min(self.end - (self.pending_rows()), self.capacity)
+        for name, old in self.buf.items():
+            new = torch.zeros((self.n_kv, cap, *old.shape[2:]), dtype=old.dtype, device=self.device)
+            new[:, :n] = old[:, :n]
+            self.buf[name] = new
+
+    def pending_rows(self) -> int:
+        return next(iter(self.pending.values())).shape[1] if self.pending else 0
 
     def _stored_end(self) -> int:
         return self.end - (next(iter(self.pending.values())).shape[1] if self.pending else 0)
@@ -76,6 +89,7 @@ class Rows:
         """Ring: write the block's newest `keep` rows into the ring; older ones are gone."""
         if self.pending is None:
             return
+        self._reserve(self.end)
         values, self.pending = self.pending, None
         t = next(iter(values.values())).shape[1]
         n = min(t, self.keep)
@@ -102,10 +116,9 @@ class Rows:
     def restore(self, base: int, end: int, pieces: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
         """Refill from saved rows: `pieces` are (first position, fields) covering [base, end)."""
         self.pending = None
-        if self.keep is None:
-            cap = max(self.MIN_CAPACITY, end)
-            self.buf = {name: torch.zeros((self.n_kv, cap, *shape), dtype=dtype, device=self.device)
-                        for name, (shape, dtype) in self.fields.items()}
+        cap = max(self.MIN_CAPACITY, end) if self.keep is None else min(self.keep, max(self.MIN_CAPACITY, end))
+        self.buf = {name: torch.zeros((self.n_kv, cap, *shape), dtype=dtype, device=self.device)
+                    for name, (shape, dtype) in self.fields.items()}
         for lo, values in pieces:
             self._write(lo, {k: v.to(self.device) for k, v in values.items()})
         self.base, self.end = base, end

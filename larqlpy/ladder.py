@@ -1,0 +1,107 @@
+"""The measured ladder: each engine at several context lengths on a real model, against canonical/v1.
+
+For every length N: prefill the same N tokens of a fixed text, then decode `steps` tokens
+teacher-forced with canonical's greedy continuation. Per engine: live resident KV bytes, bytes per
+position, prefill and decode tokens/s, the mean per-row cosine of the rows it holds against
+canonical's rows for the same positions (K and V, every layer), and the mean next-token KL against
+canonical over the decode steps.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from larqlpy.engines import EngineSpec, build_provider, parse_engine_spec
+from larqlpy.generate import prefill
+from larqlpy.quality import kl
+
+DEFAULT_ENGINES = [("canonical/v1", []), ("window/v1", []), ("codec/v1", ["bits=4"]), ("codec/v1", ["bits=3"]),
+                   ("codec-recent/v1", ["bits=4", "exact_recent_k=64"]), ("int4-group/v1", [])]
+TEXT = Path(__file__).resolve().parent / "data" / "long.txt"
+
+
+def ladder_ids(tokenizer, n: int) -> list[int]:
+    text = TEXT.read_text()
+    ids = tokenizer.encode(text)
+    while len(ids) < n + 1:
+        ids = ids + tokenizer.encode(text)[1:]
+    return ids[:n]
+
+
+def _run(model, spec: EngineSpec, ids: list[int], steps: int, forced: list[int] | None):
+    state = build_provider(spec).new_state(model.geometries(), model.device)
+    t0 = time.perf_counter()
+    logits = prefill(model, state, ids, 1024)[-1]
+    t_prefill = time.perf_counter() - t0
+    resident = state.resident_bytes()
+    out, toks = [logits], []
+    t0 = time.perf_counter()
+    for i in range(steps):
+        tok = forced[i] if forced is not None else int(out[-1].argmax())
+        toks.append(tok)
+        out.append(model(torch.tensor([tok]), state)[-1])
+    t_decode = time.perf_counter() - t0
+    return state, torch.stack(out[:-1]), toks, t_prefill, t_decode, resident
+
+
+@torch.inference_mode()
+def row_cosine(state, ref_state) -> float:
+    """Mean cosine of each retained K and V row against canonical's row at the same position."""
+    total, count = 0.0, 0
+    for store, ref in zip(state.layers, ref_state.layers):
+        base, end = store.retained()
+        k, v = store.read(base, torch.float32)
+        rk, rv = ref.read(base, torch.float32)
+        for a, b in ((k, rk), (v, rv)):
+            cos = torch.nn.functional.cosine_similarity(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), dim=-1)
+            total += cos.sum().item()
+            count += cos.numel()
+    return total / count if count else 1.0
+
+
+def ladder(loaded, positions: Sequence[int], specs: Sequence[EngineSpec] | None = None, steps: int = 8) -> dict:
+    model = loaded.model
+    specs = list(specs or [parse_engine_spec(continuation=c, continuation_options=o) for c, o in DEFAULT_ENGINES])
+    canonical = EngineSpec()
+    rows = []
+    for n in positions:
+        ids = ladder_ids(loaded.tokenizer, n)
+        ref_state, ref_logits, ref_toks, *_ = _run(model, canonical, ids, steps, None)
+        for spec in specs:
+            state, logits, _, t_pre, t_dec, resident = _run(model, spec, ids, steps, ref_toks)
+            rows.append({
+                "engine": spec.describe(), "positions": n, "resident_kv_bytes": resident,
+                "bytes_per_position": resident / n, "prefill_tokens_per_s": n / t_pre,
+                "decode_tokens_per_s": steps / t_dec if t_dec else 0.0,
+                "row_cosine": row_cosine(state, ref_state),
+                "next_token_kl": kl(ref_logits, logits).mean().item(),
+            })
+    return {"model": str(loaded.path), "steps": steps, "rows": rows}
+
+
+def plot(result: dict, path: str | Path) -> None:
+    """Resident KV bytes against positions, one line per engine, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    engines = list(dict.fromkeys(r["engine"] for r in result["rows"]))
+    for e in engines:
+        pts = sorted((r["positions"], r["resident_kv_bytes"]) for r in result["rows"] if r["engine"] == e)
+        ax.plot([p for p, _ in pts], [b / 2**20 for _, b in pts], marker="o", label=e)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("positions")
+    ax.set_ylabel("resident KV (MiB, live allocations)")
+    ax.set_title(f"KV residency by engine: {Path(result['model']).name}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
