@@ -64,8 +64,19 @@ def row_cosine(state, ref_state) -> float:
 
 
 def ladder(loaded, positions: Sequence[int], specs: Sequence[EngineSpec] | None = None, steps: int = 8) -> dict:
+    from larqlpy.errors import LarqlError
+
     model = loaded.model
-    specs = list(specs or [parse_engine_spec(continuation=c, continuation_options=o) for c, o in DEFAULT_ENGINES])
+    skipped = []
+    if specs is None:  # the default set: leave out engines this model's geometry refuses, and say so
+        specs = []
+        for c, o in DEFAULT_ENGINES:
+            spec = parse_engine_spec(continuation=c, continuation_options=o)
+            try:
+                build_provider(spec).check_geometry(model.geometries())
+                specs.append(spec)
+            except LarqlError as e:
+                skipped.append({"engine": spec.describe(), "reason": str(e)})
     canonical = EngineSpec()
     rows = []
     for n in positions:
@@ -80,7 +91,7 @@ def ladder(loaded, positions: Sequence[int], specs: Sequence[EngineSpec] | None 
                 "row_cosine": row_cosine(state, ref_state),
                 "next_token_kl": kl(ref_logits, logits).mean().item(),
             })
-    return {"model": str(loaded.path), "steps": steps, "rows": rows}
+    return {"model": str(loaded.path), "steps": steps, "rows": rows, "skipped": skipped}
 
 
 def plot(result: dict, path: str | Path) -> None:

@@ -325,6 +325,8 @@ def bench_ladder(
                   f"{r['prefill_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.2f}", f"{r['row_cosine']:.4f}",
                   f"{r['next_token_kl']:.4f}")
     out.print(t)
+    for sk in result["skipped"]:
+        err.print(f"skipped {sk['engine']}: {sk['reason']}", markup=False)
     if plot is not None:
         err.print(f"wrote {plot}", markup=False)
 
