@@ -174,6 +174,7 @@ class CellStore(LayerStore):
                 self.first_live += 1
         if self is self.m.stores[-1]:  # after the last layer of the block: hold the budget
             self.m.enforce()
+            self.m.scratch.release()
 
     def evict(self, cell: Cell) -> None:
         cell.state = self.m.rules.apply(Event.EVICT, cell.state, State.EVICTED)

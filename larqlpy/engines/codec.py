@@ -41,6 +41,10 @@ class Scratch:
     def nbytes(self) -> int:
         return self.buf.untyped_storage().nbytes()
 
+    def release(self) -> None:
+        """Free it between blocks: decode steps attend on codes and need none."""
+        self.buf = torch.empty(0, dtype=torch.float32, device=self.buf.device)
+
 
 class CodecStore(LayerStore):
     def __init__(self, geometry: LayerGeometry, device: torch.device, codec: RowCodec, keep: int | None,
@@ -51,6 +55,7 @@ class CodecStore(LayerStore):
         self.rows = Rows(geometry.n_kv_heads, fields, device, keep)
         self.recent = (Rows(geometry.n_kv_heads, {"k": ((geometry.head_dim,), torch.float32)}, device, exact_recent)
                        if exact_recent else None)
+        self.last = False  # the last layer frees the shared scratch when a block is done
 
     def _encode(self, x: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
         hkv, t, _ = x.shape
@@ -111,6 +116,8 @@ class CodecStore(LayerStore):
         self.rows.commit()
         if self.recent is not None:
             self.recent.commit()
+        if self.last:
+            self.scratch.release()
 
     def row_sets(self):
         sets = {"main": (self.rows, "QUANTIZED", self.codec.label)}
@@ -168,6 +175,7 @@ class Codec(Provider):
         scratch = Scratch(device)
         stores = [CodecStore(g, device, self.make_codec(g, device), g.window, scratch, self.exact_recent())
                   for g in geometries]
+        stores[-1].last = True
         from larqlpy.engines.base import EngineState
 
         return EngineState(self.identity, self.options, stores, extras=[scratch])
