@@ -138,7 +138,6 @@ def test_every_default_rule_fires(tiny):
     assert {(e.value, s.value, d.value) for e, s, d in load_rules().allowed} - moves == {
         ("MEMORY_PRESSURE", "ACTIVE", "PERSISTED")}  # only used on layers the policy won't quantize
     rules = load_rules()
-    import dataclasses
     from larqlpy.state.rules import Policy
     p = build_provider(cells_spec("budget=256KiB"))
     p.rules.policy = Policy(keep_active_recent=128, quantize_layers=(), bits=4)

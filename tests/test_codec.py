@@ -10,7 +10,7 @@ from larqlpy.engines import build_provider, parse_engine_spec
 from larqlpy.engines.codec import CodecStore, Scratch
 from larqlpy.engines.base import AttentionParams, LayerGeometry
 from larqlpy.errors import LarqlError
-from larqlpy.kernels import codebooks, turboquant as tq
+from larqlpy.kernels import codebooks
 from larqlpy.kernels.lloyd_max import gaussian_codebook
 from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
 from larqlpy.kernels.turboquant_torch import TorchCodec

@@ -247,16 +247,9 @@ def residency(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Rows and bytes per layer kind each engine keeps after N positions (no weights needed)."""
-    from larqlpy.engines import parse_engine_spec
     from larqlpy.residency import residency as account
 
-    specs = None
-    if engine is not None or continuation is not None or continuation_option:
-        spec = parse_engine_spec(engine, continuation, continuation_option)
-        if spec.replay:
-            raise LarqlError("residency: no-cache keeps no KV rows between steps; name a continuation to account")
-        specs = [spec]
-    r = account(model, positions, specs)
+    r = account(model, positions, one_engine("residency", engine, continuation, continuation_option))
     if as_json:
         sys.stdout.write(json.dumps(r) + "\n")
         return
@@ -290,7 +283,6 @@ def bench_ladder(
     dtype: str = DTYPE,
 ):
     """Each engine at several lengths: live KV bytes, speed, row cosine and KL against canonical/v1."""
-    from larqlpy.engines import parse_engine_spec
     from larqlpy.ladder import ladder, plot as draw
     from larqlpy.model.loader import load
 
@@ -300,12 +292,7 @@ def bench_ladder(
         raise LarqlError(f"--positions: expected comma-separated integers, got {positions!r}") from None
     if not lengths or min(lengths) < 1 or steps < 1:
         raise LarqlError("--positions and --steps must be positive")
-    specs = None
-    if engine is not None or continuation is not None or continuation_option:
-        spec = parse_engine_spec(engine, continuation, continuation_option)
-        if spec.replay:
-            raise LarqlError("bench ladder: no-cache keeps no KV rows; name a continuation")
-        specs = [spec]
+    specs = one_engine("bench ladder", engine, continuation, continuation_option)
     if plot is not None and plot.suffix.lower() != ".png":
         raise LarqlError(f"--plot: expected a .png path, got {plot}")
     loaded = load(model, device=device, dtype=dtype)
@@ -371,6 +358,18 @@ def state_inspect(path: Path = typer.Argument(..., help="a state file written by
         cells = "; ".join(f"{k}: {v['cells']} / {v['positions']} / {_bytes(v['bytes'])}" for k, v in l["cells"].items())
         t.add_row(str(l["index"]), l["kind"], f"{l['retained'][0]}-{l['retained'][1]}", cells, )
     out.print(t)
+
+
+def one_engine(command: str, engine, continuation, options) -> list | None:
+    """The single engine a command was narrowed to (None: all of them). no-cache holds no rows."""
+    from larqlpy.engines import parse_engine_spec
+
+    if engine is None and continuation is None and not options:
+        return None
+    spec = parse_engine_spec(engine, continuation, options)
+    if spec.replay:
+        raise LarqlError(f"{command}: no-cache keeps no KV rows between steps; name a continuation")
+    return [spec]
 
 
 def _bytes(n: float) -> str:
