@@ -68,3 +68,37 @@ def residency(model_or_name: str, positions: int, specs: list[EngineSpec] | None
     return {"geometry": name, "positions": positions, "layers": len(geometries),
             "kinds": {kind: sum(1 for g in geometries if g.kind == kind) for kind in ("sliding", "global")},
             "engines": rows}
+
+
+def capacity(model_or_name: str, budget: int, specs: list[EngineSpec] | None = None,
+             limit: int = 1 << 40) -> dict:
+    """The inverse question: the longest context each engine's accounted rows fit in `budget` bytes.
+
+    Accounted bytes never shrink as positions grow, so a binary search finds the largest N with
+    bytes(N) <= budget; an engine whose bytes stop growing reports `unbounded`."""
+    if budget < 1:
+        raise LarqlError(f"--budget must be positive, got {budget}")
+    name, geometries = resolve_geometry(model_or_name)
+    out = []
+    for spec in specs or default_specs():
+        provider = build_provider(spec)
+
+        def fits(n: int) -> bool:
+            return account(provider, geometries, n)["bytes"] <= budget
+
+        if not fits(0):
+            best = -1
+        elif fits(limit):
+            best = None
+        else:
+            lo, hi = 0, limit  # fits(lo), not fits(hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            best = lo
+        row = {"engine": provider.identity, "options": dict(provider.options),
+               "max_positions": best if best is None or best >= 0 else 0}
+        if best is not None and best >= 0:
+            row["bytes_at_max"] = account(provider, geometries, best)["bytes"]
+        out.append(row)
+    return {"geometry": name, "budget": budget, "engines": out}

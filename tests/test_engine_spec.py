@@ -114,3 +114,19 @@ def test_residency_cli(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         main()
     assert exc.value.code == 2 and "no-cache keeps no KV rows" in capsys.readouterr().err
+
+
+def test_capacity_under_a_budget_is_the_inverse_of_residency(real_dir):
+    from larqlpy.residency import capacity
+
+    c = {e["engine"] + str(e["options"].get("bits", "")): e for e in capacity("gemma3-4b", 2 * 2**30)["engines"]}
+    row = 8192  # f32 K+V per position per layer on the 4B geometry
+    assert c["canonical/v1"]["max_positions"] == 2 * 2**30 // (34 * row) == 7710
+    assert c["window/v1"]["max_positions"] == (2 * 2**30 - 29 * 1024 * row) // (5 * row) == 46489
+    per_pos_codec4 = 2 * 4 * (4 + 256 * 4 // 8)  # 2 x KV heads x (norm + codes) per layer
+    assert c["codec/v1" + "4"]["max_positions"] == (2 * 2**30 - 29 * 1024 * per_pos_codec4) // (5 * per_pos_codec4)
+    for e in c.values():  # one more position would not fit
+        assert residency("gemma3-4b", e["max_positions"] + 1, [EngineSpec(e["engine"], tuple(sorted(
+            e["options"].items())))])["engines"][0]["bytes"] > 2 * 2**30 >= e["bytes_at_max"]
+    d = capacity(str(real_dir), 64 * 2**20, [parse_engine_spec(continuation="window/v1")])
+    assert d["engines"][0]["max_positions"] == (64 * 2**20 - 15 * 512 * 2048) // (3 * 2048)

@@ -240,16 +240,41 @@ def convert_gguf_cmd(src: Path = typer.Argument(..., help="a Gemma 3 .gguf file"
 @app.command()
 def residency(
     model: str = typer.Argument(..., help="model directory or named geometry (gemma3-270m, -1b, -4b, -12b, -27b)"),
-    positions: int = typer.Option(..., "--positions", help="sequence length to account for"),
+    positions: Optional[int] = typer.Option(None, "--positions", help="sequence length to account for"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="instead: the longest context each engine fits in this, e.g. 2GiB"),
     engine: Optional[str] = typer.Option(None, "--engine", help="V2 spelling of one engine"),
     continuation: Optional[str] = typer.Option(None, "--continuation", help="one engine by identity"),
     continuation_option: List[str] = typer.Option([], "--continuation-option", help="key=value (repeatable)"),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Rows and bytes per layer kind each engine keeps after N positions (no weights needed)."""
+    """Rows and bytes per layer kind each engine keeps after N positions (no weights needed);
+    with --budget, the longest context each engine fits in that many bytes."""
+    from larqlpy.engines.cells import parse_size
+    from larqlpy.residency import capacity
     from larqlpy.residency import residency as account
 
-    r = account(model, positions, one_engine("residency", engine, continuation, continuation_option))
+    specs = one_engine("residency", engine, continuation, continuation_option)
+    if (positions is None) == (budget is None):
+        raise LarqlError("residency: give exactly one of --positions N or --budget SIZE")
+    if budget is not None:
+        try:
+            nbytes = parse_size(budget)
+        except ValueError as e:
+            raise LarqlError(f"--budget: {e}") from None
+        c = capacity(model, nbytes, specs)
+        if as_json:
+            sys.stdout.write(json.dumps(c) + "\n")
+            return
+        t = Table(title=f"{c['geometry']}: the longest context that fits in {_bytes(nbytes)} of KV")
+        for col in ("engine", "max positions", "KV bytes there"):
+            t.add_column(col, justify="left" if col == "engine" else "right")
+        for e in c["engines"]:
+            name = e["engine"] + "".join(f" {k}={v}" for k, v in e["options"].items())
+            t.add_row(escape(name), "unbounded" if e["max_positions"] is None else f"{e['max_positions']:,}",
+                      _bytes(e["bytes_at_max"]) if "bytes_at_max" in e else "")
+        out.print(t)
+        return
+    r = account(model, positions, specs)
     if as_json:
         sys.stdout.write(json.dumps(r) + "\n")
         return
