@@ -63,7 +63,8 @@ def row_cosine(state, ref_state) -> float:
     return total / count if count else 1.0
 
 
-def ladder(loaded, positions: Sequence[int], specs: Sequence[EngineSpec] | None = None, steps: int = 8) -> dict:
+def ladder(loaded, positions: Sequence[int], specs: Sequence[EngineSpec] | None = None, steps: int = 8,
+           on_length=None) -> dict:
     from larqlpy.errors import LarqlError
 
     model = loaded.model
@@ -80,6 +81,8 @@ def ladder(loaded, positions: Sequence[int], specs: Sequence[EngineSpec] | None 
     canonical = EngineSpec()
     rows = []
     for n in positions:
+        if on_length is not None:
+            on_length(n)
         ids = ladder_ids(loaded.tokenizer, n)
         ref_state, ref_logits, ref_toks, *_ = _run(model, canonical, ids, steps, None)
         for spec in specs:

@@ -56,6 +56,8 @@ def run(
     prefill_chunk: int = typer.Option(GenerationConfig.prefill_chunk, "--prefill-chunk", help="tokens per prefill block"),
     stats: bool = typer.Option(False, "--stats", help="print engine, speeds and KV bytes to stderr"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
+    monitor: Optional[Path] = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)"),
+    monitor_plot: Optional[Path] = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG"),
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
@@ -68,16 +70,18 @@ def run(
         kv_budget=kv_budget, resume=str(resume_from) if resume_from else None,
         save_state=str(save_state) if save_state else None, reprefill=reprefill, max_tokens=max_tokens,
         prefill_chunk=prefill_chunk, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
-    spec = req.spec()  # every refusal before the weights load
-    del spec
-    loaded = load(model, device=device, dtype=dtype)
+    req.spec()  # every refusal before the weights load
+    check_paths(monitor, monitor_plot)
+    with monitored(monitor, monitor_plot) as mon:
+        loaded = load(model, device=device, dtype=dtype)
 
-    def stream(tok):
-        if not as_json:
-            sys.stdout.write(tok.text)
-            sys.stdout.flush()
+        def stream(tok):
+            mon.position = tok.metrics.position + 1
+            if not as_json:
+                sys.stdout.write(tok.text)
+                sys.stdout.flush()
 
-    result = execute(loaded, req, stream)
+        result = execute(loaded, req, stream)
     result.pop("id")
     result.pop("error")
     if as_json:
@@ -141,6 +145,8 @@ def batch(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write results here (default stdout)"),
     workers: int = typer.Option(1, "--workers", help="processes, each mapping the same weights"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
+    monitor: Optional[Path] = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)"),
+    monitor_plot: Optional[Path] = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG"),
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
@@ -158,6 +164,7 @@ def batch(
     if workers < 1:
         raise LarqlError(f"--workers must be >= 1, got {workers}")
     read_config(model)  # a bad model directory is one line, not one error per request
+    check_paths(monitor, monitor_plot)
     if infile == "-":
         lines = sys.stdin.read().splitlines()
     else:
@@ -170,8 +177,9 @@ def batch(
     failed = 0
     show = err.is_terminal and not quiet
     try:
-        with Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, disable=not show) as bar:
+        with monitored(monitor, monitor_plot) as mon, \
+                Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                         console=err, disable=not show) as bar:
             task = bar.add_task("batch", total=len(items))
             if workers == 1:
                 _worker_init(str(model), device, dtype)
@@ -186,6 +194,7 @@ def batch(
                     sink.write(json.dumps(r) + "\n")
                     sink.flush()
                     bar.advance(task)
+                    mon.position += 1  # lines done
             finally:
                 if pool is not None:
                     pool.close()
@@ -304,6 +313,8 @@ def bench_ladder(
     steps: int = typer.Option(8, "--steps", help="decode steps per length (teacher-forced)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG: bytes against positions, log scale"),
     as_json: bool = typer.Option(False, "--json"),
+    monitor: Optional[Path] = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)"),
+    monitor_plot: Optional[Path] = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG"),
     device: str = DEVICE,
     dtype: str = DTYPE,
 ):
@@ -320,8 +331,10 @@ def bench_ladder(
     specs = one_engine("bench ladder", engine, continuation, continuation_option)
     if plot is not None and plot.suffix.lower() != ".png":
         raise LarqlError(f"--plot: expected a .png path, got {plot}")
-    loaded = load(model, device=device, dtype=dtype)
-    result = ladder(loaded, lengths, specs, steps)
+    check_paths(monitor, monitor_plot)
+    with monitored(monitor, monitor_plot) as mon:
+        loaded = load(model, device=device, dtype=dtype)
+        result = ladder(loaded, lengths, specs, steps, on_length=lambda n: setattr(mon, "position", n))
     if plot is not None:
         draw(result, plot)
         result["plot"] = str(plot)
@@ -383,6 +396,29 @@ def state_inspect(path: Path = typer.Argument(..., help="a state file written by
         cells = "; ".join(f"{k}: {v['cells']} / {v['positions']} / {_bytes(v['bytes'])}" for k, v in l["cells"].items())
         t.add_row(str(l["index"]), l["kind"], f"{l['retained'][0]}-{l['retained'][1]}", cells, )
     out.print(t)
+
+
+class _NoMonitor:
+    position = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def monitored(path: Optional[Path], plot: Optional[Path]):
+    """A Monitor when --monitor was given, else a stand-in that only holds a position."""
+    from larqlpy.monitor import Monitor
+
+    return Monitor(path, plot=plot) if path is not None else _NoMonitor()
+
+
+def check_paths(data: Optional[Path], plot: Optional[Path]) -> None:
+    from larqlpy.monitor import check_paths as check
+
+    check(data, plot)
 
 
 def one_engine(command: str, engine, continuation, options) -> list | None:

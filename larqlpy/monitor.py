@@ -1,0 +1,103 @@
+"""Resource curves: sample the process's memory at a fixed interval, beside the current position.
+
+RSS comes from psutil (this process plus its children, so `batch --workers` counts its workers),
+CUDA memory from torch.cuda when a GPU is in use. Written as CSV or JSON by the file's suffix.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from larqlpy.errors import LarqlError
+
+FIELDS = ("t_s", "position", "rss_bytes", "cuda_allocated_bytes")
+
+
+def check_paths(data: Path | None, plot: Path | None) -> None:
+    """Refuse bad output paths before any work starts."""
+    if data is not None and data.suffix.lower() not in (".csv", ".json"):
+        raise LarqlError(f"--monitor: expected a .csv or .json path, got {data}")
+    if plot is not None and data is None:
+        raise LarqlError("--monitor-plot needs --monitor FILE")
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise LarqlError(f"--monitor-plot: expected a .png path, got {plot}")
+
+
+class Monitor:
+    def __init__(self, path: Path, interval: float = 0.05, plot: Path | None = None):
+        check_paths(path, plot)
+        self.path, self.interval, self.plot_path = Path(path), interval, plot
+        self.position = 0  # the caller keeps it current
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._proc = psutil.Process()
+        self._cuda = torch.cuda.is_available()
+
+    def sample(self) -> None:
+        rss = self._proc.memory_info().rss
+        for child in self._proc.children(recursive=True):
+            try:
+                rss += child.memory_info().rss
+            except psutil.Error:
+                pass
+        self.samples.append({"t_s": round(time.perf_counter() - self._t0, 4), "position": self.position,
+                             "rss_bytes": rss,
+                             "cuda_allocated_bytes": torch.cuda.memory_allocated() if self._cuda else 0})
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> "Monitor":
+        self._t0 = time.perf_counter()
+        self.sample()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        self.write()
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.suffix.lower() == ".json":
+            self.path.write_text(json.dumps({"interval_s": self.interval, "samples": self.samples}) + "\n")
+        else:
+            with open(self.path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=FIELDS)
+                w.writeheader()
+                w.writerows(self.samples)
+        if self.plot_path is not None:
+            self.plot(self.plot_path)
+
+    def plot(self, path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        t = [s["t_s"] for s in self.samples]
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+        ax.plot(t, [s["rss_bytes"] / 2**20 for s in self.samples], color="tab:blue", label="RSS")
+        if self._cuda:
+            ax.plot(t, [s["cuda_allocated_bytes"] / 2**20 for s in self.samples], color="tab:green", label="CUDA")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("MiB")
+        ax2 = ax.twinx()
+        ax2.plot(t, [s["position"] for s in self.samples], color="tab:orange", label="position")
+        ax2.set_ylabel("position")
+        fig.legend(loc="upper left", fontsize=8)
+        ax.set_title("memory over time")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
