@@ -55,3 +55,42 @@ def test_monitor_refusals(real_dir, tmp_path):
         r = subprocess.run([*EXE, "run", str(real_dir), "x", *args], capture_output=True, text=True, env=ENV,
                            timeout=300)
         assert r.returncode == 2 and needle in r.stderr, r.stderr
+
+
+def test_kv_stats_against_an_independent_computation(real, real_dir, long_text, tmp_path):
+    import numpy as np
+    import torch
+
+    from larqlpy.engines import EngineSpec, build_provider
+    from larqlpy.kernels.turboquant_torch import TorchCodec
+    from larqlpy.observe import kv_stats
+    from larqlpy.state.rules import parse_rules
+
+    ids = real.tokenizer.encode(long_text)[:600]
+    first = kv_stats(real, ids, min_cosine=0.0)
+    worst = sorted(min(e[t]["cosine"]["tq4"]["mean"] for t in ("K", "V")) for e in first["layers"])
+    threshold = worst[len(worst) // 2]  # half the layers fall below it
+    r = kv_stats(real, ids, min_cosine=threshold)
+    expect_bad = [e["layer"] for e in r["layers"] if min(e[t]["cosine"]["tq4"]["mean"] for t in ("K", "V")) < threshold]
+    assert r["keep_exact"] == expect_bad and 0 < len(expect_bad) < 18
+    policy = parse_rules(r["rules"], "suggested").policy  # the cells engine reads what kv-stats writes
+    assert policy.quantize_layers == tuple(i for i in range(18) if i not in expect_bad)
+    # recompute layer 3's K statistics with numpy and the torch codec
+    state = build_provider(EngineSpec()).new_state(real.model.geometries(), real.device)
+    real.model(torch.tensor(ids), state)
+    k = state.layers[3].read(0, torch.float32)[0].reshape(-1, 256)
+    kn = k.numpy()
+    st = r["layers"][3]["K"]
+    assert st["min"] == float(kn.min()) and st["max"] == float(kn.max())
+    chan = np.abs(kn).max(0)
+    assert st["outlier_channels"] == int((chan > 4.0 * np.median(chan)).sum())
+    codec = TorchCodec(256, 4, torch.device("cpu"))
+    cos = torch.nn.functional.cosine_similarity(k, codec.decode(*codec.encode(k)), dim=-1)
+    assert abs(st["cosine"]["tq4"]["mean"] - cos.mean().item()) < 1e-5
+    assert abs(st["quantiles"]["0.5"] - float(np.quantile(kn, 0.5))) < 1e-3
+    # and the command writes the rules file
+    out = subprocess.run([*EXE, "kv-stats", str(real_dir), "-", "--max-positions", "300", "--json", "--rules-out",
+                          str(tmp_path / "r.yaml")], input=long_text, capture_output=True, text=True, env=ENV,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["positions"] == 300 and parse_rules((tmp_path / "r.yaml").read_text(), "r")
