@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from larqlpy.engines import EngineSpec, build_provider
+from larqlpy.errors import LarqlError
 from larqlpy.generate import prefill
 from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
 from larqlpy.state.rules import default_rules_path
@@ -66,3 +70,51 @@ def suggested_rules(n_layers: int, keep_exact: list[int]) -> str:
             line = f"{indent}quantize_layers: {value}{note}"
         lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+QUESTIONS = Path(__file__).resolve().parent / "data" / "questions.jsonl"
+
+
+def load_questions(path: str | Path | None = None) -> list[dict]:
+    """{"id", "question"} per line (a "prompt" key is used as is instead of the Q/A template)."""
+    path = Path(path) if path is not None else QUESTIONS
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise LarqlError(f"{path}: {e.strerror or e}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LarqlError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt", item.get("question")), str):
+            raise LarqlError(f"{path}:{n}: expected an object with a 'question' (or 'prompt') string")
+        prompt = item.get("prompt") or f"Question: {item['question']} Answer:"
+        out.append({"id": item.get("id", n), "prompt": prompt})
+    if not out:
+        raise LarqlError(f"{path}: no questions")
+    return out
+
+
+def consistency(loaded, questions: list[dict], specs, max_tokens: int = 16) -> dict:
+    """Each engine's greedy answers against canonical/v1's: exact match, common prefix, KL."""
+    from larqlpy.quality import drift
+
+    refs: dict = {}
+    rows = []
+    for spec in specs:
+        per = []
+        for q in questions:
+            ids = loaded.tokenizer.encode(q["prompt"])
+            d, refs[q["id"]] = drift(loaded.model, spec, ids, max_tokens, refs.get(q["id"]))
+            per.append({"id": q["id"], "exact": d.greedy_match == 1.0, "common_prefix": d.common_prefix,
+                        "mean_kl": d.mean_kl})
+        rows.append({"engine": spec.describe(), "questions": len(per),
+                     "exact_match_rate": sum(p["exact"] for p in per) / len(per),
+                     "mean_common_prefix": sum(p["common_prefix"] for p in per) / len(per),
+                     "mean_kl": sum(p["mean_kl"] for p in per) / len(per), "per_question": per})
+    return {"max_tokens": max_tokens, "engines": rows,
+            "reference": {str(k): loaded.tokenizer.decode(v[0]) for k, v in refs.items()}}

@@ -399,6 +399,42 @@ def bench_ladder(
         err.print(f"wrote {plot}", markup=False)
 
 
+@bench_app.command("consistency")
+def bench_consistency(
+    model: Path = typer.Argument(..., help="model directory"),
+    questions: Optional[Path] = typer.Argument(None, help="JSON lines of {id, question}; default: the shipped set"),
+    engine: Optional[str] = typer.Option(None, "--engine", help="one engine, V2 spelling"),
+    continuation: Optional[str] = typer.Option(None, "--continuation", help="one engine by identity"),
+    continuation_option: List[str] = typer.Option([], "--continuation-option", help="key=value (repeatable)"),
+    max_tokens: int = typer.Option(16, "-n", "--max-tokens", help="answer length"),
+    as_json: bool = typer.Option(False, "--json"),
+    device: str = DEVICE,
+):
+    """A fixed question set answered greedily by each engine, against canonical/v1."""
+    from larqlpy.engines import parse_engine_spec
+    from larqlpy.ladder import DEFAULT_ENGINES
+    from larqlpy.model.loader import load
+    from larqlpy.observe import consistency, load_questions
+
+    if max_tokens < 1:
+        raise LarqlError("--max-tokens must be >= 1")
+    specs = one_engine("bench consistency", engine, continuation, continuation_option) or [
+        parse_engine_spec(continuation=c, continuation_options=o) for c, o in DEFAULT_ENGINES[1:]]
+    items = load_questions(questions)
+    loaded = load(model, device=device)
+    r = consistency(loaded, items, specs, max_tokens)
+    if as_json:
+        sys.stdout.write(json.dumps(r) + "\n")
+        return
+    t = Table(title=f"{len(items)} questions, {max_tokens} greedy tokens each, against canonical/v1")
+    for col in ("engine", "exact match", "mean common prefix", "mean next-token KL"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    for e in r["engines"]:
+        t.add_row(escape(e["engine"]), f"{e['exact_match_rate']:.0%}", f"{e['mean_common_prefix']:.1f}",
+                  f"{e['mean_kl']:.4f}")
+    out.print(t)
+
+
 state_app = typer.Typer(no_args_is_help=True, help="Saved attention state files.")
 app.add_typer(state_app, name="state")
 
