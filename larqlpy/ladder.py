@@ -119,3 +119,55 @@ def plot(result: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _anon_bytes() -> int:
+    """This process's anonymous resident memory (the mapped weights are file-backed: not counted)."""
+    import psutil
+
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    m = psutil.Process().memory_info()
+    return m.rss - getattr(m, "shared", 0)
+
+
+def _release_free_heap() -> None:
+    """Hand freed heap pages back to the OS, so the next engine's growth is its own (glibc)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def until_budget(loaded, spec: EngineSpec, budget: int, chunk: int = 128, max_positions: int = 16384) -> dict:
+    """Grow a context in chunks of `chunk` until the process's anonymous memory has grown by more
+    than `budget` over where it stood before the engine's first row (the real peak, sampled after
+    every chunk: KV rows plus every transient the engine and the forward pass need)."""
+    ids = ladder_ids(loaded.tokenizer, max_positions)
+    warm = build_provider(EngineSpec()).new_state(loaded.model.geometries(), loaded.device)
+    prefill(loaded.model, warm, ids[:chunk], chunk)  # touch the weights and warm the kernels
+    del warm
+    _release_free_heap()
+    base = _anon_bytes()
+    state = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
+    peak, fits, n = 0, None, 0
+    while n < max_positions:
+        prefill(loaded.model, state, ids[n:n + chunk], chunk)
+        peak = max(peak, _anon_bytes() - base)
+        if peak > budget:
+            fits = n  # the length before this chunk was the last that fitted
+            break
+        n = min(max_positions, n + chunk)
+    resident = state.resident_bytes()
+    del state
+    _release_free_heap()
+    return {"engine": spec.describe(), "budget": budget, "fits_positions": fits if fits is not None else n,
+            "reached_budget": fits is not None, "peak_growth_bytes": peak, "resident_kv_bytes_at_end": resident}

@@ -131,3 +131,19 @@ def test_shipped_question_set():
 
     qs = load_questions()
     assert 20 <= len(qs) <= 50 and len({q["id"] for q in qs}) == len(qs)
+
+
+def test_ladder_confirms_capacity_by_running(real_dir):
+    r = subprocess.run([*EXE, "bench", "ladder", str(real_dir), "--budget", "40MiB", "--max-positions", "2048",
+                        "--continuation", "canonical/v1", "--json"], capture_output=True, text=True, env=ENV,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    canonical = json.loads(r.stdout)["rows"][0]
+    r = subprocess.run([*EXE, "bench", "ladder", str(real_dir), "--budget", "40MiB", "--max-positions", "2048",
+                        "--continuation", "window/v1", "--json"], capture_output=True, text=True, env=ENV, timeout=600)
+    window = json.loads(r.stdout)["rows"][0]
+    for row in (canonical, window):
+        assert row["reached_budget"] and 0 < row["fits_positions"] <= row["accounted_positions"]
+        assert row["peak_growth_bytes"] > 40 * 2**20 >= row["resident_kv_bytes_at_end"]  # rows + transients
+    assert canonical["accounted_positions"] == (40 * 2**20) // (18 * 2048)
+    assert window["fits_positions"] > canonical["fits_positions"]

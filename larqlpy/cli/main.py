@@ -354,6 +354,8 @@ def bench_ladder(
     continuation: Optional[str] = typer.Option(None, "--continuation", help="one engine by identity"),
     continuation_option: List[str] = typer.Option([], "--continuation-option", help="key=value (repeatable)"),
     steps: int = typer.Option(8, "--steps", help="decode steps per length (teacher-forced)"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="instead: run each engine until its memory grew by this"),
+    max_positions: int = typer.Option(16384, "--max-positions", help="with --budget: stop here if it still fits"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG: bytes against positions, log scale"),
     as_json: bool = typer.Option(False, "--json"),
     monitor: Optional[Path] = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)"),
@@ -375,6 +377,8 @@ def bench_ladder(
     if plot is not None and plot.suffix.lower() != ".png":
         raise LarqlError(f"--plot: expected a .png path, got {plot}")
     check_paths(monitor, monitor_plot)
+    if budget is not None:
+        return _ladder_budget(model, budget, specs, max_positions, as_json, device, dtype)
     with monitored(monitor, monitor_plot) as mon:
         loaded = load(model, device=device, dtype=dtype)
         result = ladder(loaded, lengths, specs, steps, on_length=lambda n: setattr(mon, "position", n))
@@ -397,6 +401,42 @@ def bench_ladder(
         err.print(f"skipped {sk['engine']}: {sk['reason']}", markup=False)
     if plot is not None:
         err.print(f"wrote {plot}", markup=False)
+
+
+def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json: bool, device: str, dtype: str):
+    """Confirm `residency --budget` by running: each engine grows a context until the process's
+    memory grew by the budget."""
+    from larqlpy.engines import parse_engine_spec
+    from larqlpy.engines.cells import parse_size
+    from larqlpy.ladder import DEFAULT_ENGINES, until_budget
+    from larqlpy.model.loader import load
+    from larqlpy.residency import capacity
+
+    try:
+        nbytes = parse_size(budget)
+    except ValueError as e:
+        raise LarqlError(f"--budget: {e}") from None
+    if max_positions < 1:
+        raise LarqlError("--max-positions must be >= 1")
+    specs = specs or [parse_engine_spec(continuation=c, continuation_options=o) for c, o in DEFAULT_ENGINES]
+    loaded = load(model, device=device, dtype=dtype)
+    accounted = capacity(str(model), nbytes, specs)["engines"]
+    rows = []
+    for spec, acc in zip(specs, accounted):
+        r = until_budget(loaded, spec, nbytes, max_positions=max_positions)
+        r["accounted_positions"] = acc["max_positions"]
+        rows.append(r)
+    if as_json:
+        sys.stdout.write(json.dumps({"model": str(model), "budget": nbytes, "rows": rows}) + "\n")
+        return
+    t = Table(title=f"{model}: the longest context in {_bytes(nbytes)}, accounted and run (peak anonymous memory)")
+    for col in ("engine", "accounted positions", "ran to", "peak growth", "KV at the end"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    for r in rows:
+        ran = f"{r['fits_positions']:,}" + ("" if r["reached_budget"] else "+ (cap)")
+        t.add_row(escape(r["engine"]), f"{r['accounted_positions']:,}", ran, _bytes(r["peak_growth_bytes"]),
+                  _bytes(r["resident_kv_bytes_at_end"]))
+    out.print(t)
 
 
 @bench_app.command("consistency")
