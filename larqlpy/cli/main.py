@@ -378,7 +378,8 @@ def bench_ladder(
         raise LarqlError(f"--plot: expected a .png path, got {plot}")
     check_paths(monitor, monitor_plot)
     if budget is not None:
-        return _ladder_budget(model, budget, specs, max_positions, as_json, device, dtype)
+        with monitored(monitor, monitor_plot):
+            return _ladder_budget(model, budget, specs, max_positions, as_json, device, dtype)
     with monitored(monitor, monitor_plot) as mon:
         loaded = load(model, device=device, dtype=dtype)
         result = ladder(loaded, lengths, specs, steps, on_length=lambda n: setattr(mon, "position", n))
@@ -448,6 +449,8 @@ def bench_consistency(
     continuation_option: List[str] = typer.Option([], "--continuation-option", help="key=value (repeatable)"),
     max_tokens: int = typer.Option(16, "-n", "--max-tokens", help="answer length"),
     as_json: bool = typer.Option(False, "--json"),
+    monitor: Optional[Path] = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)"),
+    monitor_plot: Optional[Path] = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG"),
     device: str = DEVICE,
 ):
     """A fixed question set answered greedily by each engine, against canonical/v1."""
@@ -461,8 +464,10 @@ def bench_consistency(
     specs = one_engine("bench consistency", engine, continuation, continuation_option) or [
         parse_engine_spec(continuation=c, continuation_options=o) for c, o in DEFAULT_ENGINES[1:]]
     items = load_questions(questions)
-    loaded = load(model, device=device)
-    r = consistency(loaded, items, specs, max_tokens)
+    check_paths(monitor, monitor_plot)
+    with monitored(monitor, monitor_plot):
+        loaded = load(model, device=device)
+        r = consistency(loaded, items, specs, max_tokens)
     if as_json:
         sys.stdout.write(json.dumps(r) + "\n")
         return
