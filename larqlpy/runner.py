@@ -99,7 +99,7 @@ def execute(loaded, req: Request, on_token: Callable[[Token], None] | None = Non
         session["saved_bytes"] = save(loaded, Path(req.save_state), state, ids + token_ids)
     result = {"id": req.id, "text": "".join(texts), "tokens": token_ids, "prompt_tokens": len(ids),
               "engine": spec.describe(), "finish_reason": last.finish_reason if last else "length",
-              "device": str(loaded.device), "dtype": str(loaded.model.dtype).replace("torch.", ""),
+              "device": str(loaded.device), "dtype": str(loaded.model.dtype).replace("torch.", ""), "weights": loaded.weights,
               "stats": last.metrics.as_dict() if last else {"prompt_tokens": len(ids)}, "error": None}
     if state is not None:
         result.update(state.report())

@@ -39,7 +39,7 @@ def resume(loaded: LoadedModel, path: str | Path, prompt_ids: list[int] | None, 
     if spec.replay:
         raise LarqlError("--engine no-cache keeps no state between steps: nothing to resume into")
     check_compatible(saved, model_fingerprint=loaded.fingerprint, tokenizer_fingerprint=loaded.tokenizer.fingerprint,
-                     identity=spec.identity, options=spec.options_dict)
+                     identity=spec.identity, options=spec.options_dict, weights=loaded.weights)
     state = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
     restore_state(saved, state)
     state.last_logits = saved.logits
@@ -72,4 +72,4 @@ def save(loaded: LoadedModel, path: str | Path, state: EngineState, tokens: list
 
     return save_state(path, state, model_fingerprint=loaded.fingerprint,
                       tokenizer_fingerprint=loaded.tokenizer.fingerprint, tokens=tokens,
-                      logits=state.last_logits, extra={"larqlpy": __version__})
+                      logits=state.last_logits, extra={"larqlpy": __version__, "weights": loaded.weights})

@@ -54,9 +54,9 @@ def run(loaded, spec, ids, n, state=None):
     return toks, state
 
 
-def resume_elsewhere(model_dir, path, n, tmp_path):
+def resume_elsewhere(model_dir, path, n, tmp_path, weights="f32"):
     out = tmp_path / "resumed.pt"
-    subprocess.run([sys.executable, WORKERS, "resume", str(model_dir), str(path), str(n), str(out)],
+    subprocess.run([sys.executable, WORKERS, "resume", str(model_dir), str(path), str(n), str(out), weights],
                    check=True, env=ENV, timeout=300)
     return torch.load(out)
 

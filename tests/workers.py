@@ -7,12 +7,12 @@ import sys
 import torch
 
 
-def resume_and_decode(model_dir: str, state_path: str, n: str, out: str) -> None:
+def resume_and_decode(model_dir: str, state_path: str, n: str, out: str, weights: str = "f32") -> None:
     from larqlpy.generate import GenerationConfig, generate
     from larqlpy.model.loader import load
     from larqlpy.session import resume
 
-    loaded = load(model_dir, device="cpu")
+    loaded = load(model_dir, device="cpu", weights=weights)
     plan, ids = resume(loaded, state_path, None, None)
     toks = list(generate(loaded.model, ids, plan.spec, GenerationConfig(max_tokens=int(n), stop_at_eos=False),
                          state=plan.state, logits=plan.logits))

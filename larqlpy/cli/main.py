@@ -29,6 +29,7 @@ out = Console(no_color=NO_COLOR, highlight=False, width=None if sys.stdout.isatt
 
 DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda")
 DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16")
+WEIGHTS = typer.Option("f32", "--weights", help="f32 | bf16 | int8 | int4: weight precision, packed at load")
 
 
 def read_prompt(prompt: str) -> str:
@@ -60,6 +61,7 @@ def run(
     monitor_plot: Optional[Path] = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG"),
     device: str = DEVICE,
     dtype: str = DTYPE,
+    weights: str = WEIGHTS,
 ):
     """Generate a continuation of PROMPT."""
     from larqlpy.model.loader import load
@@ -73,7 +75,7 @@ def run(
     req.spec()  # every refusal before the weights load
     check_paths(monitor, monitor_plot)
     with monitored(monitor, monitor_plot) as mon:
-        loaded = load(model, device=device, dtype=dtype)
+        loaded = load(model, device=device, dtype=dtype, weights=weights)
 
         def stream(tok):
             mon.position = tok.metrics.position + 1
@@ -100,7 +102,7 @@ def print_stats(result: dict) -> None:
         extra += f" | resumed {session['reused_tokens']} tok from {session['resumed_from']}"
     if session.get("saved_to"):
         extra += f" | saved {_bytes(session['saved_bytes'])} to {session['saved_to']}"
-    err.print(f"engine {result['engine']} | prompt {result['prompt_tokens']} tok | prefill "
+    err.print(f"engine {result['engine']} | weights {result.get('weights', 'f32')} | prompt {result['prompt_tokens']} tok | prefill "
               f"{m.get('prefill_tokens_per_s', 0):.1f} tok/s | decode {m.get('decode_tokens_per_s', 0):.1f} tok/s | "
               f"resident KV {_bytes(m.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}{extra}",
               soft_wrap=True, markup=False)
@@ -113,10 +115,10 @@ def print_stats(result: dict) -> None:
 _WORKER: dict = {}
 
 
-def _worker_init(model: str, device: str, dtype: str) -> None:
+def _worker_init(model: str, device: str, dtype: str, weights: str) -> None:
     from larqlpy.model.loader import load
 
-    _WORKER["loaded"] = load(model, device=device, dtype=dtype)  # float32 on CPU maps the file: pages are shared
+    _WORKER["loaded"] = load(model, device=device, dtype=dtype, weights=weights)  # float32 on CPU maps the file: pages are shared
 
 
 def _run_line(item: tuple[int, str]) -> dict:
@@ -149,6 +151,7 @@ def batch(
     monitor_plot: Optional[Path] = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG"),
     device: str = DEVICE,
     dtype: str = DTYPE,
+    weights: str = WEIGHTS,
 ):
     """Run one request per input line; one result per output line, in input order.
 
@@ -182,11 +185,11 @@ def batch(
                          console=err, disable=not show) as bar:
             task = bar.add_task("batch", total=len(items))
             if workers == 1:
-                _worker_init(str(model), device, dtype)
+                _worker_init(str(model), device, dtype, weights)
                 results = map(_run_line, items)
                 pool = None
             else:
-                pool = mp.get_context("spawn").Pool(workers, _worker_init, (str(model), device, dtype))
+                pool = mp.get_context("spawn").Pool(workers, _worker_init, (str(model), device, dtype, weights))
                 results = pool.imap(_run_line, items)  # ordered: output follows the input
             try:
                 for r in results:
@@ -308,6 +311,7 @@ def kv_stats_cmd(
     rules_out: Optional[Path] = typer.Option(None, "--rules-out", help="write the suggested cells/v1 rules here"),
     as_json: bool = typer.Option(False, "--json"),
     device: str = DEVICE,
+    weights: str = WEIGHTS,
 ):
     """Per layer, K and V: range, quantiles, outlier channels, and the per-row cosine each codec reaches."""
     from larqlpy.model.loader import load
@@ -316,7 +320,7 @@ def kv_stats_cmd(
     if max_positions < 1 or not 0 < min_cosine <= 1:
         raise LarqlError("--max-positions must be >= 1 and --min-cosine in (0, 1]")
     text = read_prompt(prompt) if prompt == "-" or not Path(prompt).is_file() else Path(prompt).read_text()
-    loaded = load(model, device=device)
+    loaded = load(model, device=device, weights=weights)
     ids = loaded.tokenizer.encode(text)[:max_positions]
     r = kv_stats(loaded, ids, min_cosine)
     if rules_out is not None:
@@ -362,6 +366,7 @@ def bench_ladder(
     monitor_plot: Optional[Path] = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG"),
     device: str = DEVICE,
     dtype: str = DTYPE,
+    weights: str = WEIGHTS,
 ):
     """Each engine at several lengths: live KV bytes, speed, row cosine and KL against canonical/v1."""
     from larqlpy.ladder import ladder, plot as draw
@@ -379,9 +384,9 @@ def bench_ladder(
     check_paths(monitor, monitor_plot)
     if budget is not None:
         with monitored(monitor, monitor_plot):
-            return _ladder_budget(model, budget, specs, max_positions, as_json, device, dtype)
+            return _ladder_budget(model, budget, specs, max_positions, as_json, device, dtype, weights)
     with monitored(monitor, monitor_plot) as mon:
-        loaded = load(model, device=device, dtype=dtype)
+        loaded = load(model, device=device, dtype=dtype, weights=weights)
         result = ladder(loaded, lengths, specs, steps, on_length=lambda n: setattr(mon, "position", n))
     if plot is not None:
         draw(result, plot)
@@ -404,7 +409,8 @@ def bench_ladder(
         err.print(f"wrote {plot}", markup=False)
 
 
-def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json: bool, device: str, dtype: str):
+def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json: bool, device: str, dtype: str,
+                   weights: str):
     """Confirm `residency --budget` by running: each engine grows a context until the process's
     memory grew by the budget."""
     from larqlpy.engines import parse_engine_spec
@@ -420,7 +426,7 @@ def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json:
     if max_positions < 1:
         raise LarqlError("--max-positions must be >= 1")
     specs = specs or [parse_engine_spec(continuation=c, continuation_options=o) for c, o in DEFAULT_ENGINES]
-    loaded = load(model, device=device, dtype=dtype)
+    loaded = load(model, device=device, dtype=dtype, weights=weights)
     accounted = capacity(str(model), nbytes, specs)["engines"]
     rows = []
     for spec, acc in zip(specs, accounted):
@@ -452,6 +458,7 @@ def bench_consistency(
     monitor: Optional[Path] = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)"),
     monitor_plot: Optional[Path] = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG"),
     device: str = DEVICE,
+    weights: str = WEIGHTS,
 ):
     """A fixed question set answered greedily by each engine, against canonical/v1."""
     from larqlpy.engines import parse_engine_spec
@@ -466,7 +473,7 @@ def bench_consistency(
     items = load_questions(questions)
     check_paths(monitor, monitor_plot)
     with monitored(monitor, monitor_plot):
-        loaded = load(model, device=device)
+        loaded = load(model, device=device, weights=weights)
         r = consistency(loaded, items, specs, max_tokens)
     if as_json:
         sys.stdout.write(json.dumps(r) + "\n")
@@ -500,6 +507,7 @@ def state_inspect(path: Path = typer.Argument(..., help="a state file written by
         slot[2] += sum(f["length"] for f in c["fields"].values())
     summary = {"path": str(path), "bytes": path.stat().st_size, "format": h["format"], "larqlpy": h.get("larqlpy"),
                "model_fingerprint": h["model_fingerprint"], "tokenizer_fingerprint": h["tokenizer_fingerprint"],
+               "weights": h.get("weights", "f32"),
                "engine": h["engine"], "tokens": len(h["tokens"]), "processed": h["processed"],
                "layers": [{"index": l["index"], "kind": l["kind"], "retained": l["retained"],
                            "cells": {k: {"cells": v[0], "positions": v[1], "bytes": v[2]}
@@ -511,8 +519,8 @@ def state_inspect(path: Path = typer.Argument(..., help="a state file written by
     opts = ",".join(f"{k}={v}" for k, v in sorted(h["engine"]["options"].items()))
     out.print(f"{path}: {_bytes(summary['bytes'])}, format {h['format']}, engine {h['engine']['identity']}"
               f"{' [' + opts + ']' if opts else ''}", markup=False)
-    out.print(f"tokens {len(h['tokens'])} (processed {h['processed']}), model {h['model_fingerprint']}, "
-              f"tokenizer {h['tokenizer_fingerprint']}", markup=False)
+    out.print(f"tokens {len(h['tokens'])} (processed {h['processed']}), model {h['model_fingerprint']} "
+              f"(--weights {summary['weights']}), tokenizer {h['tokenizer_fingerprint']}", markup=False)
     t = Table()
     for col in ("layer", "kind", "retained", "cells (state precision: cells / positions / bytes)"):
         t.add_column(col)

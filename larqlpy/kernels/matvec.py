@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from numba import njit, prange
 
+from larqlpy.kernels.qweight import PackedWeight
+
 
 @njit(parallel=True, fastmath=True, cache=True)
 def _gemv_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - jitted
@@ -24,11 +26,48 @@ def _gemv_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma:
         out[i] = acc
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T for x (T, in), w (out, in). One CPU float32 row goes through the streaming kernel."""
+@njit(fastmath=True, cache=True)
+def _rms_norm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:  # pragma: no cover - jitted
+    n, e = x.shape
+    for i in range(n):
+        ss = np.float32(0.0)
+        for j in range(e):
+            ss += x[i, j] * x[i, j]
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(e) + np.float32(eps))
+        for j in range(e):
+            out[i, j] = (x[i, j] * r) * (np.float32(1.0) + w[j])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * (1 + weight) over the last dim, in float32.
+
+    Gemma stores the gain as an offset from 1 (so a zero-initialised weight is the identity). On the
+    CPU in float32 one jitted loop replaces torch's five ops: decode runs ~110 norms per token on a
+    few hundred values each, where per-op overhead, not arithmetic, is the cost."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.empty_like(rows)
+        _rms_norm_rows(rows.numpy(), weight.numpy(), eps, out.numpy())
+        return out.view(x.shape)
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x @ w.T for x (T, in), w (out, in) float or packed. One CPU row goes through a streaming kernel."""
+    if isinstance(w, PackedWeight):
+        return w.matmul(x)
     if x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 \
             and w.is_contiguous():
         out = torch.empty(1, w.shape[0], dtype=torch.float32)
         _gemv_f32(w.numpy(), x.reshape(-1).contiguous().numpy(), out.numpy()[0])
         return out
     return F.linear(x, w)
+
+
+def embedding(ids: torch.Tensor, w) -> torch.Tensor:
+    """Rows of the embedding table, float or packed."""
+    if isinstance(w, PackedWeight):
+        return w.rows(ids.to(w.device))
+    return F.embedding(ids, w)

@@ -12,16 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from larqlpy.engines.base import AttentionParams, EngineState, LayerGeometry
-from larqlpy.kernels.matvec import linear
+from larqlpy.kernels.matvec import embedding, linear, rms_norm
 from larqlpy.model.config import Gemma3Config, RopeConfig
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Gemma stores the gain as an offset from 1 (so a zero-initialised weight is the identity),
-    # and multiplies in float32 before casting back.
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * (1.0 + weight.float())).type_as(x)
 
 
 class Rope:
@@ -54,6 +46,9 @@ def _weight(*shape: int) -> nn.Parameter:
 
 
 class Block(nn.Module):
+    WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "gate_proj", "up_proj", "down_proj",
+               "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
     def __init__(self, cfg: Gemma3Config, layer: int):
         super().__init__()
         e, d = cfg.hidden_size, cfg.head_dim
@@ -103,6 +98,10 @@ class Gemma3(nn.Module):
         self.ropes = {"global": Rope(cfg.rope_global, cfg.head_dim, self.device),
                       "sliding": Rope(cfg.rope_local, cfg.head_dim, self.device)}
 
+    def weights(self) -> list:
+        """Every weight: float tensors, and packed matrices (which are not nn.Parameters)."""
+        return [self.embed_tokens, self.norm] + [getattr(b, n) for b in self.layers for n in Block.WEIGHTS]
+
     def geometries(self) -> list[LayerGeometry]:
         c = self.cfg
         return [LayerGeometry(i, c.window(i), c.num_key_value_heads, c.head_dim) for i in range(c.num_hidden_layers)]
@@ -111,7 +110,7 @@ class Gemma3(nn.Module):
     def forward(self, tokens: torch.Tensor, state: EngineState, all_logits: bool = False) -> torch.Tensor:
         """Run a block of token ids (T,) at the state's next positions; returns logits (T or 1, V)."""
         start, t = state.position, tokens.shape[0]
-        x = F.embedding(tokens.to(self.device), self.embed_tokens) * self.embed_scale.to(self.device)
+        x = embedding(tokens.to(self.device), self.embed_tokens).to(self.dtype) * self.embed_scale.to(self.device)
         tables = {kind: rope.tables(start, t, self.dtype) for kind, rope in self.ropes.items()}
         for block, store in zip(self.layers, state.layers):
             x = block(x, *tables[store.geometry.kind], store)

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from larqlpy.errors import LarqlError
+from larqlpy.kernels.qweight import PackedWeight, check_format
 from larqlpy.model.config import Gemma3Config
 from larqlpy.model.gemma3 import Gemma3
 from larqlpy.model.tokenizer import Tokenizer
@@ -44,6 +45,13 @@ class LoadedModel:
     model: Gemma3
     tokenizer: Tokenizer
     fingerprint: str  # config + weight file headers: what a saved state must match
+    weights: str = "f32"  # f32 | bf16 | int8 | int4: the precision the matrices run at
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights take on their device (packed matrices at their packed size)."""
+        return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
+                   for w in self.model.weights())
 
     @property
     def device(self) -> torch.device:
@@ -91,9 +99,11 @@ def _open(file: Path):
         raise LarqlError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
 
 
-def load(path: str | Path, device: str = "auto", dtype: str = "float32") -> LoadedModel:
-    """Load a model directory. device: auto|cpu|cuda; dtype: float32|bfloat16."""
+def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str = "f32") -> LoadedModel:
+    """Load a model directory. device: auto|cpu|cuda; dtype: float32|bfloat16 (activations);
+    weights: f32|bf16|int8|int4 -- the matrices (embedding / tied LM head included) are packed at load."""
     path = Path(path)
+    check_format(weights)
     cfg = read_config(path)
     tokenizer = Tokenizer.from_dir(path, cfg)
     dev = resolve_device(device)
@@ -126,15 +136,21 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32") -> Load
         if got != shape:
             raise LarqlError(f"{path}: tensor {hf} has shape {list(got)}, expected {list(shape)}")
         hasher.update(f"{hf}:{info.get_dtype()}:{list(got)}".encode())
-        if dev.type == "cpu" and info.get_dtype() == "F32" and tdtype == torch.float32:
+        packed = weights != "f32" and len(shape) == 2
+        if info.get_dtype() == "F32" and (packed or (dev.type == "cpu" and tdtype == torch.float32)):
             tensor = maps.setdefault(files[hf], _MappedFile(files[hf])).tensor(hf)  # zero-copy, shared pages
         else:
             try:
-                tensor = handle.get_tensor(hf).to(device=dev, dtype=tdtype)
+                tensor = handle.get_tensor(hf)
             except Exception as e:
                 raise LarqlError(f"{files[hf]}: cannot read tensor {hf} ({str(e).splitlines()[0]})") from None
         owner, _, attr = ours.rpartition(".")
-        setattr(model.get_submodule(owner), attr, torch.nn.Parameter(tensor, requires_grad=False))
+        module = model.get_submodule(owner)
+        if packed:  # quantized on the CPU from float32, then moved: the same codes on every device
+            module._parameters.pop(attr)
+            setattr(module, attr, PackedWeight.quantize(tensor.float(), weights, hf).to(dev))
+        else:
+            setattr(module, attr, torch.nn.Parameter(tensor.to(device=dev, dtype=tdtype), requires_grad=False))
     for f in handles:  # the bytes themselves: a sample from each end of every file, and its size
         size = f.stat().st_size
         with open(f, "rb") as fh:
@@ -142,7 +158,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32") -> Load
             fh.seek(max(0, size - (1 << 20)))
             hasher.update(fh.read(1 << 20))
         hasher.update(f"{f.name}:{size}".encode())
-    return LoadedModel(path, cfg, model, tokenizer, hasher.hexdigest()[:16])
+    return LoadedModel(path, cfg, model, tokenizer, hasher.hexdigest()[:16], weights)
 
 
 class _MappedFile:

@@ -204,11 +204,14 @@ def load_state(path: str | Path) -> SavedState:
 
 
 def check_compatible(saved: SavedState, *, model_fingerprint: str, tokenizer_fingerprint: str,
-                     identity: str, options: dict) -> None:
+                     identity: str, options: dict, weights: str = "f32") -> None:
     h, p = saved.header, saved.path
     if h["model_fingerprint"] != model_fingerprint:
         raise LarqlError(f"{p}: made with a different model (fingerprint {h['model_fingerprint']}, "
                          f"this model {model_fingerprint})")
+    if h.get("weights", "f32") != weights:  # the K/V rows depend on the weights they came from
+        raise LarqlError(f"{p}: made with --weights {h.get('weights', 'f32')}, this run loads the model with "
+                         f"--weights {weights}; resume with the same --weights")
     if h["tokenizer_fingerprint"] != tokenizer_fingerprint:
         raise LarqlError(f"{p}: made with a different tokenizer (fingerprint {h['tokenizer_fingerprint']}, "
                          f"this one {tokenizer_fingerprint})")
