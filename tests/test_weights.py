@@ -192,3 +192,50 @@ def test_cli_weights_flag(real_dir, tmp_path):
     r = subprocess.run(cli + ["run", str(real_dir), "hi", "--weights", "q4"], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["larqlpy: error: --weights: expected one of f32, bf16, int8, int4, got 'q4'"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prefill_slabs_hold_the_same_bits_as_the_rows(fmt):
+    from larqlpy.kernels.qweight import SLAB
+
+    w, p = packed_matrix(fmt, n=TILE * 3 + 5, k=96)
+    slab = np.empty((96, 2 * TILE), np.float32)
+    SLAB[fmt](*p.arrays, 1, 3, slab)
+    assert torch.equal(torch.from_numpy(slab).T, p._rows_torch(torch.arange(TILE, 3 * TILE)))
+
+
+def test_int4_keeps_the_ggufs_own_4_bit_blocks_exactly(real):
+    """The GGUF stores attn_output (o_proj) as Q4_K: affine groups of 32. Dequantized by the converter
+    and packed again at int4, every value comes back bit for bit: nothing is lost twice."""
+    for block in real.model.layers:
+        w = block.o_proj
+        back = PackedWeight.quantize(w, "int4").rows(torch.arange(w.shape[0]))
+        assert torch.equal(back, w)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_torch_path_cuda_takes_runs_on_the_cpu_too(fmt):
+    """Off the CPU there are no numba views: every product dequantizes slabs with torch ops. Drop the
+    views to send the CPU down that same path."""
+    w, p = packed_matrix(fmt, n=TILE * 2 + 3, k=64)
+    dense = p.rows(torch.arange(w.shape[0]))
+    p.arrays = ()
+    for t in (1, 5):
+        x = torch.randn(t, 64)
+        assert torch.allclose(p.matmul(x), F.linear(x, dense), atol=1e-5, rtol=1e-4)
+    idx = torch.tensor([[1, 2], [TILE + 1, 0]])
+    assert torch.equal(p.rows(idx), dense[idx])
+
+
+def test_stacked_parts_equal_matrices_packed_alone():
+    from larqlpy.kernels.matvec import linears
+    from larqlpy.kernels.qweight import stack
+
+    g = torch.Generator().manual_seed(3)
+    ws = [torch.randn(n, 64, generator=g) for n in (96, 32, 32)]
+    parts = stack(ws, "int4", "qkv")
+    x = torch.randn(1, 64)
+    for w, part, y in zip(ws, parts, linears(x, *parts)):
+        alone = PackedWeight.quantize(w, "int4")
+        assert torch.equal(part.rows(torch.arange(w.shape[0])), alone.rows(torch.arange(w.shape[0])))
+        assert torch.allclose(y, alone.matmul(x), atol=1e-6)

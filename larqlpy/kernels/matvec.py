@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from numba import njit, prange
 
-from larqlpy.kernels.qweight import PackedWeight
+from larqlpy.kernels.qweight import PackedPart, PackedWeight
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -56,7 +56,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x @ w.T for x (T, in), w (out, in) float or packed. One CPU row goes through a streaming kernel."""
-    if isinstance(w, PackedWeight):
+    if isinstance(w, (PackedWeight, PackedPart)):
         return w.matmul(x)
     if x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 \
             and w.is_contiguous():
@@ -64,6 +64,16 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
         _gemv_f32(w.numpy(), x.reshape(-1).contiguous().numpy(), out.numpy()[0])
         return out
     return F.linear(x, w)
+
+
+def linears(x: torch.Tensor, *ws) -> tuple[torch.Tensor, ...]:
+    """linear(x, w) for matrices sharing the input x; stacked packed parts run as one product."""
+    if all(isinstance(w, PackedPart) and w.whole is ws[0].whole for w in ws) and \
+            [(w.lo, w.hi) for w in ws] == [(0, ws[0].hi)] + [(a.hi, b.hi) for a, b in zip(ws, ws[1:])] and \
+            ws[-1].hi == ws[0].whole.shape[0]:
+        y = ws[0].whole.matmul(x)
+        return tuple(y[:, w.lo:w.hi] for w in ws)
+    return tuple(linear(x, w) for w in ws)
 
 
 def embedding(ids: torch.Tensor, w) -> torch.Tensor:

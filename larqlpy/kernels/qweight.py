@@ -190,8 +190,45 @@ def _rows_bf16(w, idx, out):  # pragma: no cover - jitted
             bits[n, j] = np.uint32(w[t, j, r]) << np.uint32(16)
 
 
+@njit(parallel=True, cache=True)
+def _slab_int8(q, scale, t0, t1, out):  # pragma: no cover - jitted
+    tn = q.shape[2]
+    for t in prange(t0, t1):
+        c = (t - t0) * tn
+        for j in range(q.shape[1]):
+            g = j // GROUP
+            for r in range(tn):
+                out[j, c + r] = np.float32(q[t, j, r]) * scale[t, g, r]
+
+
+@njit(parallel=True, cache=True)
+def _slab_int4(packed, scale, minimum, t0, t1, out):  # pragma: no cover - jitted
+    tn = packed.shape[2]
+    for t in prange(t0, t1):
+        c = (t - t0) * tn
+        for p in range(packed.shape[1]):
+            g = (2 * p) // GROUP
+            for r in range(tn):
+                b = np.float32(packed[t, p, r])
+                hi = np.float32(np.int32(b * np.float32(0.0625)))  # exact: b is an integer below 256
+                out[2 * p, c + r] = (b - np.float32(16.0) * hi) * scale[t, g, r] + minimum[t, g, r]
+                out[2 * p + 1, c + r] = hi * scale[t, g, r] + minimum[t, g, r]
+
+
+@njit(parallel=True, cache=True)
+def _slab_bf16(w, t0, t1, out):  # pragma: no cover - jitted
+    tn = w.shape[2]
+    bits = out.view(np.uint32)
+    for t in prange(t0, t1):
+        c = (t - t0) * tn
+        for j in range(w.shape[1]):
+            for r in range(tn):
+                bits[j, c + r] = np.uint32(np.uint16(w[t, j, r])) << np.uint32(16)
+
+
 GEMV = {"int4": _gemv_int4, "int8": _gemv_int8, "bf16": _gemv_bf16}
 ROWS = {"int4": _rows_int4, "int8": _rows_int8, "bf16": _rows_bf16}
+SLAB = {"int4": _slab_int4, "int8": _slab_int8, "bf16": _slab_bf16}
 
 
 class PackedWeight:
@@ -250,7 +287,7 @@ class PackedWeight:
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """Float32 weight rows idx (any shape) -> idx.shape + (in,)."""
         flat = idx.reshape(-1)
-        if self.device.type != "cpu":
+        if not self.arrays:  # not on the CPU: torch ops
             return self._rows_torch(flat).view(*idx.shape, self.shape[1])
         out = np.empty((flat.numel(), self.shape[1]), np.float32)
         ROWS[self.fmt](*self.arrays, flat.to(torch.int64).contiguous().numpy(), out)
@@ -276,9 +313,42 @@ class PackedWeight:
             GEMV[self.fmt](*self.arrays, x.float().contiguous().numpy().reshape(-1), out)
             return torch.from_numpy(out[:self.shape[0]]).view(1, -1).to(x.dtype)
         n, k = self.shape
-        step = max(1, SLAB_BYTES // (4 * k * TILE)) * TILE
+        tiles = max(1, SLAB_BYTES // (4 * k * TILE))
         out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-        for lo in range(0, n, step):
-            ids = torch.arange(lo, min(n, lo + step), device=self.device)
-            out[:, lo:lo + len(ids)] = F.linear(x, self.rows(ids).to(x.dtype))
+        for t0 in range(0, self.codes.shape[0], tiles):
+            t1 = min(self.codes.shape[0], t0 + tiles)
+            lo, hi = t0 * TILE, min(n, t1 * TILE)
+            if self.arrays:  # (in, rows) straight from the tiles: the GEMM reads it transposed, no copy
+                slab = torch.empty(k, (t1 - t0) * TILE)
+                SLAB[self.fmt](*self.arrays, t0, t1, slab.numpy())
+                out[:, lo:hi] = torch.mm(x, slab[:, :hi - lo].to(x.dtype))
+            else:
+                out[:, lo:hi] = F.linear(x, self.rows(torch.arange(lo, hi, device=self.device)).to(x.dtype))
         return out
+
+
+class PackedPart:
+    """Rows [lo, hi) of a PackedWeight that stacks matrices reading the same input (q|k|v, gate|up):
+    `linears` multiplies them in one kernel call, which decode's per-call overhead rewards."""
+
+    def __init__(self, whole: PackedWeight, lo: int, hi: int):
+        self.whole, self.lo, self.hi = whole, lo, hi
+        self.shape = (hi - lo, whole.shape[1])
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.whole.matmul(x)[:, self.lo:self.hi]
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.whole.rows(idx + self.lo)
+
+    @property
+    def device(self) -> torch.device:
+        return self.whole.device
+
+
+def stack(ws: list[torch.Tensor], fmt: str, name: str) -> list[PackedPart]:
+    """Pack several (out_i, in) matrices as one; returns a part per matrix (codes are per row, so each
+    part holds exactly what packing it alone would)."""
+    whole = PackedWeight.quantize(torch.cat([w.float() for w in ws]), fmt, name)
+    bounds = np.cumsum([0] + [w.shape[0] for w in ws])
+    return [PackedPart(whole, int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from larqlpy.engines.base import AttentionParams, EngineState, LayerGeometry
-from larqlpy.kernels.matvec import embedding, linear, rms_norm
+from larqlpy.kernels.matvec import embedding, linear, linears, rms_norm
 from larqlpy.model.config import Gemma3Config, RopeConfig
 
 
@@ -48,6 +48,7 @@ def _weight(*shape: int) -> nn.Parameter:
 class Block(nn.Module):
     WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "gate_proj", "up_proj", "down_proj",
                "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # packed weights stack these
 
     def __init__(self, cfg: Gemma3Config, layer: int):
         super().__init__()
@@ -73,16 +74,18 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store) -> torch.Tensor:
         t = x.shape[0]
         h = rms_norm(x, self.input_layernorm, self.eps)  # (T, E)
-        q = linear(h, self.q_proj).view(t, self.n_heads, self.head_dim).transpose(0, 1)  # (H, T, D)
-        k = linear(h, self.k_proj).view(t, self.n_kv, self.head_dim).transpose(0, 1)  # (Hkv, T, D)
-        v = linear(h, self.v_proj).view(t, self.n_kv, self.head_dim).transpose(0, 1)
+        q, k, v = linears(h, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(t, self.n_heads, self.head_dim).transpose(0, 1)  # (H, T, D)
+        k = k.view(t, self.n_kv, self.head_dim).transpose(0, 1)  # (Hkv, T, D)
+        v = v.view(t, self.n_kv, self.head_dim).transpose(0, 1)
         q = apply_rope(rms_norm(q, self.q_norm, self.eps), cos, sin)
         k = apply_rope(rms_norm(k, self.k_norm, self.eps), cos, sin)
         a = store.attend(q, k, v, self.attn)  # (H, T, D): the single dispatch point to the KV engine
         a = linear(a.transpose(0, 1).reshape(t, -1), self.o_proj)
         x = x + rms_norm(a, self.post_attention_layernorm, self.eps)
         h = rms_norm(x, self.pre_feedforward_layernorm, self.eps)
-        m = linear(F.gelu(linear(h, self.gate_proj), approximate="tanh") * linear(h, self.up_proj), self.down_proj)
+        gate, up = linears(h, self.gate_proj, self.up_proj)
+        m = linear(F.gelu(gate, approximate="tanh") * up, self.down_proj)
         return x + rms_norm(m, self.post_feedforward_layernorm, self.eps)
 
 

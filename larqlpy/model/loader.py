@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 
 from larqlpy.errors import LarqlError
-from larqlpy.kernels.qweight import PackedWeight, check_format
+from larqlpy.kernels.qweight import PackedPart, PackedWeight, check_format, stack
 from larqlpy.model.config import Gemma3Config
-from larqlpy.model.gemma3 import Gemma3
+from larqlpy.model.gemma3 import Block, Gemma3
 from larqlpy.model.tokenizer import Tokenizer
 
 BLOCK_WEIGHTS = {
@@ -50,8 +50,9 @@ class LoadedModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes the weights take on their device (packed matrices at their packed size)."""
-        return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
-                   for w in self.model.weights())
+        unique = {id(w.whole if isinstance(w, PackedPart) else w): w.whole if isinstance(w, PackedPart) else w
+                  for w in self.model.weights()}
+        return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in unique.values())
 
     @property
     def device(self) -> torch.device:
@@ -129,6 +130,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     handles = {f: _open(f) for f in sorted(set(files[hf] for hf, _ in wanted.values()))}
     maps: dict[Path, _MappedFile] = {}
     hasher = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode())
+    pending: dict[str, torch.Tensor] = {}  # float32 matrices to pack once all are read
     for ours, (hf, shape) in wanted.items():
         handle = handles[files[hf]]
         info = handle.get_slice(hf)
@@ -146,11 +148,23 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
                 raise LarqlError(f"{files[hf]}: cannot read tensor {hf} ({str(e).splitlines()[0]})") from None
         owner, _, attr = ours.rpartition(".")
         module = model.get_submodule(owner)
-        if packed:  # quantized on the CPU from float32, then moved: the same codes on every device
-            module._parameters.pop(attr)
-            setattr(module, attr, PackedWeight.quantize(tensor.float(), weights, hf).to(dev))
+        if packed:  # quantized on the CPU from float32 below, then moved: the same codes on every device
+            pending[ours] = tensor
         else:
             setattr(module, attr, torch.nn.Parameter(tensor.to(device=dev, dtype=tdtype), requires_grad=False))
+    for i in range(cfg.num_hidden_layers if pending else 0):
+        block = model.layers[i]
+        for names in Block.SHARED_INPUT:  # one stacked matrix per group: one kernel call in decode
+            parts = stack([pending.pop(f"layers.{i}.{n}") for n in names], weights, f"layers.{i}.{'|'.join(names)}")
+            whole = parts[0].whole.to(dev)
+            for n, part in zip(names, parts):
+                block._parameters.pop(n)
+                setattr(block, n, PackedPart(whole, part.lo, part.hi))
+    for ours, tensor in pending.items():
+        owner, _, attr = ours.rpartition(".")
+        module = model.get_submodule(owner)
+        module._parameters.pop(attr)
+        setattr(module, attr, PackedWeight.quantize(tensor.float(), weights, ours).to(dev))
     for f in handles:  # the bytes themselves: a sample from each end of every file, and its size
         size = f.stat().st_size
         with open(f, "rb") as fh:
