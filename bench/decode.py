@@ -3,11 +3,11 @@
 Same model throughout: larqlpy and transformers load the converted float32 checkpoint (larqlpy packs
 it at load for bf16/int8/int4); llama.cpp (the llama-cpp-python package, 2 threads) runs the original
 Q4_K_M GGUF it was converted from. Two prompts: a short one and ~1,500 tokens of larqlpy/data/long.txt;
-decode continues greedily after each. Prints tokens/s, ratios, and the bandwidth decode achieves
+decode continues greedily after each; runners take turns within every repeat. Prints tokens/s, ratios, and the bandwidth decode achieves
 (weight bytes read per token x tokens/s) beside a plain streaming read measured in the same run.
 Asserts nothing.
 
-    python bench/decode.py --model models/gemma-3-270m [--repeats 3] [--decode 64] [--prefill 1500]
+    python bench/decode.py --model models/gemma-3-270m [--repeats 5] [--decode 64] [--prefill 1500]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = "The history of the printing press begins"
+COLUMNS = ("prefill short", "prefill long", "decode short", "decode long")
 
 
 def median_time(fn, repeats: int) -> float:
@@ -106,10 +107,14 @@ class LlamaCpp:
 
         self.bytes_per_token = sum(int(t.n_bytes) for t in GGUFReader(str(gguf)).tensors)
 
+    def last_logits(self) -> np.ndarray:
+        # llama-cpp-python 0.3 no longer copies logits into `scores` unless logits_all: read the context's
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
+
     def prefill(self, ids):
         self.llm.reset()
         self.llm.eval(ids)
-        return None, self.llm.scores[self.llm.n_tokens - 1]
+        return None, self.last_logits()
 
     def decode(self, ids, n) -> float:
         _, logits = self.prefill(ids)
@@ -117,7 +122,7 @@ class LlamaCpp:
         t0 = time.perf_counter()
         for _ in range(n):
             self.llm.eval([tok])
-            tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+            tok = int(np.argmax(self.last_logits()))
         return time.perf_counter() - t0
 
 
@@ -132,7 +137,7 @@ def gguf_path() -> Path | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "models" / "gemma-3-270m"))
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=1500)
     ap.add_argument("--weights", default="f32,bf16,int8,int4")
@@ -153,21 +158,25 @@ def main() -> None:
     short_ids = tok.encode(SHORT)
     bw = stream_bandwidth()
 
-    results = {}
-    for r in runners:
-        r.decode(short_ids, 4)  # warm-up: JIT, caches, page faults
+    for r in runners:  # warm-up: JIT, caches, page faults
+        r.decode(short_ids, 4)
         r.prefill(long_ids[:64])
-        results[r.name] = {
-            "prefill short": len(short_ids) / median_time(lambda: r.prefill(short_ids), args.repeats),
-            "prefill long": len(long_ids) / median_time(lambda: r.prefill(long_ids), args.repeats),
-            "decode short": args.decode / statistics.median(r.decode(short_ids, args.decode) for _ in range(args.repeats)),
-            "decode long": args.decode / statistics.median(r.decode(long_ids, args.decode) for _ in range(args.repeats)),
-        }
+    # Round robin: every repeat measures every runner once, so a slow spell of the host (these are
+    # shared VMs) lands on all runners alike instead of on whichever ran then.
+    samples = {r.name: {c: [] for c in COLUMNS} for r in runners}
+    for _ in range(args.repeats):
+        for r in runners:
+            m = samples[r.name]
+            m["prefill short"].append(len(short_ids) / median_time(lambda: r.prefill(short_ids), 1))
+            m["prefill long"].append(len(long_ids) / median_time(lambda: r.prefill(long_ids), 1))
+            m["decode short"].append(args.decode / r.decode(short_ids, args.decode))
+            m["decode long"].append(args.decode / r.decode(long_ids, args.decode))
+    results = {name: {c: statistics.median(v) for c, v in m.items()} for name, m in samples.items()}
 
     print(f"model {path}, engine {args.engine}, 2 threads; prompts: short {len(short_ids)} tokens, long "
           f"{len(long_ids)} tokens; {args.decode} greedy decode steps after each; median of {args.repeats}")
     print(f"stream read bandwidth {bw:.1f} GB/s\n")
-    cols = ("prefill short", "prefill long", "decode short", "decode long")
+    cols = COLUMNS
     print(f"| runner | weights MB read per token | {' | '.join(c + ' tok/s' for c in cols)} | decode GB/s (of stream) |")
     print("|---|---|" + "---|" * (len(cols) + 1))
     for r in runners:

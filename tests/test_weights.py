@@ -87,7 +87,10 @@ def test_gemv_and_slab_gemm_agree_with_the_dequantized_matrix(fmt, monkeypatch):
     got = p.matmul(x)
     assert got.shape == (1, w.shape[0])
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+    x3 = torch.randn(3, 128)  # a few rows: the decode kernel once per row
+    assert torch.allclose(p.matmul(x3), F.linear(x3, dense), atol=1e-5, rtol=1e-4)
     monkeypatch.setattr("larqlpy.kernels.qweight.SLAB_BYTES", 1)  # one tile per slab: the slab loop is exercised
+    monkeypatch.setattr("larqlpy.kernels.qweight.GEMV_ROWS", 4)
     xs = torch.randn(9, 128)
     assert torch.allclose(p.matmul(xs), F.linear(xs, dense), atol=1e-5, rtol=1e-4)
 

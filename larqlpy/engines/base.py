@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 
+from larqlpy.kernels.attention import attend_one
+
 if TYPE_CHECKING:
     from larqlpy.engines.spec import OptionSpec
 
@@ -59,6 +61,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k
     """
     n_heads, t, d = q.shape
     n_kv, n = k.shape[0], k.shape[1]
+    if t == 1 and k_start + n - 1 == q_start and q.device.type == "cpu" and q.dtype == torch.float32:
+        return attend_one(q, k, v, p.scale)  # a decode step over exactly its visible rows: no mask
     group = n_heads // n_kv
     qg = q.reshape(1, n_kv, group * t, d)  # one matmul per KV head; 4-D lets torch pick its flash kernel
     mask = None
