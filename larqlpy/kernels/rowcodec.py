@@ -115,3 +115,22 @@ class Int4GroupCodec(RowCodec):
             out.copy_(x)
             return out
         return x
+
+
+class ExactCodec(RowCodec):
+    """f32 rows as they came: what a per-layer policy stores on a layer kept exact."""
+
+    def __init__(self, d: int, device: torch.device):
+        self.d, self.device = d, device
+        self.fields = {"x": ((d,), torch.float32)}
+        self.label = "f32"
+
+    def encode(self, x):
+        return {"x": x.reshape(-1, self.d).float()}
+
+    def decode(self, f, out=None):
+        x = f["x"].reshape(-1, self.d)
+        if out is not None:
+            out.copy_(x)
+            return out
+        return x
