@@ -225,7 +225,6 @@ LAYER_BITS = OptionSpec("layer_bits", parse_layer_bits,
 # The recommended approximate configuration (bench/kv_mixed.py, docs/codec.md): what the CLI
 # suggests when codec options are missing or not understood.
 RECOMMENDED = ("codec/v1", (("k_bits", 5), ("sink", 4), ("v_bits", 3)))
-COMPACT = ("codec/v1", (("k_bits", 4), ("sink", 4), ("v_bits", 3)))
 
 
 def recommended_flags(rec=RECOMMENDED) -> str:
@@ -254,7 +253,7 @@ class Codec(Provider):
 
     @classmethod
     def residency_variants(cls):
-        return ((("bits", 4),), (("bits", 3),), RECOMMENDED[1], COMPACT[1])
+        return ((("bits", 4),), (("bits", 3),), RECOMMENDED[1])
 
     def widths(self, layer: int) -> tuple[int, int] | None:
         """(K bits, V bits) on `layer`, or None where the layer keeps f32 rows."""
