@@ -73,6 +73,8 @@ def test_layer_bits_beyond_the_model_are_refused():
 
 def test_parse_layer_bits():
     assert parse_layer_bits("11:exact, 5:8/4") == ((5, (8, 4)), (11, None))
+    # stored (and saved with states) as a canonical string, so a resumed state re-validates it
+    assert dict(spec("codec/v1", "bits=4", "layer_bits=11:exact, 5:8/4").options)["layer_bits"] == "5:8/4,11:exact"
 
 
 def independent_bytes(kb, vb, positions, window, sink=0, recent=0, exact_layer=False, d=256, hkv=1):

@@ -219,7 +219,12 @@ def parse_layer_bits(text: str) -> tuple[tuple[int, tuple[int, int] | None], ...
     return tuple(sorted(out.items()))
 
 
-LAYER_BITS = OptionSpec("layer_bits", parse_layer_bits,
+def canonical_layer_bits(text: str) -> str:
+    """The option's value as stored (and saved with states): sorted `LAYER:K/V` / `LAYER:exact` items."""
+    return ",".join(f"{i}:exact" if w is None else f"{i}:{w[0]}/{w[1]}" for i, w in parse_layer_bits(text))
+
+
+LAYER_BITS = OptionSpec("layer_bits", canonical_layer_bits,
                         help="per-layer widths, e.g. 5:8/4,11:exact (LAYER:K_BITS/V_BITS or LAYER:exact)")
 
 # The recommended approximate configuration (bench/kv_mixed.py, docs/codec.md): what the CLI
@@ -257,7 +262,7 @@ class Codec(Provider):
 
     def widths(self, layer: int) -> tuple[int, int] | None:
         """(K bits, V bits) on `layer`, or None where the layer keeps f32 rows."""
-        per = dict(self.options.get("layer_bits", ()))
+        per = dict(parse_layer_bits(self.options["layer_bits"])) if "layer_bits" in self.options else {}
         if layer in per:
             return per[layer]
         bits = self.options.get("bits")
@@ -279,7 +284,8 @@ class Codec(Provider):
         # kv_dim is always whole heads here (the geometry is heads x head_dim), so only the head's
         # own shape can be refused: the codec's constructor says what it needs.
         n = len(geometries)
-        bad = [i for i, _ in self.options.get("layer_bits", ()) if i >= n]
+        bad = [i for i, _ in parse_layer_bits(self.options.get("layer_bits", "")) if i >= n] \
+            if "layer_bits" in self.options else []
         if bad:
             raise LarqlError(f"{self.identity}: layer_bits names layer {bad[0]}, the model has {n} layers")
         for g in geometries:
