@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 MODEL_DIR := models/gemma-3-270m
 PROMPT ?= Question: What is the capital of France? Answer:
 
-.PHONY: setup model run test bench bench-setup codec-quality weights-quality clean
+.PHONY: setup model run test bench bench-setup codec-quality kv-quality weights-quality clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ codec-quality: model
 # The low-bit weight accuracy table in docs/weights.md.
 weights-quality: model
 	$(BIN)/python bench/weights_quality.py --model $(MODEL_DIR)
+
+# The mixed-precision table in docs/codec.md (bench/kv_mixed.py; long on a loaded 2-core machine).
+kv-quality: model
+	$(BIN)/python bench/kv_mixed.py --model $(MODEL_DIR)
 
 clean:
 	rm -rf $(VENV) $(MODEL_DIR) .pytest_cache

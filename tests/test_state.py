@@ -33,6 +33,8 @@ ENGINES = [
     ("canonical/v1", []), ("window/v1", []), ("codec/v1", ["bits=4"]), ("codec/v1", ["bits=3"]),
     ("codec-recent/v1", ["bits=4", "exact_recent_k=8"]), ("int4-group/v1", ["group=8"]),
     ("cells/v1", []), ("cells/v1", ["budget=160KiB"]),
+    ("codec/v1", ["k_bits=5", "v_bits=3", "sink=4", "layer_bits=1:8/2,2:exact"]),
+    ("codec-recent/v1", ["k_bits=8", "v_bits=2", "sink=3", "exact_recent_k=5"]),
 ]
 
 

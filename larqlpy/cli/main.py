@@ -262,6 +262,7 @@ def residency(
     """Rows and bytes per layer kind each engine keeps after N positions (no weights needed);
     with --budget, the longest context each engine fits in that many bytes."""
     from larqlpy.engines.cells import parse_size
+    from larqlpy.engines.codec import RECOMMENDED, recommended_flags
     from larqlpy.residency import capacity
     from larqlpy.residency import residency as account
 
@@ -285,6 +286,10 @@ def residency(
             t.add_row(escape(name), "unbounded" if e["max_positions"] is None else f"{e['max_positions']:,}",
                       _bytes(e["bytes_at_max"]) if "bytes_at_max" in e else "")
         out.print(t)
+        rec = next((e for e in c["engines"] if (e["engine"], tuple(sorted(e["options"].items()))) == RECOMMENDED), None)
+        if rec is not None:
+            fits = "any length" if rec["max_positions"] is None else f"{rec['max_positions']:,} positions"
+            out.print(escape(f"recommended approximate configuration ({fits} here): {recommended_flags()}"))
         return
     r = account(model, positions, specs)
     if as_json:
@@ -417,6 +422,7 @@ def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json:
     from larqlpy.engines.cells import parse_size
     from larqlpy.ladder import DEFAULT_ENGINES, until_budget
     from larqlpy.model.loader import load
+    from larqlpy.engines.codec import RECOMMENDED, recommended_flags
     from larqlpy.residency import capacity
 
     try:

@@ -124,10 +124,16 @@ class LayerStore:
                                 {k: v.contiguous().cpu().numpy() for k, v in vals.items()}))
         return out
 
+    def set_end(self, name: str, end: int) -> int:
+        """Where row set `name` ends when the layer ends at `end` (a set of the first N positions ends early)."""
+        return end
+
     def restore(self, end: int, records: list[tuple[dict, dict]]) -> None:
         """Refill from `export()`'s records (already checksummed). Raises ValueError if inconsistent."""
         sets = self.row_sets()
+        layer_end = end
         for name, (rows, state, precision) in sets.items():
+            end = self.set_end(name, layer_end)
             mine = sorted((r for r in records if r[0]["set"] == name), key=lambda r: r[0]["start"])
             pos = mine[0][0]["start"] if mine else (end if rows.keep is not None else 0)
             base = pos
@@ -142,7 +148,7 @@ class LayerStore:
                 raise ValueError(f"layer {self.geometry.index}: saved rows [{base}, {pos}) do not fit end {end}")
             rows.restore(base, end, [(m["start"], {k: torch.from_numpy(a.copy()) for k, a in arr.items()})
                                      for m, arr in mine])
-        self.end = end
+        self.end = layer_end
 
     def can_trim(self, end: int) -> bool:
         """Whether the store can forget positions >= end and still serve a query at `end`."""
@@ -150,8 +156,8 @@ class LayerStore:
         return end <= self.end and main.base <= self.geometry.read_start(end)
 
     def trim(self, end: int) -> None:
-        for rows, _, _ in self.row_sets().values():
-            rows.trim(max(rows.base, end) if rows.keep is not None else end)
+        for name, (rows, _, _) in self.row_sets().items():
+            rows.trim(max(rows.base, end) if rows.keep is not None else self.set_end(name, end))
         self.end = end
 
     # -- the one dispatch point attention calls ------------------------------------------------
@@ -233,6 +239,11 @@ class Provider:
     def residency_variants(cls) -> tuple[tuple[tuple[str, object], ...], ...]:
         """Option sets `larqlpy residency` shows when no engine is named."""
         return ((),)
+
+    @classmethod
+    def hint(cls) -> str:
+        """A one-line suggestion added to option refusals (e.g. a recommended configuration)."""
+        return ""
 
     @classmethod
     def check_options(cls, options: dict, where: str) -> None:

@@ -145,21 +145,21 @@ class CellStore(LayerStore):
                 buf[0][:, dst], buf[1][:, dst] = cell.data["k"][:, a:b], cell.data["v"][:, a:b]
             elif cell.state == State.QUANTIZED:
                 self.m.rules.apply(Event.READ_REQUEST, State.QUANTIZED, State.QUANTIZED)
-                self._decode_codes(cell.data, a, b, buf, dst)
+                self._decode_codes(cell.data, a, b, buf, dst, cell.precision)
             else:  # PERSISTED: bring it back for this read only
                 cell.state = self.m.rules.apply(Event.CACHE_MISS, State.PERSISTED, State.RECOVERING)
                 fields = {name: _readonly_tensor(cell.backing.read(loc)) for name, loc in cell.where.items()}
                 if cell.precision == "f32":
                     buf[0][:, dst], buf[1][:, dst] = fields["k"][:, a:b], fields["v"][:, a:b]
                 else:
-                    self._decode_codes(fields, a, b, buf, dst)
+                    self._decode_codes(fields, a, b, buf, dst, cell.precision)
                 cell.state = self.m.rules.apply(Event.WRITE_BACK, State.RECOVERING, State.PERSISTED)
         return buf[0].to(dtype), buf[1].to(dtype)
 
-    def _decode_codes(self, data, a, b, buf, dst):
+    def _decode_codes(self, data, a, b, buf, dst, precision):
         hkv = self.geometry.n_kv_heads
-        codec = self.m.codec(self.geometry.head_dim)
-        for i, t in enumerate(("k", "v")):
+        for i, (t, bits) in enumerate(zip(("k", "v"), precision_widths(precision))):
+            codec = self.m.codec(self.geometry.head_dim, bits)
             f = {"norm": data[f"{t}_norm"][:, a:b].reshape(-1),
                  "code": data[f"{t}_code"][:, a:b].reshape(hkv * (b - a), -1)}
             buf[i][:, dst] = codec.decode(f).view(hkv, b - a, -1)
@@ -195,12 +195,13 @@ class CellStore(LayerStore):
             return False
         if dst == State.QUANTIZED:
             hkv, n = self.geometry.n_kv_heads, cell.n
-            codec = self.m.codec(self.geometry.head_dim)
+            widths = rules.policy.widths(self.geometry.index)
             data = {}
-            for t in ("k", "v"):
+            for t, bits in zip(("k", "v"), widths):
+                codec = self.m.codec(self.geometry.head_dim, bits)
                 enc = codec.encode(cell.data[t][:, :n].reshape(hkv * n, -1))
                 data.update({f"{t}_{name}": val.view(hkv, n, *val.shape[1:]).clone() for name, val in enc.items()})
-            cell.data, cell.precision = data, f"tq{rules.policy.bits}"
+            cell.data, cell.precision = data, precision_label(*widths)
         else:
             arrays = {name: t[:, :cell.n].numpy() for name, t in cell.data.items()} if cell.precision == "f32" \
                 else {name: t.numpy() for name, t in cell.data.items()}
@@ -241,6 +242,11 @@ class CellStore(LayerStore):
                 for t in ("k", "v"):
                     cell.data[t][:, :n] = torch.from_numpy(np.array(arrays[t]))
             elif cell.state == State.QUANTIZED:
+                try:
+                    precision_widths(cell.precision)
+                except ValueError:
+                    raise ValueError(f"layer {self.geometry.index}: cell at {start} has precision "
+                                     f"{cell.precision!r}") from None
                 cell.data = {name: torch.from_numpy(np.array(a)) for name, a in arrays.items()}
             elif cell.state == State.PERSISTED:
                 cell.backing, cell.where = meta["_where"]  # stays in the state file, read through mmap
@@ -295,12 +301,12 @@ class CellManager:
         self.scratch = Scratch(device)
         self.spill = Backing.spill(spill_dir)
         self.stores: list[CellStore] = []
-        self._codecs: dict[int, TurboQuantCodec] = {}
+        self._codecs: dict[tuple[int, int], TurboQuantCodec] = {}
 
-    def codec(self, d: int) -> TurboQuantCodec:
-        if d not in self._codecs:
-            self._codecs[d] = TurboQuantCodec(d, self.rules.policy.bits, self.device)
-        return self._codecs[d]
+    def codec(self, d: int, bits: int) -> TurboQuantCodec:
+        if (d, bits) not in self._codecs:
+            self._codecs[(d, bits)] = TurboQuantCodec(d, bits, self.device)
+        return self._codecs[(d, bits)]
 
     def resident(self) -> int:
         return sum(s.resident_bytes() for s in self.stores)
@@ -400,6 +406,16 @@ class Cells(Provider):
 
     def retained_rows(self, geometry, positions):
         return positions if geometry.window is None else min(positions, geometry.window)
+
+
+def precision_label(k_bits: int, v_bits: int) -> str:
+    """A QUANTIZED cell's precision: tq4 (K and V at 4 bits) or tq5/3 (K at 5, V at 3)."""
+    return f"tq{k_bits}" if k_bits == v_bits else f"tq{k_bits}/{v_bits}"
+
+
+def precision_widths(label: str) -> tuple[int, int]:
+    k, _, v = label.removeprefix("tq").partition("/")
+    return int(k), int(v or k)
 
 
 def _readonly_tensor(a: np.ndarray) -> torch.Tensor:

@@ -71,13 +71,15 @@ def validate_options(identity: str, pairs: Sequence[tuple[str, str]], where: str
     for key, raw in pairs:
         if key not in declared:
             names = ", ".join(declared) or "none"
-            raise LarqlError(f"{where}: {identity} has no option {key!r} (declared: {names})")
+            hint = f"; {cls.hint()}" if cls.hint() else ""
+            raise LarqlError(f"{where}: {identity} has no option {key!r} (declared: {names}){hint}")
         if key in seen:
             raise LarqlError(f"{where}: option {key!r} given twice")
         try:
             seen[key] = declared[key].parse(raw)
         except ValueError as e:
-            raise LarqlError(f"{where}: {identity} option {key}: {e}") from None
+            hint = f"; {cls.hint()}" if cls.hint() else ""
+            raise LarqlError(f"{where}: {identity} option {key}: {e}{hint}") from None
     missing = [o.name for o in declared.values() if o.required and o.name not in seen]
     if missing:
         raise LarqlError(f"{where}: {identity} requires option {', '.join(missing)} "

@@ -1,6 +1,7 @@
 """Row codecs: how one head vector of length d is stored, behind one interface the codec engines use.
 
-- `TurboQuantCodec`: f32 norm + Lloyd-Max indices after a randomized Hadamard rotation (3 or 4 bits).
+- `TurboQuantCodec`: f32 norm + Lloyd-Max indices after a randomized Hadamard rotation (2, 3, 4, 5,
+  6 or 8 bits).
   On CPU it runs the numba kernels (and can attend on codes directly); elsewhere the torch twin.
 - `Int4GroupCodec`: the seed article's scheme -- symmetric INT4, one scale per group of 32 values
   (stored as float16, as llama.cpp's q4_0 does): 4.5 bits per value at d = 256.
@@ -34,8 +35,7 @@ class RowCodec:
 class TurboQuantCodec(RowCodec):
     def __init__(self, d: int, bits: int, device: torch.device):
         tq.check_dim(d)
-        if bits not in (3, 4):
-            raise ValueError(f"bits must be 3 or 4, got {bits}")
+        tq.check_bits(bits)
         self.d, self.bits, self.device = d, bits, device
         self.cpu = device.type == "cpu"
         self.fused = self.cpu
@@ -111,6 +111,25 @@ class Int4GroupCodec(RowCodec):
         q = torch.stack((code & 0xF, code >> 4), dim=-1).view(code.shape[0], self.d).float() - 8.0
         scale = f["scale"].reshape(code.shape[0], -1).float()
         x = (q.view(code.shape[0], -1, self.group) / 7.0 * scale[..., None]).view(code.shape[0], self.d)
+        if out is not None:
+            out.copy_(x)
+            return out
+        return x
+
+
+class ExactCodec(RowCodec):
+    """f32 rows as they came: what a per-layer policy stores on a layer kept exact."""
+
+    def __init__(self, d: int, device: torch.device):
+        self.d, self.device = d, device
+        self.fields = {"x": ((d,), torch.float32)}
+        self.label = "f32"
+
+    def encode(self, x):
+        return {"x": x.reshape(-1, self.d).float()}
+
+    def decode(self, f, out=None):
+        x = f["x"].reshape(-1, self.d)
         if out is not None:
             out.copy_(x)
             return out

@@ -3,8 +3,9 @@
 encode: norm = ||x|| (f32, summed in f64); u = x * (1 / norm); z = H(s * u), where s is a fixed +-1 sign
     diagonal and H the unnormalised Walsh-Hadamard butterfly -- so z = sqrt(d) * (orthonormal
     rotation of u) and each coordinate is close to N(0, 1); each z_i becomes the index of its
-    Lloyd-Max cell (boundaries at the midpoints between centroids); indices are packed (4 bits: two
-    per byte, low nibble first; 3 bits: eight per three bytes, little-endian).
+    Lloyd-Max cell (boundaries at the midpoints between centroids); indices are packed eight at a
+    time into `bits` bytes, little-endian (4 bits: two per byte, low nibble first; 8 bits: one per
+    byte; 2, 3, 5, 6 bits: eight per 2, 3, 5, 6 bytes).
 decode: z' = centroids[index]; x' = s * H(z') * (norm / d)  (the inverse rotation, times norm/sqrt(d)
     for each of the two sqrt(d) factors).
 
@@ -39,8 +40,16 @@ def codebook(bits: int) -> tuple[np.ndarray, np.ndarray]:
     return c.astype(np.float32), ((c[1:] + c[:-1]) / 2).astype(np.float32)
 
 
+WIDTHS = (2, 3, 4, 5, 6, 8)
+
+
 def code_bytes(d: int, bits: int) -> int:
     return d * bits // 8
+
+
+def check_bits(bits: int) -> None:
+    if bits not in WIDTHS:
+        raise ValueError(f"bits must be one of {', '.join(map(str, WIDTHS))}, got {bits}")
 
 
 def check_dim(d: int) -> None:
@@ -77,14 +86,16 @@ def _pack(idx, out, bits):  # pragma: no cover - jitted
     if bits == 4:
         for i in range(d // 2):
             out[i] = np.uint8(idx[2 * i] | (idx[2 * i + 1] << 4))
-    else:  # 3 bits: eight indices in three bytes
+    elif bits == 8:
+        for i in range(d):
+            out[i] = np.uint8(idx[i])
+    else:  # 2, 3, 5, 6 bits: eight indices in `bits` bytes, little-endian
         for g in range(d // 8):
             word = 0
             for k in range(8):
-                word |= np.int64(idx[8 * g + k]) << (3 * k)
-            out[3 * g] = np.uint8(word & 0xFF)
-            out[3 * g + 1] = np.uint8((word >> 8) & 0xFF)
-            out[3 * g + 2] = np.uint8((word >> 16) & 0xFF)
+                word |= np.int64(idx[8 * g + k]) << (bits * k)
+            for j in range(bits):
+                out[bits * g + j] = np.uint8((word >> (8 * j)) & 0xFF)
 
 
 @njit(cache=True, inline="always")
@@ -95,11 +106,17 @@ def _unpack_values(code, centroids, bits, out):  # pragma: no cover - jitted
             byte = code[i]
             out[2 * i] = centroids[byte & 0xF]
             out[2 * i + 1] = centroids[byte >> 4]
+    elif bits == 8:
+        for i in range(d):
+            out[i] = centroids[code[i]]
     else:
+        mask = (1 << bits) - 1
         for g in range(d // 8):
-            word = np.int64(code[3 * g]) | (np.int64(code[3 * g + 1]) << 8) | (np.int64(code[3 * g + 2]) << 16)
+            word = 0
+            for j in range(bits):
+                word |= np.int64(code[bits * g + j]) << (8 * j)
             for k in range(8):
-                out[8 * g + k] = centroids[(word >> (3 * k)) & 7]
+                out[8 * g + k] = centroids[(word >> (bits * k)) & mask]
 
 
 CHUNK = 64  # rows per parallel work item: per-row scratch is allocated once per chunk

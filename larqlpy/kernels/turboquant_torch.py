@@ -11,12 +11,14 @@ from larqlpy.kernels import turboquant as tq
 class TorchCodec:
     def __init__(self, d: int, bits: int, device: torch.device):
         tq.check_dim(d)
+        tq.check_bits(bits)
         c, b = tq.codebook(bits)
         self.d, self.bits, self.device = d, bits, device
         self.signs = torch.from_numpy(tq.signs(d)).to(device)
         self.centroids = torch.from_numpy(c).to(device)
         self.boundaries = torch.from_numpy(b).to(device)
-        self.shifts = torch.arange(8, device=device, dtype=torch.int64) * 3
+        self.shifts = torch.arange(8, device=device, dtype=torch.int64) * bits
+        self.byte_shifts = torch.arange(bits, device=device, dtype=torch.int64) * 8
 
     def fwht(self, v: torch.Tensor) -> torch.Tensor:
         """Unnormalised Walsh-Hadamard butterfly over the last dim, stage by stage like `_fwht`."""
@@ -43,8 +45,10 @@ class TorchCodec:
         if self.bits == 4:
             pairs = idx.view(n, d // 2, 2)
             return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+        if self.bits == 8:
+            return idx.to(torch.uint8)
         words = (idx.view(n, d // 8, 8) << self.shifts).sum(-1)  # disjoint bits: sum == or
-        return torch.stack((words & 0xFF, (words >> 8) & 0xFF, (words >> 16) & 0xFF), dim=-1).view(n, -1).to(torch.uint8)
+        return ((words[..., None] >> self.byte_shifts) & 0xFF).view(n, -1).to(torch.uint8)
 
     def unpack_values(self, codes: torch.Tensor) -> torch.Tensor:
         """codes (n, nbytes) -> centroid values (n, d)."""
@@ -52,10 +56,11 @@ class TorchCodec:
         c = codes.to(torch.int64)
         if self.bits == 4:
             idx = torch.stack((c & 0xF, c >> 4), dim=-1).view(n, self.d)
+        elif self.bits == 8:
+            idx = c
         else:
-            g = c.view(n, self.d // 8, 3)
-            words = g[..., 0] | (g[..., 1] << 8) | (g[..., 2] << 16)
-            idx = ((words[..., None] >> self.shifts) & 7).view(n, self.d)
+            words = (c.view(n, self.d // 8, self.bits) << self.byte_shifts).sum(-1)
+            idx = ((words[..., None] >> self.shifts) & ((1 << self.bits) - 1)).view(n, self.d)
         return self.centroids[idx]
 
     def decode(self, norms: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from larqlpy.kernels.turboquant import WIDTHS
+
 from larqlpy.errors import LarqlError
 
 
@@ -52,9 +54,19 @@ class Policy:
     keep_active_recent: int = 128
     quantize_layers: tuple[int, ...] | None = None  # None: all layers
     bits: int = 4
+    k_bits: int | None = None  # None: `bits`
+    v_bits: int | None = None
+    layer_bits: tuple[tuple[int, tuple[int, int] | None], ...] = ()  # per layer: (K, V) widths, None: exact
 
     def may_quantize(self, layer: int) -> bool:
+        if dict(self.layer_bits).get(layer, ()) is None:
+            return False
         return self.quantize_layers is None or layer in self.quantize_layers
+
+    def widths(self, layer: int) -> tuple[int, int]:
+        """(K bits, V bits) of this layer's QUANTIZED cells."""
+        w = dict(self.layer_bits).get(layer)
+        return w if w is not None else (self.k_bits or self.bits, self.v_bits or self.bits)
 
 
 @dataclass
@@ -184,15 +196,18 @@ def _enum(cls, node, err, what):
 
 
 def _policy(node, err) -> Policy:
+    from larqlpy.engines.codec import parse_layer_bits
+
     if node is None:
         return Policy()
     if not isinstance(node, yaml.MappingNode):
         raise err(node, "policy must be a mapping")
     fields = {k.value: (k, v) for k, v in node.value}
-    unknown = set(fields) - {"keep_active_recent", "quantize_layers", "bits"}
+    known = ("keep_active_recent", "quantize_layers", "bits", "k_bits", "v_bits", "layer_bits")
+    unknown = set(fields) - set(known)
     if unknown:
         key = fields[sorted(unknown)[0]][0]
-        raise err(key, f"unknown policy key {key.value!r} (expected keep_active_recent, quantize_layers, bits)")
+        raise err(key, f"unknown policy key {key.value!r} (expected {', '.join(known)})")
     keep = _int(fields.get("keep_active_recent", (None, None))[1], 128, err, "keep_active_recent")
     bits = _int(fields.get("bits", (None, None))[1], 4, err, "bits", lo=3)
     if bits not in (3, 4):
@@ -209,4 +224,21 @@ def _policy(node, err) -> Policy:
             layers = tuple(v)
         else:
             raise err(layers_node, "quantize_layers must be all, none, or a list of layer indices")
-    return Policy(keep_active_recent=keep, quantize_layers=layers, bits=bits)
+    widths = {}
+    for name in ("k_bits", "v_bits"):
+        node_w = fields.get(name, (None, None))[1]
+        if node_w is not None:
+            widths[name] = _int(node_w, None, err, name, lo=2)
+            if widths[name] not in WIDTHS:
+                raise err(node_w, f"{name} must be one of {', '.join(map(str, WIDTHS))}, got {widths[name]}")
+    per_node = fields.get("layer_bits", (None, None))[1]
+    per: tuple = ()
+    if per_node is not None:
+        v = _scalar(per_node)
+        if isinstance(v, dict):  # {5: 8/4, 11: exact}
+            v = ",".join(f"{k}:{w}" for k, w in v.items())
+        try:
+            per = parse_layer_bits(str(v))
+        except ValueError as e:
+            raise err(per_node, f"layer_bits: {e}") from None
+    return Policy(keep_active_recent=keep, quantize_layers=layers, bits=bits, layer_bits=per, **widths)
