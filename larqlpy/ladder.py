@@ -57,7 +57,9 @@ def row_cosine(state, ref_state) -> float:
         k, v = store.read(base, torch.float32)
         rk, rv = ref.read(base, torch.float32)
         for a, b in ((k, rk), (v, rv)):
-            cos = torch.nn.functional.cosine_similarity(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), dim=-1)
+            a, b = a.reshape(-1, a.shape[-1]).double(), b.reshape(-1, b.shape[-1]).double()
+            # identical rows are exactly 1 (the formula can round to an ulp below it)
+            cos = torch.where((a == b).all(-1), 1.0, torch.nn.functional.cosine_similarity(a, b, dim=-1))
             total += cos.sum().item()
             count += cos.numel()
     return total / count if count else 1.0
