@@ -31,7 +31,6 @@ from larqlpy.errors import LarqlError
 TILE = 64
 GROUP = 32
 FORMATS = ("f32", "bf16", "int8", "int4")
-BITS_PER_WEIGHT = {"f32": 32.0, "bf16": 16.0, "int8": 8 + 32 / GROUP, "int4": 4 + 64 / GROUP}
 SLAB_BYTES = 16 << 20  # float32 scratch per dequantized slab in prefill
 GEMV_ROWS = 16  # up to this many rows run the decode kernel once per row: faster than a slab (measured on the 270M shapes)
 
