@@ -58,8 +58,9 @@ def cosine_table(loaded) -> None:
 
 
 def drift_table(loaded, tokens: int) -> None:
-    from larqlpy.engines import parse_engine_spec
+    from larqlpy.engines import build_provider, parse_engine_spec
     from larqlpy.quality import drift
+    from larqlpy.residency import bits_per_value
 
     print(f"\nAgainst canonical/v1, {tokens} generated tokens per prompt, {len(PROMPTS)} prompts "
           "(teacher-forced KL and top-1; free-running greedy match)\n")
@@ -74,23 +75,11 @@ def drift_table(loaded, tokens: int) -> None:
             d, refs[p] = drift(loaded.model, spec, ids, tokens, refs.get(p))
             rows.append(d)
         n = len(rows)
-        bits = bits_per_value(spec, loaded)
+        bits = bits_per_value(build_provider(spec), loaded.model.geometries(), 4096)  # a long context
         print(f"| {spec.describe()} | {bits:.3f} | {sum(r.mean_kl for r in rows) / n:.4f} | "
               f"{max(r.max_kl for r in rows):.3f} | {sum(r.top1 for r in rows) / n:.3f} | "
               f"{sum(r.greedy_match for r in rows) / n:.3f} | {', '.join(str(r.common_prefix) for r in rows)} |",
               flush=True)
-
-
-def bits_per_value(spec, loaded) -> float:
-    """Stored bits per K/V value for a long context (norms, scales and exact rows included)."""
-    from larqlpy.engines import build_provider
-
-    provider = build_provider(spec)
-    geoms = loaded.model.geometries()
-    n = 4096
-    total = sum(provider.layer_bytes(g, n) for g in geoms)
-    values = sum(provider.retained_rows(g, n) * 2 * g.n_kv_heads * g.head_dim for g in geoms)
-    return 8 * total / values
 
 
 def main() -> None:

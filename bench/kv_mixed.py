@@ -16,7 +16,6 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "larqlpy" / "data" / "long.txt"
@@ -43,38 +42,6 @@ QUOTED = [  # llama.cpp's quantized KV cache on the same model (quoted from the 
 ]
 
 
-def bits_per_value(provider, geometries, positions: int) -> float:
-    """Stored bits per retained K/V value after `positions` positions (everything counted)."""
-    total = sum(provider.layer_bytes(g, positions) for g in geometries)
-    values = sum(provider.retained_rows(g, positions) * 2 * g.n_kv_heads * g.head_dim for g in geometries)
-    return 8 * total / values
-
-
-@torch.inference_mode()
-def teacher_forced(model, spec, ids: list[int], prompt: int) -> torch.Tensor:
-    """Logits predicting ids[prompt + i] for each decode step i (prefill, then one token per step)."""
-    from larqlpy.engines import build_provider
-    from larqlpy.generate import prefill
-
-    state = build_provider(spec).new_state(model.geometries(), model.device)
-    out = [prefill(model, state, ids[:prompt], 1024)[-1]]
-    for t in ids[prompt:-1]:
-        out.append(model(torch.tensor([t]), state)[-1])
-    return torch.stack(out)
-
-
-def measure(model, spec, ids: list[int], prompt: int, ref: torch.Tensor) -> dict:
-    """Teacher-forced KL / top-1 / loss of `spec` against canonical's logits `ref`."""
-    from larqlpy.quality import kl
-
-    logits = teacher_forced(model, spec, ids, prompt)
-    k = kl(ref, logits)
-    target = torch.tensor(ids[prompt:])
-    loss = torch.nn.functional.cross_entropy(logits, target).item()
-    return {"mean_kl": k.mean().item(), "max_kl": k.max().item(),
-            "top1": (logits.argmax(-1) == ref.argmax(-1)).float().mean().item(), "loss": loss}
-
-
 def greedy(model, spec, prompt_ids: list[int], n: int) -> tuple[list[int], float]:
     from larqlpy.generate import GenerationConfig, generate
 
@@ -85,6 +52,8 @@ def greedy(model, spec, prompt_ids: list[int], n: int) -> tuple[list[int], float
 def main() -> None:
     from larqlpy.engines import build_provider, parse_engine_spec
     from larqlpy.model.loader import load
+    from larqlpy.quality import agreement, forced_score, teacher_forced_logits
+    from larqlpy.residency import bits_per_value
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "models" / "gemma-3-270m"))
@@ -100,7 +69,8 @@ def main() -> None:
     n = len(ids)
     geoms = model.geometries()
     ref_spec = parse_engine_spec()
-    ref = teacher_forced(model, ref_spec, ids, args.prompt)
+    prompt, forced = ids[:args.prompt], ids[args.prompt:]
+    ref = teacher_forced_logits(model, ref_spec, prompt, forced)
     ref_ids, _ = greedy(model, ref_spec, ids[:args.prompt], args.greedy)
     print(f"\n{model.cfg.num_hidden_layers}-layer 270M, {n} tokens of larqlpy/data/long.txt: {args.prompt} prefilled, "
           f"{n - args.prompt} teacher-forced decode steps; greedy: {args.greedy} tokens after the prompt\n")
@@ -111,11 +81,11 @@ def main() -> None:
         if args.only is not None and i not in args.only and i != 0:
             continue
         spec = parse_engine_spec(continuation=identity, continuation_options=opts)
-        m = measure(model, spec, ids, args.prompt, ref)
+        m = forced_score(model, spec, prompt, forced, ref)
         if exact_loss is None:
             exact_loss = m["loss"]
         got, tps = greedy(model, spec, ids[:args.prompt], args.greedy)
-        match = sum(a == b for a, b in zip(got, ref_ids)) / len(ref_ids)
+        match, _ = agreement(got, ref_ids)
         bits = bits_per_value(build_provider(spec), geoms, n)
         print(f"| {spec.describe()} | {bits:.3f} | {m['mean_kl']:.4f} | {m['max_kl']:.3f} | {m['top1']:.3f} | "
               f"{m['loss']:.4f} | {100 * (m['loss'] / exact_loss - 1):+.1f}% | {match:.3f} | {tps:.1f} |", flush=True)

@@ -33,7 +33,7 @@ def main() -> None:
     from larqlpy.engines import EngineSpec
     from larqlpy.generate import GenerationConfig, generate
     from larqlpy.model.loader import load
-    from larqlpy.quality import score_text
+    from larqlpy.quality import agreement, score_text
 
     t0 = time.time()
     ref = load(args.model, device="cpu")
@@ -48,9 +48,10 @@ def main() -> None:
         match, prefixes = [], []
         for p, want in zip(prompts, ref_greedy):
             got = [t.id for t in generate(test.model, p, EngineSpec(), cfg)]
-            match.append(sum(a == b for a, b in zip(got, want)) / len(want))
-            prefixes.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want)))
-        bits = 8 * test.weight_bytes / sum(w.numel() for w in ref.model.weights())
+            frac, prefix = agreement(got, want)
+            match.append(frac)
+            prefixes.append(prefix)
+        bits = 8 * test.weight_bytes / (ref.weight_bytes / 4)  # per parameter: ref holds float32
         rows.append((fmt, test.weight_bytes, bits, s, sum(match) / len(match), prefixes))
         del test
     print(f"\n{s.tokens} teacher-forced positions of larqlpy/data/long.txt; greedy over {args.tokens} tokens x "

@@ -8,6 +8,7 @@ match the reference position by position, and the common prefix.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -15,11 +16,16 @@ import torch
 
 from larqlpy.engines import EngineSpec, build_provider
 from larqlpy.generate import GenerationConfig, generate, prefill
+from larqlpy.state.store import common_prefix
 
 
 def kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> torch.Tensor:
     """KL(ref || test) in nats over the last dim."""
-    lp, lq = torch.log_softmax(ref_logits.float(), -1), torch.log_softmax(test_logits.float(), -1)
+    return kl_logprobs(torch.log_softmax(ref_logits.float(), -1), torch.log_softmax(test_logits.float(), -1))
+
+
+def kl_logprobs(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) from log-probabilities."""
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
@@ -31,6 +37,22 @@ def teacher_forced_logits(model, spec: EngineSpec, prompt: Sequence[int], tokens
     for t in tokens[:-1]:
         out.append(model(torch.tensor([t]), state)[-1])
     return torch.stack(out)
+
+
+def agreement(got: Sequence[int], want: Sequence[int]) -> tuple[float, int]:
+    """Free-running ids against the reference's: fraction equal position by position, common prefix."""
+    return sum(a == b for a, b in zip(got, want)) / len(want), common_prefix(list(got), list(want))
+
+
+def forced_score(model, spec: EngineSpec, prompt: Sequence[int], tokens: Sequence[int],
+                 ref_logits: torch.Tensor) -> dict:
+    """`spec` teacher-forced through `tokens` after `prompt`, against a reference's logits for the same
+    steps: mean / max KL(ref || spec), top-1 agreement, and the loss of the actual tokens."""
+    logits = teacher_forced_logits(model, spec, prompt, tokens)
+    k = kl(ref_logits, logits)
+    return {"mean_kl": k.mean().item(), "max_kl": k.max().item(),
+            "top1": (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(),
+            "loss": torch.nn.functional.cross_entropy(logits, torch.tensor(list(tokens))).item()}
 
 
 @dataclass
@@ -58,10 +80,8 @@ def drift(model, spec: EngineSpec, prompt: Sequence[int], n: int,
     test_logits = teacher_forced_logits(model, spec, prompt, ref_ids)
     k = kl(ref_logits, test_logits)
     free = [t.id for t in generate(model, prompt, spec, GenerationConfig(max_tokens=n, stop_at_eos=False))]
-    prefix = next((i for i, (a, b) in enumerate(zip(free, ref_ids)) if a != b), len(ref_ids))
     d = Drift(spec.describe(), len(ref_ids), k.mean().item(), k.max().item(),
-              (test_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(),
-              sum(a == b for a, b in zip(free, ref_ids)) / len(ref_ids), prefix)
+              (test_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(), *agreement(free, ref_ids))
     return d, reference
 
 
@@ -79,11 +99,11 @@ class TextScore:
 
     @property
     def ref_ppl(self) -> float:
-        return float(torch.tensor(self.ref_loss).exp())
+        return math.exp(self.ref_loss)
 
     @property
     def test_ppl(self) -> float:
-        return float(torch.tensor(self.test_loss).exp())
+        return math.exp(self.test_loss)
 
 
 def score_text(ref_model, test_model, ids: Sequence[int], chunk: int = 512,
@@ -96,7 +116,7 @@ def score_text(ref_model, test_model, ids: Sequence[int], chunk: int = 512,
         target = torch.tensor(ids[lo + 1:lo + chunk + 1], dtype=torch.long)
         lr, lt = (torch.log_softmax(m(block, s, all_logits=True).float(), -1)[:len(target)]
                   for m, s in zip((ref_model, test_model), states))
-        kls.append((lr.exp() * (lr - lt)).sum(-1))
+        kls.append(kl_logprobs(lr, lt))
         top1.append(lr.argmax(-1) == lt.argmax(-1))
         nll_ref.append(-lr.gather(1, target[:, None])[:, 0])
         nll_test.append(-lt.gather(1, target[:, None])[:, 0])

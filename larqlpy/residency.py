@@ -52,6 +52,14 @@ def account(provider: Provider, geometries: list[LayerGeometry], positions: int)
             "rows": sum(k["rows"] for k in by_kind.values()), "bytes": sum(k["bytes"] for k in by_kind.values())}
 
 
+def bits_per_value(provider: Provider, geometries: list[LayerGeometry], positions: int) -> float:
+    """Stored bits per retained K/V value after `positions` positions (codes, norms, scales and exact
+    rows all counted)."""
+    total = sum(provider.layer_bytes(g, positions) for g in geometries)
+    values = sum(provider.retained_rows(g, positions) * 2 * g.n_kv_heads * g.head_dim for g in geometries)
+    return 8 * total / values
+
+
 def default_specs() -> list[EngineSpec]:
     """Every registered provider, with the options that show its range (e.g. each codec width)."""
     specs = []

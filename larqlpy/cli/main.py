@@ -29,6 +29,8 @@ out = Console(no_color=NO_COLOR, highlight=False, width=None if sys.stdout.isatt
 
 DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda")
 DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16")
+MONITOR = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)")
+MONITOR_PLOT = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG")
 WEIGHTS = typer.Option("f32", "--weights", help="f32 | bf16 | int8 | int4: weight precision, packed at load")
 
 
@@ -57,8 +59,8 @@ def run(
     prefill_chunk: int = typer.Option(GenerationConfig.prefill_chunk, "--prefill-chunk", help="tokens per prefill block"),
     stats: bool = typer.Option(False, "--stats", help="print engine, speeds and KV bytes to stderr"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
-    monitor: Optional[Path] = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)"),
-    monitor_plot: Optional[Path] = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG"),
+    monitor: Optional[Path] = MONITOR,
+    monitor_plot: Optional[Path] = MONITOR_PLOT,
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
@@ -147,8 +149,8 @@ def batch(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write results here (default stdout)"),
     workers: int = typer.Option(1, "--workers", help="processes, each mapping the same weights"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
-    monitor: Optional[Path] = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)"),
-    monitor_plot: Optional[Path] = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG"),
+    monitor: Optional[Path] = MONITOR,
+    monitor_plot: Optional[Path] = MONITOR_PLOT,
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
@@ -367,8 +369,8 @@ def bench_ladder(
     max_positions: int = typer.Option(16384, "--max-positions", help="with --budget: stop here if it still fits"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG: bytes against positions, log scale"),
     as_json: bool = typer.Option(False, "--json"),
-    monitor: Optional[Path] = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)"),
-    monitor_plot: Optional[Path] = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG"),
+    monitor: Optional[Path] = MONITOR,
+    monitor_plot: Optional[Path] = MONITOR_PLOT,
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
@@ -422,7 +424,6 @@ def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json:
     from larqlpy.engines.cells import parse_size
     from larqlpy.ladder import DEFAULT_ENGINES, until_budget
     from larqlpy.model.loader import load
-    from larqlpy.engines.codec import RECOMMENDED, recommended_flags
     from larqlpy.residency import capacity
 
     try:
@@ -461,8 +462,8 @@ def bench_consistency(
     continuation_option: List[str] = typer.Option([], "--continuation-option", help="key=value (repeatable)"),
     max_tokens: int = typer.Option(16, "-n", "--max-tokens", help="answer length"),
     as_json: bool = typer.Option(False, "--json"),
-    monitor: Optional[Path] = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)"),
-    monitor_plot: Optional[Path] = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG"),
+    monitor: Optional[Path] = MONITOR,
+    monitor_plot: Optional[Path] = MONITOR_PLOT,
     device: str = DEVICE,
     weights: str = WEIGHTS,
 ):

@@ -46,8 +46,6 @@ def _weight(*shape: int) -> nn.Parameter:
 
 
 class Block(nn.Module):
-    WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "gate_proj", "up_proj", "down_proj",
-               "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
     SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # packed weights stack these
 
     def __init__(self, cfg: Gemma3Config, layer: int):
@@ -100,10 +98,6 @@ class Gemma3(nn.Module):
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=dtype)
         self.ropes = {"global": Rope(cfg.rope_global, cfg.head_dim, self.device),
                       "sliding": Rope(cfg.rope_local, cfg.head_dim, self.device)}
-
-    def weights(self) -> list:
-        """Every weight: float tensors, and packed matrices (which are not nn.Parameters)."""
-        return [self.embed_tokens, self.norm] + [getattr(b, n) for b in self.layers for n in Block.WEIGHTS]
 
     def geometries(self) -> list[LayerGeometry]:
         c = self.cfg

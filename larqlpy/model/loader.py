@@ -47,12 +47,17 @@ class LoadedModel:
     fingerprint: str  # config + weight file headers: what a saved state must match
     weights: str = "f32"  # f32 | bf16 | int8 | int4: the precision the matrices run at
 
+    def held_weights(self) -> list:
+        """Every weight as the model holds it: float tensors, packed matrices (not nn.Parameters), and
+        the stacked matrix behind packed q|k|v and gate|up once."""
+        m = self.model
+        held = [m.embed_tokens, m.norm] + [getattr(b, n) for b in m.layers for n in BLOCK_WEIGHTS]
+        return list({id(w): w for w in (w.whole if isinstance(w, PackedPart) else w for w in held)}.values())
+
     @property
     def weight_bytes(self) -> int:
         """Bytes the weights take on their device (packed matrices at their packed size)."""
-        unique = {id(w.whole if isinstance(w, PackedPart) else w): w.whole if isinstance(w, PackedPart) else w
-                  for w in self.model.weights()}
-        return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in unique.values())
+        return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in self.held_weights())
 
     @property
     def device(self) -> torch.device:
