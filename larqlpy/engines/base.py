@@ -11,7 +11,7 @@ logical range [base, end) it retains; where those rows live is its own business.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
 import torch
@@ -29,6 +29,8 @@ class LayerGeometry:
     window: int | None  # rows a query sees, itself included; None on global layers
     n_kv_heads: int
     head_dim: int
+    # the model's measured key statistics for this layer (larqlpy.calibration), for codecs that use them
+    key_calibration: object = field(default=None, compare=False, repr=False)
 
     @property
     def kind(self) -> str:
@@ -106,6 +108,10 @@ class LayerStore:
 
     def release(self) -> None:
         """Drop rows no later query can read. Exact engines that keep everything do nothing."""
+
+    def meta(self) -> dict:
+        """What a saved state must match to be restored into this store, beyond the geometry."""
+        return {}
 
     # -- persistence: saved as cells of CELL_POSITIONS positions -------------------------------
     def row_sets(self) -> dict:

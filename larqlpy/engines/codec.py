@@ -51,37 +51,68 @@ class Scratch:
 
 
 class CodecStore(LayerStore):
-    """K and V rows as codes (each tensor its own codec), plus optional exact f32 copies: the newest
-    `exact_recent` K rows, and the K and V rows of the first `sink` positions (attention sinks)."""
+    """K and V rows as codes (each tensor its own codec), plus optional copies of some rows: the
+    newest `tier` rows' K and V again at a wider width (`tier_codecs`), the newest `exact_recent` K
+    rows in f32, and the K and V rows of the first `sink` positions in f32 (attention sinks).
+    With a key calibration (larqlpy.calibration), K codes hold (k - mean) * scale."""
 
     def __init__(self, geometry: LayerGeometry, device: torch.device, codec: RowCodec, keep: int | None,
-                 scratch: Scratch, exact_recent: int = 0, v_codec: RowCodec | None = None, sink: int = 0):
+                 scratch: Scratch, exact_recent: int = 0, v_codec: RowCodec | None = None, sink: int = 0,
+                 tier: int = 0, tier_codecs: tuple[RowCodec, RowCodec] | None = None, calibration=None):
         super().__init__(geometry, device)
         self.k_codec, self.v_codec, self.scratch = codec, v_codec or codec, scratch
         self.codecs = {"k": self.k_codec, "v": self.v_codec}
-        fields = {f"{t}_{name}": spec for t, c in self.codecs.items() for name, spec in c.fields.items()}
-        self.rows = Rows(geometry.n_kv_heads, fields, device, keep)
+        self.rows = Rows(geometry.n_kv_heads, self._field_specs(self.codecs), device, keep)
         d = geometry.head_dim
         self.recent = (Rows(geometry.n_kv_heads, {"k": ((d,), torch.float32)}, device, exact_recent)
                        if exact_recent else None)
+        self.tier_codecs = dict(zip("kv", tier_codecs)) if tier else None
+        self.tier = Rows(geometry.n_kv_heads, self._field_specs(self.tier_codecs), device, tier) if tier else None
         self.sink = sink
         self.sinks = (Rows(geometry.n_kv_heads, {t: ((d,), torch.float32) for t in ("k", "v")}, device)
                       if sink else None)
-        self.fused = self.k_codec.fused and self.v_codec.fused
+        self.calibration = calibration
+        if calibration is not None:  # (Hkv, 1, D): broadcast over rows
+            self.k_mean = calibration.mean.to(device)[:, None]
+            self.k_scale = calibration.scale.to(device)[:, None]
+        self.fused = all(c.fused for c in (self.k_codec, self.v_codec, *(self.tier_codecs or {}).values()))
         self.last = False  # the last layer frees the shared scratch when a block is done
+
+    @staticmethod
+    def _field_specs(codecs: dict[str, RowCodec]) -> dict:
+        return {f"{t}_{name}": spec for t, c in codecs.items() for name, spec in c.fields.items()}
 
     @property
     def codec(self) -> RowCodec:
         return self.k_codec
 
-    def _encode(self, x: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+    def meta(self):
+        return {} if self.calibration is None else {"key_calibration": self.calibration.digest}
+
+    def _encode(self, x: torch.Tensor, prefix: str, codecs: dict[str, RowCodec]) -> dict[str, torch.Tensor]:
         hkv, t, _ = x.shape
-        enc = self.codecs[prefix].encode(x.reshape(hkv * t, -1))
+        if prefix == "k" and self.calibration is not None:
+            x = (x.float() - self.k_mean) * self.k_scale
+        enc = codecs[prefix].encode(x.reshape(hkv * t, -1))
         return {f"{prefix}_{name}": val.view(hkv, t, *val.shape[1:]) for name, val in enc.items()}
+
+    def _decode(self, r: dict[str, torch.Tensor], prefix: str, codec: RowCodec, out: torch.Tensor) -> None:
+        """Rows' `prefix` fields -> out (Hkv, N, D) f32, calibration undone."""
+        hkv, n, d = out.shape
+        flat = {name: r[f"{prefix}_{name}"].reshape(hkv * n, *r[f"{prefix}_{name}"].shape[2:]).contiguous()
+                for name in codec.fields}
+        direct = out.is_contiguous()  # a slice of the scratch spans heads: decode beside it, then copy
+        got = codec.decode(flat, out=out.view(hkv * n, d) if direct else None)
+        if not direct or got.data_ptr() != out.data_ptr():
+            out.copy_(got.view(hkv, n, d))
+        if prefix == "k" and self.calibration is not None:
+            out.div_(self.k_scale).add_(self.k_mean)
 
     def append(self, k, v):
         q_start = self.end
-        self.rows.append({**self._encode(k, "k"), **self._encode(v, "v")})
+        self.rows.append({**self._encode(k, "k", self.codecs), **self._encode(v, "v", self.codecs)})
+        if self.tier is not None:
+            self.tier.append({**self._encode(k, "k", self.tier_codecs), **self._encode(v, "v", self.tier_codecs)})
         if self.recent is not None:
             self.recent.append({"k": k.float()})
         if self.sinks is not None and q_start < self.sink:
@@ -90,11 +121,16 @@ class CodecStore(LayerStore):
         self.end = self.rows.end
 
     def _fields(self, r: dict[str, torch.Tensor], prefix: str, head: int, hi: int | None = None):
-        return {name: r[f"{prefix}_{name}"][head, :hi] for name in self.codecs[prefix].fields}
+        names = {k[len(prefix) + 1:] for k in r if k.startswith(prefix + "_")}
+        return {name: r[f"{prefix}_{name}"][head, :hi] for name in names}
 
     def _exact_from(self, start: int) -> int:
         """First position whose K row is exact (end when none is)."""
         return self.end if self.recent is None else max(start, self.recent.base)
+
+    def _tier_from(self, start: int) -> int:
+        """First position whose rows are read from the wider tier (end when there is none)."""
+        return self.end if self.tier is None else max(start, self.tier.base)
 
     def _sink_end(self, start: int) -> int:
         """Sink rows a read from `start` sees: positions [start, returned)."""
@@ -102,14 +138,15 @@ class CodecStore(LayerStore):
 
     def read(self, start, dtype):
         hkv, d, n = self.geometry.n_kv_heads, self.geometry.head_dim, self.end - start
-        r = self.rows.read(start, self.end)
         buf = self.scratch.get(2, hkv, n, d)
+        tier = self._tier_from(start)
+        r = self.rows.read(start, tier)
         for i, (prefix, codec) in enumerate(self.codecs.items()):
-            flat = {name: r[f"{prefix}_{name}"].reshape(hkv * n, *r[f"{prefix}_{name}"].shape[2:]).contiguous()
-                    for name in codec.fields}
-            out = codec.decode(flat, out=buf[i].view(hkv * n, d))
-            if out.data_ptr() != buf[i].data_ptr():
-                buf[i].view(hkv * n, d).copy_(out)
+            self._decode(r, prefix, codec, buf[i][:, :tier - start])
+        if tier < self.end:
+            r = self.tier.read(tier, self.end)
+            for i, (prefix, codec) in enumerate(self.tier_codecs.items()):
+                self._decode(r, prefix, codec, buf[i][:, tier - start:])
         lo = self._exact_from(start)
         if lo < self.end:
             buf[0][:, lo - start:] = self.recent.read(lo, self.end)["k"]
@@ -119,15 +156,21 @@ class CodecStore(LayerStore):
             buf[0][:, :hi - start], buf[1][:, :hi - start] = s["k"], s["v"]
         return buf[0].to(dtype), buf[1].to(dtype)
 
+    def _scores(self, codec: RowCodec, qr, f, bias):
+        s = codec.scores(qr, f)
+        return s if bias is None else s.add_(bias[:, None])
+
     def attend(self, q, k, v, p):
         if q.shape[1] != 1 or not self.fused:
             return super().attend(q, k, v, p)
         q_start = self.end
         self.append(k, v)
         start = self.geometry.read_start(q_start)
-        r = self.rows.read(start, self.end)
-        lo = self._exact_from(start)
-        exact = self.recent.read(lo, self.end)["k"] if lo < self.end else None
+        tier = self._tier_from(start)
+        lo = min(tier, self._exact_from(start))  # K rows from here on come from the tier or are exact
+        r = self.rows.read(start, tier)
+        t = self.tier.read(tier, self.end) if tier < self.end else None
+        exact = self.recent.read(lo, self.end)["k"] if self.recent is not None and lo < self.end else None
         ns = self._sink_end(start) - start
         sinks = self.sinks.read(start, start + ns) if ns else None
         hkv = self.geometry.n_kv_heads
@@ -135,24 +178,34 @@ class CodecStore(LayerStore):
         out = torch.empty(q.shape[0], 1, q.shape[2], dtype=torch.float32)
         for h in range(hkv):
             qh = q[h * group:(h + 1) * group, 0].float()
-            s = self.k_codec.scores(self.k_codec.rotate(qh), self._fields(r, "k", h, lo - start))
+            qk, bias = qh, None
+            if self.calibration is not None:  # q . k' = (q / scale) . y' + q . mean
+                qk, bias = qh / self.k_scale[h], qh @ self.k_mean[h, 0]
+            qr = self.k_codec.rotate(qk)  # every width shares the rotation: one per head
+            parts = [self._scores(self.k_codec, qr, self._fields(r, "k", h, lo - start), bias)]
+            if t is not None:
+                parts.append(self._scores(self.tier_codecs["k"], qr, self._fields(t, "k", h), bias))
             if exact is not None:
-                s = torch.cat((s, qh @ exact[h].T), dim=1)
+                parts.append(qh @ exact[h].T)
+            s = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
             if sinks is not None:
                 s[:, :ns] = qh @ sinks["k"][h].T
             probs = torch.softmax(s * p.scale, dim=-1)
             if sinks is not None:
                 head = probs[:, :ns].clone()
                 probs[:, :ns] = 0.0
-            o = self.v_codec.weighted_sum(probs, self._fields(r, "v", h))
+            o = self.v_codec.weighted_sum(probs[:, :tier - start].contiguous(), self._fields(r, "v", h))
+            if t is not None:
+                o += self.tier_codecs["v"].weighted_sum(probs[:, tier - start:].contiguous(), self._fields(t, "v", h))
             out[h * group:(h + 1) * group, 0] = o if sinks is None else o + head @ sinks["v"][h]
         self.release()
         return out.to(q.dtype)
 
     def release(self):
         self.rows.commit()
-        if self.recent is not None:
-            self.recent.commit()
+        for ring in (self.recent, self.tier):
+            if ring is not None:
+                ring.commit()
         if self.last:
             self.scratch.release()
 
@@ -162,6 +215,8 @@ class CodecStore(LayerStore):
         sets = {"main": (self.rows, "QUANTIZED", label)}
         if self.recent is not None:
             sets["recent"] = (self.recent, "ACTIVE", "f32")
+        if self.tier is not None:
+            sets["tier"] = (self.tier, "QUANTIZED", self.tier_codecs["k"].label)
         if self.sinks is not None:
             sets["sink"] = (self.sinks, "ACTIVE", "f32")
         return sets
@@ -170,9 +225,10 @@ class CodecStore(LayerStore):
         return min(end, self.sink) if name == "sink" else end
 
     def can_trim(self, end):
-        # the exact recent K rows below the old end are gone: only the newest position can be redone
-        if self.recent is not None and self.recent.base > max(0, end - self.recent.keep):
-            return False
+        # the recent rings' rows below the old end are gone: only the newest position can be redone
+        for ring in (self.recent, self.tier):
+            if ring is not None and ring.base > max(0, end - ring.keep):
+                return False
         return super().can_trim(end)
 
     def retained(self):
@@ -187,6 +243,19 @@ WIDTH_HELP = "bits per coordinate: " + ", ".join(map(str, WIDTHS))
 K_BITS = OptionSpec("k_bits", int_in(2, 8, choices=WIDTHS), help="key width (overrides bits); " + WIDTH_HELP)
 V_BITS = OptionSpec("v_bits", int_in(2, 8, choices=WIDTHS), help="value width (overrides bits); " + WIDTH_HELP)
 SINK = OptionSpec("sink", int_in(1, 4096), help="the first N positions' K and V rows kept exact (attention sinks)")
+RECENT = OptionSpec("recent", int_in(1, 4096), help="the newest N rows' K and V also kept at recent_bits")
+RECENT_BITS = OptionSpec("recent_bits", int_in(2, 8, choices=WIDTHS),
+                         help="width of the newest `recent` rows (default 8); " + WIDTH_HELP)
+
+
+def on_off(text: str) -> str:
+    if text not in ("on", "off"):
+        raise ValueError(f"expected on or off, got {text!r}")
+    return text
+
+
+CALIB = OptionSpec("calib", on_off, help="on: keys quantized as (k - mean) * scale from the model's key calibration "
+                                         "(`larqlpy calibrate`)")
 
 
 def parse_layer_bits(text: str) -> tuple[tuple[int, tuple[int, int] | None], ...]:
@@ -228,8 +297,10 @@ LAYER_BITS = OptionSpec("layer_bits", canonical_layer_bits,
                         help="per-layer widths, e.g. 5:8/4,11:exact (LAYER:K_BITS/V_BITS or LAYER:exact)")
 
 # The recommended approximate configuration (bench/kv_mixed.py, docs/codec.md): what the CLI
-# suggests when codec options are missing or not understood.
-RECOMMENDED = ("codec/v1", (("k_bits", 5), ("sink", 4), ("v_bits", 3)))
+# suggests when codec options are missing or not understood. About 4.4 bits per value at 1.5K
+# positions on the 270M, KL 0.005; COMPACT: about 3.4 bits, KL 0.02 (beats llama.cpp's q4_0 KV).
+RECOMMENDED = ("codec/v1", (("bits", 4), ("calib", "on"), ("recent", 16), ("sink", 1)))
+COMPACT = ("codec/v1", (("bits", 3), ("calib", "on"), ("recent", 16), ("sink", 1)))
 
 
 def recommended_flags(rec=RECOMMENDED) -> str:
@@ -243,7 +314,7 @@ class Codec(Provider):
 
     @classmethod
     def option_specs(cls):
-        return (BITS, K_BITS, V_BITS, SINK, LAYER_BITS)
+        return (BITS, K_BITS, V_BITS, SINK, LAYER_BITS, RECENT, RECENT_BITS, CALIB)
 
     @classmethod
     def hint(cls) -> str:
@@ -255,10 +326,12 @@ class Codec(Provider):
         if missing:
             raise LarqlError(f"{where}: {cls.identity} requires option bits (or k_bits and v_bits); "
                              f"{cls.hint()}")
+        if "recent_bits" in options and "recent" not in options:
+            raise LarqlError(f"{where}: recent_bits needs recent=N (how many of the newest rows); {cls.hint()}")
 
     @classmethod
     def residency_variants(cls):
-        return ((("bits", 4),), (("bits", 3),), RECOMMENDED[1])
+        return ((("bits", 4),), (("bits", 3),), RECOMMENDED[1], COMPACT[1])
 
     def widths(self, layer: int) -> tuple[int, int] | None:
         """(K bits, V bits) on `layer`, or None where the layer keeps f32 rows."""
@@ -280,6 +353,21 @@ class Codec(Provider):
     def sink(self) -> int:
         return int(self.options.get("sink", 0))
 
+    def tier(self) -> int:
+        return int(self.options.get("recent", 0))
+
+    def tier_codecs(self, geometry: LayerGeometry, device: torch.device) -> tuple[RowCodec, RowCodec] | None:
+        if not self.tier() or self.widths(geometry.index) is None:  # a layer kept exact needs no tier
+            return None
+        bits = int(self.options.get("recent_bits", 8))
+        return TurboQuantCodec(geometry.head_dim, bits, device), TurboQuantCodec(geometry.head_dim, bits, device)
+
+    def calibration(self, geometry: LayerGeometry):
+        """The layer's key calibration when `calib=on` and the layer's keys are codes, else None."""
+        if self.options.get("calib", "off") != "on" or self.widths(geometry.index) is None:
+            return None
+        return geometry.key_calibration
+
     def check_geometry(self, geometries):
         # kv_dim is always whole heads here (the geometry is heads x head_dim), so only the head's
         # own shape can be refused: the codec's constructor says what it needs.
@@ -288,6 +376,9 @@ class Codec(Provider):
             if "layer_bits" in self.options else []
         if bad:
             raise LarqlError(f"{self.identity}: layer_bits names layer {bad[0]}, the model has {n} layers")
+        if self.options.get("calib") == "on" and any(g.key_calibration is None for g in geometries):
+            raise LarqlError(f"{self.identity}: calib=on needs the model's key calibration "
+                             "(kv_calibration.safetensors beside the weights); run `larqlpy calibrate MODEL_DIR`")
         for g in geometries:
             try:
                 self.make_codec(g, torch.device("meta"))
@@ -298,7 +389,9 @@ class Codec(Provider):
         self.check_geometry(geometries)
         scratch = Scratch(device)
         stores = [CodecStore(g, device, self.make_codec(g, device, "k"), g.window, scratch, self.exact_recent(),
-                             v_codec=self.make_codec(g, device, "v"), sink=self.sink())
+                             v_codec=self.make_codec(g, device, "v"), sink=self.sink(),
+                             tier=min(self.tier(), g.window or self.tier()) if self.tier_codecs(g, device) else 0,
+                             tier_codecs=self.tier_codecs(g, device), calibration=self.calibration(g))
                   for g in geometries]
         stores[-1].last = True
         return EngineState(self.identity, self.options, stores, extras=[scratch])
@@ -313,6 +406,10 @@ class Codec(Provider):
     def layer_bytes(self, geometry, positions):
         f32 = geometry.n_kv_heads * geometry.head_dim * 4  # one exact row of one tensor
         exact = min(positions, self.exact_recent()) * f32 + min(positions, self.sink()) * 2 * f32
+        tier = self.tier_codecs(geometry, torch.device("meta"))
+        if tier:
+            rows = min(positions, self.tier(), self.retained_rows(geometry, positions))
+            exact += rows * geometry.n_kv_heads * sum(c.row_bytes for c in tier)
         return self.retained_rows(geometry, positions) * self.row_bytes(geometry) + exact
 
 
@@ -322,7 +419,7 @@ class CodecRecent(Codec):
 
     @classmethod
     def option_specs(cls):
-        return (*Codec.option_specs(),
+        return (BITS, K_BITS, V_BITS, SINK, LAYER_BITS, CALIB,
                 OptionSpec("exact_recent_k", int_in(1), required=True, help="newest K rows kept exact"))
 
     @classmethod

@@ -91,6 +91,7 @@ class Gemma3(nn.Module):
     def __init__(self, cfg: Gemma3Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.key_calibration = None  # per-layer larqlpy.calibration.KeyCalibration, when the model has one
         self.embed_tokens = _weight(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = _weight(cfg.hidden_size)
@@ -101,7 +102,9 @@ class Gemma3(nn.Module):
 
     def geometries(self) -> list[LayerGeometry]:
         c = self.cfg
-        return [LayerGeometry(i, c.window(i), c.num_key_value_heads, c.head_dim) for i in range(c.num_hidden_layers)]
+        cal = self.key_calibration or [None] * c.num_hidden_layers
+        return [LayerGeometry(i, c.window(i), c.num_key_value_heads, c.head_dim, cal[i])
+                for i in range(c.num_hidden_layers)]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, state: EngineState, all_logits: bool = False) -> torch.Tensor:

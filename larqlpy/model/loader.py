@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from larqlpy import calibration
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.qweight import PackedPart, PackedWeight, check_format, stack
 from larqlpy.model.config import Gemma3Config
@@ -105,9 +106,11 @@ def _open(file: Path):
         raise LarqlError(f"{file}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
 
 
-def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str = "f32") -> LoadedModel:
+def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str = "f32",
+         key_calibration: bool = True) -> LoadedModel:
     """Load a model directory. device: auto|cpu|cuda; dtype: float32|bfloat16 (activations);
-    weights: f32|bf16|int8|int4 -- the matrices (embedding / tied LM head included) are packed at load."""
+    weights: f32|bf16|int8|int4 -- the matrices (embedding / tied LM head included) are packed at load;
+    key_calibration: read kv_calibration.safetensors when the directory has one (larqlpy.calibration)."""
     path = Path(path)
     check_format(weights)
     cfg = read_config(path)
@@ -177,6 +180,8 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
             fh.seek(max(0, size - (1 << 20)))
             hasher.update(fh.read(1 << 20))
         hasher.update(f"{f.name}:{size}".encode())
+    if key_calibration:
+        model.key_calibration = calibration.load(path, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
     return LoadedModel(path, cfg, model, tokenizer, hasher.hexdigest()[:16], weights)
 
 

@@ -86,7 +86,8 @@ def save_state(path: str | Path, state: EngineState, *, model_fingerprint: str, 
     for store in state.layers:
         g = store.geometry
         layers.append({"index": g.index, "kind": g.kind, "window": g.window, "n_kv_heads": g.n_kv_heads,
-                       "head_dim": g.head_dim, "end": store.end, "retained": list(store.retained())})
+                       "head_dim": g.head_dim, "end": store.end, "retained": list(store.retained()),
+                       **({"meta": store.meta()} if store.meta() else {})})
         for meta, arrays in store.export():
             cells.append({"layer": g.index, **meta, "fields": {name: put(a) for name, a in arrays.items()}})
     header = {
@@ -226,6 +227,10 @@ def _engine_str(e: dict) -> str:
     return e.get("identity", "?") + (f" [{opts}]" if opts else "")
 
 
+def _meta_str(meta: dict) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(meta.items())) or "nothing extra"
+
+
 def restore_state(saved: SavedState, state: EngineState) -> None:
     """Fill a fresh state (same engine, same geometry) with the saved cells."""
     layers = saved.header["layers"]
@@ -237,6 +242,9 @@ def restore_state(saved: SavedState, state: EngineState) -> None:
             if (info["index"], info["window"], info["n_kv_heads"], info["head_dim"]) != \
                     (g.index, g.window, g.n_kv_heads, g.head_dim):
                 raise ValueError(f"layer {g.index} geometry differs")
+            if info.get("meta", {}) != store.meta():  # e.g. codes made under another key calibration
+                raise ValueError(f"layer {g.index} was saved with {_meta_str(info.get('meta', {}))}, "
+                                 f"this run has {_meta_str(store.meta())}")
             store.restore(info["end"], saved.records.get(g.index, []))
         if any(s.end != saved.processed for s in state.layers):
             raise ValueError("layers disagree with the processed count")
