@@ -5,7 +5,8 @@ stores them), then the next --steps tokens of the text are teacher-forced one de
 at every step, KL(canonical || engine) of the next-token distribution, top-1 agreement with
 canonical, and the loss (cross-entropy) of the text's actual next token. Then each engine generates
 --greedy tokens greedily after the same prompt: greedy match against canonical's ids, decode tok/s.
-Bits per value count everything stored (codes, norms, scales, exact rows) at the run's length.
+Bits per value count everything stored (codes, norms, scales, exact rows, the recent tier's second
+copy) at the run's length; `calib=on` needs the model's kv_calibration.safetensors (`make model`).
 
     python bench/kv_mixed.py --model models/gemma-3-270m [--prompt 1280 --steps 256 --greedy 32]
 """
@@ -25,16 +26,18 @@ CONFIGS = [
     ("codec/v1", ["bits=4"]),
     ("codec/v1", ["bits=3"]),
     ("int4-group/v1", []),
-    ("codec/v1", ["bits=4", "sink=4"]),
     ("codec/v1", ["k_bits=8", "v_bits=4"]),
-    ("codec/v1", ["k_bits=8", "v_bits=3", "sink=4"]),
-    ("codec/v1", ["k_bits=6", "v_bits=3", "sink=4"]),
-    ("codec/v1", ["k_bits=5", "v_bits=4", "sink=4"]),
     ("codec/v1", ["k_bits=5", "v_bits=3", "sink=4"]),
-    ("codec/v1", ["k_bits=5", "v_bits=3", "sink=4", "layer_bits=5:8/3,11:8/3,17:8/3"]),
-    ("codec/v1", ["k_bits=4", "v_bits=3", "sink=4"]),
     ("codec-recent/v1", ["bits=4", "exact_recent_k=64"]),
-    ("codec-recent/v1", ["k_bits=5", "v_bits=3", "sink=4", "exact_recent_k=16"]),
+    # one lever at a time on 4-bit codes: key calibration, the 8-bit recent tier, both
+    ("codec/v1", ["bits=4", "calib=on"]),
+    ("codec/v1", ["bits=4", "recent=16", "sink=1"]),
+    ("codec/v1", ["bits=4", "calib=on", "recent=16", "sink=1"]),  # RECOMMENDED
+    ("codec/v1", ["bits=4", "calib=on", "recent=32", "sink=4"]),
+    ("codec/v1", ["k_bits=4", "v_bits=3", "calib=on", "recent=16", "sink=1"]),
+    ("codec/v1", ["bits=3", "calib=on", "recent=16", "sink=1"]),  # COMPACT
+    ("codec/v1", ["k_bits=3", "v_bits=2", "calib=on", "recent=16", "sink=1"]),
+    ("codec/v1", ["bits=3", "calib=on", "recent=16", "sink=1", "layer_bits=4:6/3"]),
 ]
 QUOTED = [  # llama.cpp's quantized KV cache on the same model (quoted from the issue's notes, not run here)
     ("llama.cpp q4_0 KV (quoted)", 4.5, 0.06, "+8%"),

@@ -39,23 +39,81 @@ def tensor_stats(x: torch.Tensor, codecs: dict) -> dict:
             "outlier_channels": outliers, "cosine": cos}
 
 
+QUERIES = 64  # the newest positions whose attention is re-scored against quantized keys
+WIDER = 2.0  # a layer whose attention KL is this many times the median layer's gets more key bits
+
+
+class _LastQueries:
+    """Wraps a layer store: keeps the newest QUERIES queries (and the attention scale) it was asked."""
+
+    def __init__(self, store):
+        self.store, self.q, self.scale = store, None, 1.0
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def attend(self, q, k, v, p):
+        new = q.float()
+        self.q = new[:, -QUERIES:] if self.q is None else torch.cat((self.q, new), 1)[:, -QUERIES:]
+        self.scale = p.scale
+        return self.store.attend(q, k, v, p)
+
+
+def attention_kl(store, q: torch.Tensor, scale: float, codec) -> float:
+    """Mean KL(exact || quantized keys) of the attention weights of the newest queries q (H, n, D),
+    each over the rows it may see, with the keys through `codec` (under the model's key calibration
+    when it has one, as codec calib=on stores them)."""
+    g, end, n = store.geometry, store.end, q.shape[1]
+    lo = g.read_start(end - n)
+    k, _ = store.read(lo, torch.float32)
+    cal = g.key_calibration
+    x = k if cal is None else (k - cal.mean[:, None]) * cal.scale[:, None]
+    y = codec.decode(codec.encode(x.reshape(-1, g.head_dim))).view_as(x)
+    kq = y if cal is None else y / cal.scale[:, None] + cal.mean[:, None]
+    hkv = k.shape[0]
+    group = q.shape[0] // hkv
+    total, count = 0.0, 0
+    for j in range(n):
+        pos = end - n + j
+        a, b = g.read_start(pos) - lo, pos + 1 - lo
+        for h in range(hkv):
+            qh = q[h * group:(h + 1) * group, j]
+            p = torch.log_softmax(qh @ k[h, a:b].T * scale, -1)
+            r = torch.log_softmax(qh @ kq[h, a:b].T * scale, -1)
+            total += (p.exp() * (p - r)).sum().item()
+            count += group
+    return total / count
+
+
 @torch.inference_mode()
 def kv_stats(loaded, ids: list[int], min_cosine: float = 0.995, codec: str = "tq4") -> dict:
     state = build_provider(EngineSpec()).new_state(loaded.model.geometries(), loaded.device)
+    state.layers = [_LastQueries(s) for s in state.layers]
     prefill(loaded.model, state, ids, 1024)
     layers = []
-    for store in state.layers:
-        g = store.geometry
+    for rec in state.layers:
+        store, g = rec.store, rec.store.geometry
         k, v = store.read(0, torch.float32)
         codecs = codecs_for(g.head_dim)
         entry = {"layer": g.index, "kind": g.kind, "K": tensor_stats(k.reshape(-1, g.head_dim), codecs),
-                 "V": tensor_stats(v.reshape(-1, g.head_dim), codecs)}
+                 "V": tensor_stats(v.reshape(-1, g.head_dim), codecs),
+                 "attention_kl": {name: attention_kl(store, rec.q, rec.scale, codecs[name]) for name in ("tq4", "tq3")}}
         worst = min(entry[t]["cosine"][codec]["mean"] for t in ("K", "V"))
         entry["quantizes_badly"] = worst < min_cosine
         layers.append(entry)
     keep_exact = [e["layer"] for e in layers if e["quantizes_badly"]]
+    calibrated = all(g.key_calibration is not None for g in loaded.model.geometries())
     return {"positions": len(ids), "codec": codec, "min_cosine": min_cosine, "layers": layers,
-            "keep_exact": keep_exact, "rules": suggested_rules(len(layers), keep_exact)}
+            "keep_exact": keep_exact, "rules": suggested_rules(len(layers), keep_exact),
+            "calibrated": calibrated, "layer_bits": suggested_layer_bits(layers)}
+
+
+def suggested_layer_bits(layers: list[dict]) -> str:
+    """codec/v1's `layer_bits`: 8-bit keys (4-bit values) where the attention KL at 4 bits is WIDER
+    times the median layer's; empty when no layer stands out."""
+    kls = sorted(e["attention_kl"]["tq4"] for e in layers)
+    median = kls[len(kls) // 2]
+    return ",".join(f"{e['layer']}:8/4" for e in layers if e["attention_kl"]["tq4"] > WIDER * median)
 
 
 def suggested_rules(n_layers: int, keep_exact: list[int]) -> str:

@@ -262,3 +262,22 @@ def test_recommended_and_compact_configurations_meet_the_aims_on_270m(real, long
     assert rec["mean_kl"] <= 0.01 and abs(rec["loss"] / exact - 1) < 0.02, rec
     assert compact["mean_kl"] < 0.06, compact
     assert plain["mean_kl"] > 5 * rec["mean_kl"] and plain["mean_kl"] > 2 * compact["mean_kl"], (plain, rec, compact)
+
+
+def test_kv_stats_attention_kl_is_zero_for_exact_keys_and_grows_as_bits_shrink(cal_dir):
+    from larqlpy.kernels.rowcodec import ExactCodec
+    from larqlpy.observe import _LastQueries, attention_kl, suggested_layer_bits
+
+    loaded = load(cal_dir, device="cpu")
+    state = build_provider(parse_engine_spec()).new_state(loaded.model.geometries(), CPU)
+    state.layers = [_LastQueries(s) for s in state.layers]
+    loaded.model(torch.tensor(PROMPT[:30]), state)
+    loaded.model(torch.tensor(PROMPT[30:]), state)  # the newest queries span two blocks
+    for rec in state.layers:
+        assert rec.q.shape == (4, len(PROMPT), 16)
+        exact, wide, narrow = (attention_kl(rec.store, rec.q, rec.scale, c)
+                               for c in (ExactCodec(16, CPU), TurboQuantCodec(16, 8, CPU), TurboQuantCodec(16, 2, CPU)))
+        assert abs(exact) < 1e-6 and wide < narrow  # exact up to the calibration's float round trip
+    layers = [{"layer": i, "attention_kl": {"tq4": x}} for i, x in enumerate([0.01, 0.012, 0.05, 0.011, 0.009])]
+    assert suggested_layer_bits(layers) == "2:8/4"
+    assert suggested_layer_bits(layers[:2] + layers[3:]) == ""

@@ -88,6 +88,18 @@ def test_kv_stats_against_an_independent_computation(real, real_dir, long_text, 
     cos = torch.nn.functional.cosine_similarity(k, codec.decode(*codec.encode(k)), dim=-1)
     assert abs(st["cosine"]["tq4"]["mean"] - cos.mean().item()) < 1e-5
     assert abs(st["quantiles"]["0.5"] - float(np.quantile(kn, 0.5))) < 1e-3
+    # attention KL at 4 bits: the key calibration (make model writes one) tames the global layers,
+    # whose keys carry the largest common component; without it kv-stats asks for wider keys there
+    assert r["calibrated"]
+    saved, real.model.key_calibration = real.model.key_calibration, None
+    try:
+        plain = kv_stats(real, ids)
+    finally:
+        real.model.key_calibration = saved
+    assert not plain["calibrated"]
+    for i in (5, 11):
+        assert r["layers"][i]["attention_kl"]["tq4"] * 5 < plain["layers"][i]["attention_kl"]["tq4"]
+        assert f"{i}:8/4" in plain["layer_bits"].split(",")
     # and the command writes the rules file
     out = subprocess.run([*EXE, "kv-stats", str(real_dir), "-", "--max-positions", "300", "--json", "--rules-out",
                           str(tmp_path / "r.yaml")], input=long_text, capture_output=True, text=True, env=ENV,

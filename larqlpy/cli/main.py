@@ -356,7 +356,7 @@ def kv_stats_cmd(
 ):
     """Per layer, K and V: range, quantiles, outlier channels, and the per-row cosine each codec reaches."""
     from larqlpy.model.loader import load
-    from larqlpy.observe import QUANTILES, kv_stats
+    from larqlpy.observe import QUANTILES, QUERIES, WIDER, kv_stats
 
     if max_positions < 1 or not 0 < min_cosine <= 1:
         raise LarqlError("--max-positions must be >= 1 and --min-cosine in (0, 1]")
@@ -369,9 +369,10 @@ def kv_stats_cmd(
     if as_json:
         sys.stdout.write(json.dumps(r) + "\n")
         return
-    t = Table(title=f"{model}: K/V over {r['positions']:,} positions (per-row cosine: mean / min)")
+    t = Table(title=f"{model}: K/V over {r['positions']:,} positions (per-row cosine: mean / min; attention KL "
+                    f"of the newest {QUERIES} queries with K at tq4 / tq3{', calibrated' if r['calibrated'] else ''})")
     for col in ("layer", "", "min", "max", f"q{QUANTILES[0]}", f"q{QUANTILES[-1]}", "outlier ch.", "tq4", "tq3",
-                "int4g32", "verdict"):
+                "int4g32", "attention KL", "verdict"):
         t.add_column(col, justify="right")
     for e in r["layers"]:
         for name in ("K", "V"):
@@ -380,11 +381,15 @@ def kv_stats_cmd(
             t.add_row(f"{e['layer']} {e['kind'][0]}" if name == "K" else "", name, f"{st['min']:.2f}", f"{st['max']:.2f}",
                       f"{st['quantiles'][str(QUANTILES[0])]:.2f}", f"{st['quantiles'][str(QUANTILES[-1])]:.2f}",
                       str(st["outlier_channels"]), cos.get("tq4", ""), cos.get("tq3", ""), cos.get("int4g32", ""),
+                      f"{e['attention_kl']['tq4']:.4f} / {e['attention_kl']['tq3']:.4f}" if name == "K" else "",
                       ("keep exact" if e["quantizes_badly"] else "quantize") if name == "K" else "")
     out.print(t)
     err.print(f"suggested policy: quantize_layers = "
               f"{'all' if not r['keep_exact'] else [i for i in range(len(r['layers'])) if i not in r['keep_exact']]}"
               + (f" (rules written to {rules_out})" if rules_out else ""), markup=False)
+    err.print("suggested codec/v1 option: " + (f"--continuation-option layer_bits={r['layer_bits']}" if r["layer_bits"]
+              else f"none (no layer's attention KL is {WIDER:g}x the median)")
+              + ("" if r["calibrated"] else "; with calib=on (`larqlpy calibrate`) keys quantize far better"), markup=False)
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measurements on a real model.")

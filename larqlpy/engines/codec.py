@@ -376,9 +376,6 @@ class Codec(Provider):
             if "layer_bits" in self.options else []
         if bad:
             raise LarqlError(f"{self.identity}: layer_bits names layer {bad[0]}, the model has {n} layers")
-        if self.options.get("calib") == "on" and any(g.key_calibration is None for g in geometries):
-            raise LarqlError(f"{self.identity}: calib=on needs the model's key calibration "
-                             "(kv_calibration.safetensors beside the weights); run `larqlpy calibrate MODEL_DIR`")
         for g in geometries:
             try:
                 self.make_codec(g, torch.device("meta"))
@@ -387,6 +384,10 @@ class Codec(Provider):
 
     def new_state(self, geometries, device):
         self.check_geometry(geometries)
+        # accounting (residency) needs no calibration; rows do
+        if self.options.get("calib") == "on" and any(g.key_calibration is None for g in geometries):
+            raise LarqlError(f"{self.identity}: calib=on needs the model's key calibration "
+                             "(kv_calibration.safetensors beside the weights); run `larqlpy calibrate MODEL_DIR`")
         scratch = Scratch(device)
         stores = [CodecStore(g, device, self.make_codec(g, device, "k"), g.window, scratch, self.exact_recent(),
                              v_codec=self.make_codec(g, device, "v"), sink=self.sink(),
