@@ -38,6 +38,8 @@ CONFIGS = [
     ("codec/v1", ["bits=3", "calib=on", "recent=16", "sink=1"]),  # COMPACT
     ("codec/v1", ["k_bits=3", "v_bits=2", "calib=on", "recent=16", "sink=1"]),
     ("codec/v1", ["bits=3", "calib=on", "recent=16", "sink=1", "layer_bits=4:6/3"]),
+    # what `larqlpy kv-stats` suggests for this text without a calibration (the global layers and 15)
+    ("codec/v1", ["bits=4", "layer_bits=5:8/4,11:8/4,15:8/4"]),
 ]
 QUOTED = [  # llama.cpp's quantized KV cache on the same model (quoted from the notes, not run here)
     ("llama.cpp q4_0 KV (quoted)", 4.5, 0.06, "+8%"),
