@@ -71,7 +71,7 @@ class _Recorder:
         hkv = self.store.geometry.n_kv_heads
         start = max(0, SKIP - self.store.end)
         qq = q[:, start:].double() ** 2  # (H, T', D)
-        self.q2 += qq.reshape(hkv, -1, qq.shape[-1]).sum(1)
+        self.q2 += qq.reshape(hkv, -1, qq.shape[-1]).sum(1).cpu()
         self.count += qq.shape[0] // hkv * qq.shape[1]
         return self.store.attend(q, k, v, p)
 

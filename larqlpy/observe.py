@@ -65,7 +65,8 @@ def attention_kl(store, q: torch.Tensor, scale: float, codec) -> float:
     when it has one, as codec calib=on stores them)."""
     g, end, n = store.geometry, store.end, q.shape[1]
     lo = g.read_start(end - n)
-    k, _ = store.read(lo, torch.float32)
+    k = store.read(lo, torch.float32)[0].cpu()  # the codecs here are the CPU ones
+    q = q.cpu()
     cal = g.key_calibration
     x = k if cal is None else (k - cal.mean[:, None]) * cal.scale[:, None]
     y = codec.decode(codec.encode(x.reshape(-1, g.head_dim))).view_as(x)
@@ -93,7 +94,7 @@ def kv_stats(loaded, ids: list[int], min_cosine: float = 0.995, codec: str = "tq
     layers = []
     for rec in state.layers:
         store, g = rec.store, rec.store.geometry
-        k, v = store.read(0, torch.float32)
+        k, v = (t.cpu() for t in store.read(0, torch.float32))
         codecs = codecs_for(g.head_dim)
         entry = {"layer": g.index, "kind": g.kind, "K": tensor_stats(k.reshape(-1, g.head_dim), codecs),
                  "V": tensor_stats(v.reshape(-1, g.head_dim), codecs),

@@ -281,3 +281,42 @@ def test_kv_stats_attention_kl_is_zero_for_exact_keys_and_grows_as_bits_shrink(c
     layers = [{"layer": i, "attention_kl": {"tq4": x}} for i, x in enumerate([0.01, 0.012, 0.05, 0.011, 0.009])]
     assert suggested_layer_bits(layers) == "2:8/4"
     assert suggested_layer_bits(layers[:2] + layers[3:]) == ""
+
+
+def test_cells_rules_calib_quantize_keys_under_the_calibration(cal_dir, tmp_path):
+    from larqlpy.state.rules import default_rules_path
+
+    text = default_rules_path().read_text().replace("  # calib: on", "  calib: on").replace(
+        "keep_active_recent: 128", "keep_active_recent: 0")
+    rules = tmp_path / "calib.yaml"
+    rules.write_text(text)
+    make_tiny(tmp_path / "wide", sliding_window=4096)  # every layer keeps its rows: the budget must act
+    fresh = load(tmp_path / "wide", device="cpu", key_calibration=False)
+    calibration.save(tmp_path / "wide", *calibration.calibrate(fresh, TEXT))
+    loaded = load(tmp_path / "wide", device="cpu")
+    s = spec("cells/v1", f"rules={rules}", "budget=300KiB")
+    ids = [2] + [7 + (i * 37) % 250 for i in range(290)]
+    state = build_provider(s).new_state(loaded.model.geometries(), CPU)
+    list(generate(loaded.model, ids, s, GenerationConfig(max_tokens=2, stop_at_eos=False), state=state))
+    checked = 0
+    for store in state.layers:
+        assert store.meta() == {"key_calibration": store.geometry.key_calibration.digest}
+        cal = store.geometry.key_calibration
+        for c in store.cells:
+            if c.state.value != "QUANTIZED":
+                continue
+            kc = TurboQuantCodec(16, 4, CPU)
+            y = kc.decode({"norm": c.data["k_norm"].reshape(-1), "code": c.data["k_code"].reshape(-1, 8)})
+            want = y.view(2, c.n, 16) / cal.scale[:, None] + cal.mean[:, None]
+            got, _ = store.read(c.start, torch.float32)
+            assert torch.allclose(got[:, :c.n], want, atol=1e-5)
+            checked += 1
+    assert checked > 0
+    make_tiny(tmp_path / "plain")  # no calibration: the rules' calib is refused in one line
+    plain = load(tmp_path / "plain", device="cpu")
+    with pytest.raises(LarqlError, match="set calib: on"):
+        build_provider(s).new_state(plain.model.geometries(), CPU)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("calib: on", "calib: maybe"))
+    with pytest.raises(LarqlError, match="calib must be on or off"):
+        spec("cells/v1", f"rules={bad}")

@@ -3,7 +3,9 @@
 - `codec/v1` (`--engine turbo-quant:bits=N`): TurboQuant, `bits` 3 or 4 for both K and V; mixed
   precision: `k_bits` / `v_bits` (2, 3, 4, 5, 6, 8) give keys and values their own widths, `sink=N`
   keeps the first N positions' K and V exact in f32, `layer_bits=5:8/4,11:exact` sets widths (or f32
-  rows) per layer.
+  rows) per layer, `recent=N` keeps the newest N rows' K and V a second time at `recent_bits`
+  (default 8) and reads them there, `calib=on` quantizes keys as (k - mean) * scale with the
+  model's key calibration (larqlpy.calibration).
 - `codec-recent/v1`: the same codes, plus the newest `exact_recent_k` K rows kept exact in f32.
   Every row is encoded once, when it arrives, from its own values, so the codes are the bytes
   codec/v1 writes; the exact copy of a K row is dropped as it ages out of the newest k.
@@ -309,7 +311,8 @@ def recommended_flags(rec=RECOMMENDED) -> str:
 
 class Codec(Provider):
     identity = "codec/v1"
-    summary = "TurboQuant 2-8-bit K/V rows (separate key/value widths, exact sinks) over window/v1's retention"
+    summary = ("TurboQuant 2-8-bit K/V rows (key/value widths, calibrated keys, a wider recent tier, exact sinks) "
+               "over window/v1's retention")
     exact = False
 
     @classmethod

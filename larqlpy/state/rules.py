@@ -57,6 +57,7 @@ class Policy:
     k_bits: int | None = None  # None: `bits`
     v_bits: int | None = None
     layer_bits: tuple[tuple[int, tuple[int, int] | None], ...] = ()  # per layer: (K, V) widths, None: exact
+    calib: bool = False  # QUANTIZED keys as (k - mean) * scale with the model's key calibration
 
     def may_quantize(self, layer: int) -> bool:
         if dict(self.layer_bits).get(layer, ()) is None:
@@ -203,7 +204,7 @@ def _policy(node, err) -> Policy:
     if not isinstance(node, yaml.MappingNode):
         raise err(node, "policy must be a mapping")
     fields = {k.value: (k, v) for k, v in node.value}
-    known = ("keep_active_recent", "quantize_layers", "bits", "k_bits", "v_bits", "layer_bits")
+    known = ("keep_active_recent", "quantize_layers", "bits", "k_bits", "v_bits", "layer_bits", "calib")
     unknown = set(fields) - set(known)
     if unknown:
         key = fields[sorted(unknown)[0]][0]
@@ -241,4 +242,11 @@ def _policy(node, err) -> Policy:
             per = parse_layer_bits(str(v))
         except ValueError as e:
             raise err(per_node, f"layer_bits: {e}") from None
-    return Policy(keep_active_recent=keep, quantize_layers=layers, bits=bits, layer_bits=per, **widths)
+    calib_node = fields.get("calib", (None, None))[1]
+    calib = False
+    if calib_node is not None:
+        v = _scalar(calib_node)
+        if v not in (True, False, "on", "off"):  # YAML reads a bare on/off as a boolean
+            raise err(calib_node, f"calib must be on or off, got {v!r}")
+        calib = v in (True, "on")
+    return Policy(keep_active_recent=keep, quantize_layers=layers, bits=bits, layer_bits=per, calib=calib, **widths)
