@@ -131,6 +131,23 @@ def save(model_dir: str | Path, cals: list[KeyCalibration], meta: dict) -> Path:
     return path
 
 
+def summary(model_dir: str | Path) -> str:
+    """One line for `larqlpy info`: what the directory's calibration file says (nothing is validated)."""
+    from safetensors import safe_open
+
+    path = Path(model_dir) / FILE
+    if not path.exists():
+        return "none (`larqlpy calibrate` writes one; codec calib=on needs it)"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception:
+        return f"{FILE}: unreadable (rerun `larqlpy calibrate`)"
+    shares = [float(x) for x in meta.get("mean_share", "").split(",") if x]
+    share = f", mean share of key energy {min(shares):.2f}-{max(shares):.2f}" if shares else ""
+    return f"{FILE} ({meta.get('tokens', '?')} tokens{share})"
+
+
 def load(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int) -> list[KeyCalibration] | None:
     """The model directory's calibration, checked against the model's shape; None when there is none."""
     from safetensors import safe_open

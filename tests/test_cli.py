@@ -72,6 +72,7 @@ def test_info(cli, real_dir):
     d = json.loads(out)
     assert rc == 0 and d["layers"] == 18 and d["parameters"] == 268_098_176
     assert [i for i, k in enumerate(d["layer_kinds"]) if k == "global"] == [5, 11, 17]
+    assert d["key_calibration"].startswith("kv_calibration.safetensors (")  # make model measures one
 
 
 def test_missing_and_incomplete_model_dirs(cli, tmp_path, tiny_dir):

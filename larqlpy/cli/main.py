@@ -224,7 +224,7 @@ def info(model: Path = typer.Argument(..., help="model directory"),
         return
     t = Table(title=str(model), show_header=False)
     for k in ("model_type", "parameters", "dtypes", "layers", "hidden_size", "heads", "kv_heads", "head_dim",
-              "sliding_window", "vocab_size", "rope", "final_logit_softcapping"):
+              "sliding_window", "vocab_size", "rope", "final_logit_softcapping", "key_calibration"):
         v = d[k]
         t.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
     t.add_row("layer kinds", " ".join("G" if k == "global" else "s" for k in d["layer_kinds"]) + "  (s sliding, G global)")

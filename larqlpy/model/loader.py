@@ -250,4 +250,5 @@ def describe(path: str | Path) -> dict:
         "head_dim": cfg.head_dim, "sliding_window": cfg.sliding_window, "vocab_size": cfg.vocab_size,
         "rope": f"global {g.theta:g}{scaling}, local {l.theta:g}",
         "final_logit_softcapping": cfg.final_logit_softcapping,
+        "key_calibration": calibration.summary(path),
     }
