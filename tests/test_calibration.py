@@ -137,6 +137,9 @@ def test_resume_bit_identical_and_a_different_calibration_is_refused(cal_dir, tm
     s = spec("codec/v1", "k_bits=4", "v_bits=3", "calib=on", "recent=4", "sink=1")
     whole, _ = run(loaded, s, PROMPT, 20)
     first, state = run(loaded, s, PROMPT, 8)
+    for store in state.layers:  # the allocations hold what the sets need, no more
+        assert store.sinks.nbytes() == 1 * 2 * 2 * 16 * 4  # one position, K and V, 2 heads, f32
+        assert store.tier.nbytes() == 4 * 2 * 2 * (4 + 16)  # four rows, K and V, 2 heads, norm + 8-bit codes
     path = tmp_path / "s.kv"
     save(loaded, path, state, PROMPT + [t.id for t in first])
     out = tmp_path / "resumed.pt"

@@ -71,8 +71,8 @@ class CodecStore(LayerStore):
         self.tier_codecs = dict(zip("kv", tier_codecs)) if tier else None
         self.tier = Rows(geometry.n_kv_heads, self._field_specs(self.tier_codecs), device, tier) if tier else None
         self.sink = sink
-        self.sinks = (Rows(geometry.n_kv_heads, {t: ((d,), torch.float32) for t in ("k", "v")}, device)
-                      if sink else None)
+        self.sinks = (Rows(geometry.n_kv_heads, {t: ((d,), torch.float32) for t in ("k", "v")}, device,
+                           min_capacity=sink) if sink else None)
         self.calibration = calibration
         if calibration is not None:  # (Hkv, 1, D): broadcast over rows
             self.k_mean = calibration.mean.to(device)[:, None]

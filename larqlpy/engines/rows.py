@@ -19,8 +19,11 @@ FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 class Rows:
     MIN_CAPACITY = 256
 
-    def __init__(self, n_kv: int, fields: FieldSpec, device: torch.device, keep: int | None = None):
+    def __init__(self, n_kv: int, fields: FieldSpec, device: torch.device, keep: int | None = None,
+                 min_capacity: int = MIN_CAPACITY):
+        # min_capacity: the first allocation; a set that never holds more (e.g. a few sink rows) says so
         self.n_kv, self.fields, self.device, self.keep = n_kv, fields, device, keep
+        self.min_capacity = min_capacity
         self.buf = {name: torch.zeros((n_kv, 0, *shape), dtype=dtype, device=device)
                     for name, (shape, dtype) in fields.items()}
         self.base = self.end = 0
@@ -49,7 +52,7 @@ class Rows:
             rows = min(rows, self.keep)
         if rows <= self.capacity:
             return
-        cap = max(self.MIN_CAPACITY, 2 * self.capacity, rows)
+        cap = max(self.min_capacity, 2 * self.capacity, rows)
         if self.keep is not None:
             cap = min(cap, self.keep)
         n = min(self.end - (self.pending_rows()), self.capacity)
@@ -116,7 +119,7 @@ class Rows:
     def restore(self, base: int, end: int, pieces: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
         """Refill from saved rows: `pieces` are (first position, fields) covering [base, end)."""
         self.pending = None
-        cap = max(self.MIN_CAPACITY, end) if self.keep is None else min(self.keep, max(self.MIN_CAPACITY, end))
+        cap = max(self.min_capacity, end) if self.keep is None else min(self.keep, max(self.min_capacity, end))
         self.buf = {name: torch.zeros((self.n_kv, cap, *shape), dtype=dtype, device=self.device)
                     for name, (shape, dtype) in self.fields.items()}
         for lo, values in pieces:
