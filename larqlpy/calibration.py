@@ -148,8 +148,10 @@ def summary(model_dir: str | Path) -> str:
     return f"{FILE} ({meta.get('tokens', '?')} tokens{share})"
 
 
-def load(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int) -> list[KeyCalibration] | None:
-    """The model directory's calibration, checked against the model's shape; None when there is none."""
+def load(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int,
+         fingerprint: str | None = None) -> list[KeyCalibration] | None:
+    """The model directory's calibration, checked against the model's shape (and, given one, the
+    fingerprint of the weights it was measured on); None when there is none."""
     from safetensors import safe_open
 
     path = Path(model_dir) / FILE
@@ -162,6 +164,9 @@ def load(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int) -
             if meta.get("format") != FORMAT:
                 raise LarqlError(f"{path}: not a larqlpy key calibration (format {meta.get('format')!r}); "
                                  "rerun `larqlpy calibrate`")
+            if fingerprint is not None and meta.get("model_fingerprint", fingerprint) != fingerprint:
+                raise LarqlError(f"{path}: measured on other weights (fingerprint {meta['model_fingerprint']}, "
+                                 f"these {fingerprint}); rerun `larqlpy calibrate`")
             out = []
             for i in range(n_layers):
                 pair = []

@@ -182,6 +182,7 @@ def test_calib_on_a_model_without_calibration_says_how_to_make_one(tmp_path):
     ("shape", "expected float32 [2, 16]"),
     ("negative", "non-finite or non-positive"),
     ("missing", "missing tensor layers.5.key_scale"),
+    ("other weights", "measured on other weights"),
 ])
 def test_a_damaged_calibration_file_is_refused_in_one_line(cal_dir, tmp_path, damage, message):
     from safetensors.torch import load_file, save_file
@@ -193,13 +194,16 @@ def test_a_damaged_calibration_file_is_refused_in_one_line(cal_dir, tmp_path, da
         f.write_bytes(f.read_bytes()[:100])
     else:
         t = load_file(str(f))
+        meta = {"format": calibration.FORMAT}
         if damage == "shape":
             t["layers.2.key_mean"] = torch.zeros(2, 8)
         elif damage == "negative":
             t["layers.1.key_scale"][0, 3] = -1.0
-        else:
+        elif damage == "missing":
             del t["layers.5.key_scale"]
-        save_file(t, str(f), metadata={"format": calibration.FORMAT})
+        else:
+            meta["model_fingerprint"] = "0123456789abcdef"
+        save_file(t, str(f), metadata=meta)
     with pytest.raises(LarqlError, match=re.escape(message)) as e:
         load(d, device="cpu")
     assert "\n" not in str(e.value)

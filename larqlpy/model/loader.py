@@ -180,9 +180,11 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
             fh.seek(max(0, size - (1 << 20)))
             hasher.update(fh.read(1 << 20))
         hasher.update(f"{f.name}:{size}".encode())
+    fingerprint = hasher.hexdigest()[:16]
     if key_calibration:
-        model.key_calibration = calibration.load(path, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-    return LoadedModel(path, cfg, model, tokenizer, hasher.hexdigest()[:16], weights)
+        model.key_calibration = calibration.load(path, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                                 fingerprint)
+    return LoadedModel(path, cfg, model, tokenizer, fingerprint, weights)
 
 
 class _MappedFile:
