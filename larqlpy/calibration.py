@@ -58,8 +58,8 @@ def _scales(q2: torch.Tensor, k: torch.Tensor, mean: torch.Tensor) -> torch.Tens
 class _Recorder:
     """Wraps a canonical layer store: the queries' squared channels summed per KV head."""
 
-    def __init__(self, store, n_heads: int):
-        self.store, self.n_heads = store, n_heads
+    def __init__(self, store):
+        self.store = store
         g = store.geometry
         self.q2 = torch.zeros(g.n_kv_heads, g.head_dim, dtype=torch.float64)
         self.count = 0
@@ -86,7 +86,7 @@ def measure(model, ids: list[int]) -> tuple[list[KeyCalibration], list[float]]:
     if len(ids) < SKIP + 64:
         raise LarqlError(f"calibration text too short: {len(ids)} tokens, need at least {SKIP + 64}")
     state = build_provider(EngineSpec()).new_state(model.geometries(), torch.device(model.device))
-    recorders = [_Recorder(s, model.cfg.num_attention_heads) for s in state.layers]
+    recorders = [_Recorder(s) for s in state.layers]
     state.layers = recorders
     prefill(model, state, ids, 1024)
     out, shares = [], []
