@@ -50,11 +50,8 @@ def kernels(rows: int = 65536, d: int = 256) -> None:
 
 def decode_speed(model_dir: Path, contexts: list[int], steps: int) -> None:
     from larqlpy.engines import build_provider, parse_engine_spec
-    from larqlpy.engines.codec import RECOMMENDED
+    from larqlpy.engines.codec import config_spec
     from larqlpy.generate import prefill
-
-    def named_spec(config):
-        return parse_engine_spec(continuation=config[0], continuation_options=[f"{k}={v}" for k, v in config[1]])
 
     from larqlpy.model.loader import load
 
@@ -64,7 +61,7 @@ def decode_speed(model_dir: Path, contexts: list[int], steps: int) -> None:
     specs = [("window/v1", parse_engine_spec(continuation="window/v1"), True),
              ("codec/v1 bits=4 (on codes)", parse_engine_spec(continuation="codec/v1", continuation_options=["bits=4"]), True),
              ("codec/v1 bits=4 (scratch)", parse_engine_spec(continuation="codec/v1", continuation_options=["bits=4"]), False),
-             ("recommended (on codes)", named_spec(RECOMMENDED), True)]
+             ("recommended (on codes)", config_spec(), True)]
     print(f"decode after a long prefill, {steps} steps, 270M float32")
     for n in contexts:
         results = {}

@@ -45,6 +45,24 @@ class KeyCalibration:
         h = hashlib.sha256(mean.numpy().tobytes() + scale.numpy().tobytes()).hexdigest()[:16]
         return cls(mean, scale, h)
 
+    def to(self, device: torch.device) -> "KeyCalibration":
+        return KeyCalibration(self.mean.to(device), self.scale.to(device), self.digest)
+
+    def apply(self, k: torch.Tensor) -> torch.Tensor:
+        """Keys (Hkv, N, D) -> what the codes hold: (k - mean) * scale."""
+        return (k.float() - self.mean[:, None]) * self.scale[:, None]
+
+    def undo(self, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoded codes (Hkv, N, D) -> keys: y / scale + mean (into `out` when given; it may be y)."""
+        return torch.div(y, self.scale[:, None], out=out).add_(self.mean[:, None])
+
+
+def require_calibration(geometries, who: str) -> None:
+    """Refuse, in one line, an engine asked to use a key calibration the model does not have."""
+    if any(g.key_calibration is None for g in geometries):
+        raise LarqlError(f"{who} needs the model's key calibration (kv_calibration.safetensors beside the "
+                         "weights); run `larqlpy calibrate MODEL_DIR`")
+
 
 def _scales(q2: torch.Tensor, k: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     """q2: (D,) mean squared query per channel; k: (N, D) keys -> (D,) scale, geometric mean 1."""
@@ -55,25 +73,18 @@ def _scales(q2: torch.Tensor, k: torch.Tensor, mean: torch.Tensor) -> torch.Tens
     return s / s.log().mean().exp()
 
 
-class _Recorder:
-    """Wraps a canonical layer store: the queries' squared channels summed per KV head."""
+class _QuerySquares:
+    """Per KV head, the queries' squared channels summed (positions from SKIP on), and their count."""
 
-    def __init__(self, store):
-        self.store = store
-        g = store.geometry
-        self.q2 = torch.zeros(g.n_kv_heads, g.head_dim, dtype=torch.float64)
+    def __init__(self, n_kv_heads: int, head_dim: int):
+        self.q2 = torch.zeros(n_kv_heads, head_dim, dtype=torch.float64)
         self.count = 0
 
-    def __getattr__(self, name):
-        return getattr(self.store, name)
-
-    def attend(self, q, k, v, p):
-        hkv = self.store.geometry.n_kv_heads
-        start = max(0, SKIP - self.store.end)
-        qq = q[:, start:].double() ** 2  # (H, T', D)
+    def __call__(self, store, q, p):
+        hkv = store.geometry.n_kv_heads
+        qq = q[:, max(0, SKIP - store.end):].double() ** 2  # (H, T', D)
         self.q2 += qq.reshape(hkv, -1, qq.shape[-1]).sum(1).cpu()
         self.count += qq.shape[0] // hkv * qq.shape[1]
-        return self.store.attend(q, k, v, p)
 
 
 @torch.inference_mode()
@@ -81,20 +92,22 @@ def measure(model, ids: list[int]) -> tuple[list[KeyCalibration], list[float]]:
     """Run `ids` through the model (exact rows) and measure every layer's calibration; also each
     layer's share of key energy in the mean, |mean|^2 / E|k|^2 (averaged over KV heads)."""
     from larqlpy.engines import EngineSpec, build_provider
+    from larqlpy.engines.base import QueryTap
     from larqlpy.generate import prefill
 
     if len(ids) < SKIP + 64:
         raise LarqlError(f"calibration text too short: {len(ids)} tokens, need at least {SKIP + 64}")
     state = build_provider(EngineSpec()).new_state(model.geometries(), torch.device(model.device))
-    recorders = [_Recorder(s) for s in state.layers]
-    state.layers = recorders
+    squares = [_QuerySquares(s.geometry.n_kv_heads, s.geometry.head_dim) for s in state.layers]
+    stores = state.layers
+    state.layers = [QueryTap(s, sq) for s, sq in zip(stores, squares)]
     prefill(model, state, ids, 1024)
     out, shares = [], []
-    for r in recorders:
-        k, _ = r.store.read(SKIP, torch.float32)
+    for store, sq in zip(stores, squares):
+        k, _ = store.read(SKIP, torch.float32)
         k = k.cpu().double()
         mean = k.mean(1)
-        q2 = r.q2 / max(r.count, 1)
+        q2 = sq.q2 / max(sq.count, 1)
         scale = torch.stack([_scales(q2[h], k[h], mean[h]) for h in range(k.shape[0])])
         out.append(KeyCalibration.of(mean, scale))
         shares.append((mean.pow(2).sum(-1) / k.pow(2).sum(-1).mean(-1)).mean().item())

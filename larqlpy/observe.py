@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from larqlpy.engines import EngineSpec, build_provider
+from larqlpy.engines.base import QueryTap
 from larqlpy.errors import LarqlError
 from larqlpy.generate import prefill
 from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
@@ -44,19 +45,15 @@ WIDER = 2.0  # a layer whose attention KL is this many times the median layer's 
 
 
 class _LastQueries:
-    """Wraps a layer store: keeps the newest QUERIES queries (and the attention scale) it was asked."""
+    """The newest QUERIES queries a layer was asked (H, n, D), and the attention scale."""
 
-    def __init__(self, store):
-        self.store, self.q, self.scale = store, None, 1.0
+    def __init__(self):
+        self.q, self.scale = None, 1.0
 
-    def __getattr__(self, name):
-        return getattr(self.store, name)
-
-    def attend(self, q, k, v, p):
-        new = q.float()
-        self.q = new[:, -QUERIES:] if self.q is None else torch.cat((self.q, new), 1)[:, -QUERIES:]
+    def __call__(self, store, q, p):
+        q = q.float()
+        self.q = q[:, -QUERIES:] if self.q is None else torch.cat((self.q, q), 1)[:, -QUERIES:]
         self.scale = p.scale
-        return self.store.attend(q, k, v, p)
 
 
 def attention_kl(store, q: torch.Tensor, scale: float, codec) -> float:
@@ -68,9 +65,9 @@ def attention_kl(store, q: torch.Tensor, scale: float, codec) -> float:
     k = store.read(lo, torch.float32)[0].cpu()  # the codecs here are the CPU ones
     q = q.cpu()
     cal = g.key_calibration
-    x = k if cal is None else (k - cal.mean[:, None]) * cal.scale[:, None]
+    x = k if cal is None else cal.apply(k)
     y = codec.decode(codec.encode(x.reshape(-1, g.head_dim))).view_as(x)
-    kq = y if cal is None else y / cal.scale[:, None] + cal.mean[:, None]
+    kq = y if cal is None else cal.undo(y)
     hkv = k.shape[0]
     group = q.shape[0] // hkv
     total, count = 0.0, 0
@@ -89,11 +86,12 @@ def attention_kl(store, q: torch.Tensor, scale: float, codec) -> float:
 @torch.inference_mode()
 def kv_stats(loaded, ids: list[int], min_cosine: float = 0.995, codec: str = "tq4") -> dict:
     state = build_provider(EngineSpec()).new_state(loaded.model.geometries(), loaded.device)
-    state.layers = [_LastQueries(s) for s in state.layers]
+    stores, seen = state.layers, [_LastQueries() for _ in state.layers]
+    state.layers = [QueryTap(s, rec) for s, rec in zip(stores, seen)]
     prefill(loaded.model, state, ids, 1024)
     layers = []
-    for rec in state.layers:
-        store, g = rec.store, rec.store.geometry
+    for store, rec in zip(stores, seen):
+        g = store.geometry
         k, v = (t.cpu() for t in store.read(0, torch.float32))
         codecs = codecs_for(g.head_dim)
         entry = {"layer": g.index, "kind": g.kind, "K": tensor_stats(k.reshape(-1, g.head_dim), codecs),

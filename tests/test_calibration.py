@@ -17,7 +17,7 @@ import torch
 from larqlpy import calibration
 from larqlpy.engines import build_provider, parse_engine_spec
 from larqlpy.engines.base import AttentionParams, LayerGeometry
-from larqlpy.engines.codec import COMPACT, RECOMMENDED, CodecStore, Scratch
+from larqlpy.engines.codec import COMPACT, RECOMMENDED, CodecStore, Scratch, config_spec
 from larqlpy.errors import LarqlError
 from larqlpy.generate import GenerationConfig, generate
 from larqlpy.kernels.rowcodec import TurboQuantCodec
@@ -35,10 +35,6 @@ TEXT = "the cat sat on the mat and then the dog ran in the garden " * 12
 
 def spec(identity, *opts):
     return parse_engine_spec(continuation=identity, continuation_options=list(opts))
-
-
-def named(config):
-    return spec(config[0], *(f"{k}={v}" for k, v in config[1]))
 
 
 @pytest.fixture(scope="module")
@@ -246,8 +242,8 @@ def test_tier_accounting_matches_an_independent_count():
     for n in (0, 5, 700, 3000):
         for g in geoms:
             assert p.layer_bytes(g, n) == independent_bytes(n, g.window, 3, 600, 6, 2), (g.index, n)
-    assert 4.0 < bits_per_value(build_provider(named(RECOMMENDED)), geoms, 1536) <= 4.5
-    assert 3.0 < bits_per_value(build_provider(named(COMPACT)), geoms, 1536) <= 3.5
+    assert 4.0 < bits_per_value(build_provider(config_spec(RECOMMENDED)), geoms, 1536) <= 4.5
+    assert 3.0 < bits_per_value(build_provider(config_spec(COMPACT)), geoms, 1536) <= 3.5
 
 
 def test_recommended_and_compact_configurations_meet_the_aims_on_270m(real, long_text):
@@ -263,8 +259,8 @@ def test_recommended_and_compact_configurations_meet_the_aims_on_270m(real, long
     prompt, forced = ids[:400], ids[400:]
     ref = teacher_forced_logits(real.model, parse_engine_spec(), prompt, forced)
     exact = torch.nn.functional.cross_entropy(ref, torch.tensor(forced)).item()
-    rec = forced_score(real.model, named(RECOMMENDED), prompt, forced, ref)
-    compact = forced_score(real.model, named(COMPACT), prompt, forced, ref)
+    rec = forced_score(real.model, config_spec(RECOMMENDED), prompt, forced, ref)
+    compact = forced_score(real.model, config_spec(COMPACT), prompt, forced, ref)
     plain = forced_score(real.model, spec("codec/v1", "bits=4"), prompt, forced, ref)
     assert rec["mean_kl"] <= 0.01 and abs(rec["loss"] / exact - 1) < 0.02, rec
     assert compact["mean_kl"] < 0.06, compact
@@ -273,16 +269,18 @@ def test_recommended_and_compact_configurations_meet_the_aims_on_270m(real, long
 
 def test_kv_stats_attention_kl_is_zero_for_exact_keys_and_grows_as_bits_shrink(cal_dir):
     from larqlpy.kernels.rowcodec import ExactCodec
+    from larqlpy.engines.base import QueryTap
     from larqlpy.observe import _LastQueries, attention_kl, suggested_layer_bits
 
     loaded = load(cal_dir, device="cpu")
     state = build_provider(parse_engine_spec()).new_state(loaded.model.geometries(), CPU)
-    state.layers = [_LastQueries(s) for s in state.layers]
+    stores, seen = state.layers, [_LastQueries() for _ in state.layers]
+    state.layers = [QueryTap(s, rec) for s, rec in zip(stores, seen)]
     loaded.model(torch.tensor(PROMPT[:30]), state)
     loaded.model(torch.tensor(PROMPT[30:]), state)  # the newest queries span two blocks
-    for rec in state.layers:
+    for store, rec in zip(stores, seen):
         assert rec.q.shape == (4, len(PROMPT), 16)
-        exact, wide, narrow = (attention_kl(rec.store, rec.q, rec.scale, c)
+        exact, wide, narrow = (attention_kl(store, rec.q, rec.scale, c)
                                for c in (ExactCodec(16, CPU), TurboQuantCodec(16, 8, CPU), TurboQuantCodec(16, 2, CPU)))
         assert abs(exact) < 1e-6 and wide < narrow  # exact up to the calibration's float round trip
     layers = [{"layer": i, "attention_kl": {"tq4": x}} for i, x in enumerate([0.01, 0.012, 0.05, 0.011, 0.009])]

@@ -8,7 +8,7 @@ import torch
 
 from larqlpy.engines import build_provider, parse_engine_spec
 from larqlpy.engines.base import AttentionParams, LayerGeometry
-from larqlpy.engines.codec import RECOMMENDED, CodecStore, Scratch, parse_layer_bits
+from larqlpy.engines.codec import CodecStore, Scratch, config_spec, parse_layer_bits
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.codebooks import MSE
 from larqlpy.kernels.lloyd_max import gaussian_codebook
@@ -95,7 +95,7 @@ def test_accounting_matches_an_independent_count():
     # bits per value at 4,096 positions of the recommended configuration: 4.125 + the sinks' share
     from larqlpy.residency import bits_per_value
 
-    rec = build_provider(spec(RECOMMENDED[0], *(f"{k}={v}" for k, v in RECOMMENDED[1])))
+    rec = build_provider(config_spec())
     b = bits_per_value(rec, geoms, 4096)
     assert 4.0 < b <= 4.5
 
@@ -184,7 +184,7 @@ def test_recommended_configuration_keeps_quality_on_270m(real, long_text):
     ids = real.tokenizer.encode(long_text)[:496]
     prompt, forced = ids[:400], ids[400:]
     ref = teacher_forced_logits(real.model, parse_engine_spec(), prompt, forced)
-    rec = forced_score(real.model, spec(RECOMMENDED[0], *(f"{k}={v}" for k, v in RECOMMENDED[1])), prompt, forced, ref)
+    rec = forced_score(real.model, config_spec(), prompt, forced, ref)
     plain = forced_score(real.model, spec("codec/v1", "bits=4"), prompt, forced, ref)
     assert rec["mean_kl"] < 0.06, rec
     assert rec["mean_kl"] < plain["mean_kl"] / 3 and rec["loss"] < plain["loss"], (rec, plain)

@@ -187,6 +187,21 @@ class LayerStore:
         return out
 
 
+class QueryTap:
+    """A layer store wrapped for a measurement: `on_query(store, q, p)` sees each block's queries
+    before the store attends as usual; everything else is the store's."""
+
+    def __init__(self, store: LayerStore, on_query):
+        self.store, self.on_query = store, on_query
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def attend(self, q, k, v, p):
+        self.on_query(self.store, q, p)
+        return self.store.attend(q, k, v, p)
+
+
 class EngineState:
     """All layers' stores for one sequence, plus the logical position counter."""
 

@@ -29,6 +29,7 @@ import torch
 from larqlpy.engines.base import EngineState, LayerGeometry, LayerStore, Provider
 from larqlpy.engines.codec import Scratch
 from larqlpy.engines.spec import OptionSpec
+from larqlpy.calibration import require_calibration
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.rowcodec import TurboQuantCodec
 from larqlpy.state.rules import Event, Rules, State, load_rules
@@ -104,9 +105,9 @@ class CellStore(LayerStore):
     def __init__(self, geometry: LayerGeometry, device: torch.device, manager: "CellManager"):
         super().__init__(geometry, device)
         self.m = manager
-        if self.calibration is not None:  # (Hkv, 1, D): broadcast over a cell's rows
-            self.k_mean = self.calibration.mean.to(device)[:, None]
-            self.k_scale = self.calibration.scale.to(device)[:, None]
+        # the layer's key calibration when the rules ask for it (policy `calib: on`), else None
+        cal = geometry.key_calibration if manager.rules.policy.calib else None
+        self.calibration = None if cal is None else cal.to(device)
         self.cells: list[Cell] = []  # index i covers [i * C, (i + 1) * C); evicted cells stay as markers
         self.first_live = 0  # index of the oldest non-evicted cell
 
@@ -167,13 +168,8 @@ class CellStore(LayerStore):
                  "code": data[f"{t}_code"][:, a:b].reshape(hkv * (b - a), -1)}
             x = codec.decode(f).view(hkv, b - a, -1)
             if t == "k" and self.calibration is not None:  # codes of (k - mean) * scale
-                x = x / self.k_scale + self.k_mean
+                x = self.calibration.undo(x)
             buf[i][:, dst] = x
-
-    @property
-    def calibration(self):
-        """The layer's key calibration when the rules ask for it (policy `calib: on`), else None."""
-        return self.geometry.key_calibration if self.m.rules.policy.calib else None
 
     def meta(self):
         return {} if self.calibration is None else {"key_calibration": self.calibration.digest}
@@ -215,7 +211,7 @@ class CellStore(LayerStore):
                 codec = self.m.codec(self.geometry.head_dim, bits)
                 x = cell.data[t][:, :n]
                 if t == "k" and self.calibration is not None:
-                    x = (x - self.k_mean) * self.k_scale
+                    x = self.calibration.apply(x)
                 enc = codec.encode(x.reshape(hkv * n, -1))
                 data.update({f"{t}_{name}": val.view(hkv, n, *val.shape[1:]).clone() for name, val in enc.items()})
             cell.data, cell.precision = data, precision_label(*widths)
@@ -413,9 +409,8 @@ class Cells(Provider):
 
     def new_state(self, geometries, device):
         self.check_geometry(geometries)
-        if self.rules.policy.calib and any(g.key_calibration is None for g in geometries):
-            raise LarqlError(f"cells/v1: the rules in {self.rules.source} set calib: on, and the model has no key "
-                             "calibration (kv_calibration.safetensors); run `larqlpy calibrate MODEL_DIR`")
+        if self.rules.policy.calib:
+            require_calibration(geometries, f"cells/v1 (the rules in {self.rules.source} set calib: on)")
         rules = dataclasses.replace(self.rules, counts=Counter())  # each sequence counts its own
         manager = CellManager(rules, self.options.get("budget"), device)
         manager.stores = [CellStore(g, device, manager) for g in geometries]

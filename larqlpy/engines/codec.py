@@ -24,7 +24,8 @@ import torch
 
 from larqlpy.engines.base import EngineState, LayerGeometry, LayerStore, Provider
 from larqlpy.engines.rows import Rows
-from larqlpy.engines.spec import OptionSpec, int_in
+from larqlpy.calibration import require_calibration
+from larqlpy.engines.spec import EngineSpec, OptionSpec, int_in, parse_engine_spec
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.rowcodec import ExactCodec, Int4GroupCodec, RowCodec, TurboQuantCodec
 from larqlpy.kernels.turboquant import WIDTHS
@@ -73,10 +74,7 @@ class CodecStore(LayerStore):
         self.sink = sink
         self.sinks = (Rows(geometry.n_kv_heads, {t: ((d,), torch.float32) for t in ("k", "v")}, device,
                            min_capacity=sink) if sink else None)
-        self.calibration = calibration
-        if calibration is not None:  # (Hkv, 1, D): broadcast over rows
-            self.k_mean = calibration.mean.to(device)[:, None]
-            self.k_scale = calibration.scale.to(device)[:, None]
+        self.calibration = None if calibration is None else calibration.to(device)
         self.fused = all(c.fused for c in (self.k_codec, self.v_codec, *(self.tier_codecs or {}).values()))
         self.last = False  # the last layer frees the shared scratch when a block is done
 
@@ -94,7 +92,7 @@ class CodecStore(LayerStore):
     def _encode(self, x: torch.Tensor, prefix: str, codecs: dict[str, RowCodec]) -> dict[str, torch.Tensor]:
         hkv, t, _ = x.shape
         if prefix == "k" and self.calibration is not None:
-            x = (x.float() - self.k_mean) * self.k_scale
+            x = self.calibration.apply(x)
         enc = codecs[prefix].encode(x.reshape(hkv * t, -1))
         return {f"{prefix}_{name}": val.view(hkv, t, *val.shape[1:]) for name, val in enc.items()}
 
@@ -108,7 +106,7 @@ class CodecStore(LayerStore):
         if not direct or got.data_ptr() != out.data_ptr():
             out.copy_(got.view(hkv, n, d))
         if prefix == "k" and self.calibration is not None:
-            out.div_(self.k_scale).add_(self.k_mean)
+            self.calibration.undo(out, out=out)
 
     def append(self, k, v):
         q_start = self.end
@@ -122,9 +120,9 @@ class CodecStore(LayerStore):
             self.sinks.append({"k": k[:, :n].float(), "v": v[:, :n].float()})
         self.end = self.rows.end
 
-    def _fields(self, r: dict[str, torch.Tensor], prefix: str, head: int, hi: int | None = None):
-        names = {k[len(prefix) + 1:] for k in r if k.startswith(prefix + "_")}
-        return {name: r[f"{prefix}_{name}"][head, :hi] for name in names}
+    @staticmethod
+    def _fields(r: dict[str, torch.Tensor], prefix: str, codec: RowCodec, head: int, hi: int | None = None):
+        return {name: r[f"{prefix}_{name}"][head, :hi] for name in codec.fields}
 
     def _exact_from(self, start: int) -> int:
         """First position whose K row is exact (end when none is)."""
@@ -182,11 +180,12 @@ class CodecStore(LayerStore):
             qh = q[h * group:(h + 1) * group, 0].float()
             qk, bias = qh, None
             if self.calibration is not None:  # q . k' = (q / scale) . y' + q . mean
-                qk, bias = qh / self.k_scale[h], qh @ self.k_mean[h, 0]
+                qk, bias = qh / self.calibration.scale[h], qh @ self.calibration.mean[h]
             qr = self.k_codec.rotate(qk)  # every width shares the rotation: one per head
-            parts = [self._scores(self.k_codec, qr, self._fields(r, "k", h, lo - start), bias)]
+            parts = [self._scores(self.k_codec, qr, self._fields(r, "k", self.k_codec, h, lo - start), bias)]
             if t is not None:
-                parts.append(self._scores(self.tier_codecs["k"], qr, self._fields(t, "k", h), bias))
+                tk = self.tier_codecs["k"]
+                parts.append(self._scores(tk, qr, self._fields(t, "k", tk, h), bias))
             if exact is not None:
                 parts.append(qh @ exact[h].T)
             s = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
@@ -196,9 +195,10 @@ class CodecStore(LayerStore):
             if sinks is not None:
                 head = probs[:, :ns].clone()
                 probs[:, :ns] = 0.0
-            o = self.v_codec.weighted_sum(probs[:, :tier - start].contiguous(), self._fields(r, "v", h))
+            o = self.v_codec.weighted_sum(probs[:, :tier - start].contiguous(), self._fields(r, "v", self.v_codec, h))
             if t is not None:
-                o += self.tier_codecs["v"].weighted_sum(probs[:, tier - start:].contiguous(), self._fields(t, "v", h))
+                tv = self.tier_codecs["v"]
+                o += tv.weighted_sum(probs[:, tier - start:].contiguous(), self._fields(t, "v", tv, h))
             out[h * group:(h + 1) * group, 0] = o if sinks is None else o + head @ sinks["v"][h]
         self.release()
         return out.to(q.dtype)
@@ -305,6 +305,11 @@ RECOMMENDED = ("codec/v1", (("bits", 4), ("calib", "on"), ("recent", 16), ("sink
 COMPACT = ("codec/v1", (("bits", 3), ("calib", "on"), ("recent", 16), ("sink", 1)))
 
 
+def config_spec(config=RECOMMENDED) -> EngineSpec:
+    """A named configuration (RECOMMENDED, COMPACT) as the spec a run takes."""
+    return parse_engine_spec(continuation=config[0], continuation_options=[f"{k}={v}" for k, v in config[1]])
+
+
 def recommended_flags(rec=RECOMMENDED) -> str:
     return f"--continuation {rec[0]} " + " ".join(f"--continuation-option {k}={v}" for k, v in rec[1])
 
@@ -365,7 +370,7 @@ class Codec(Provider):
         bits = int(self.options.get("recent_bits", 8))
         return TurboQuantCodec(geometry.head_dim, bits, device), TurboQuantCodec(geometry.head_dim, bits, device)
 
-    def calibration(self, geometry: LayerGeometry):
+    def layer_calibration(self, geometry: LayerGeometry):
         """The layer's key calibration when `calib=on` and the layer's keys are codes, else None."""
         if self.options.get("calib", "off") != "on" or self.widths(geometry.index) is None:
             return None
@@ -387,18 +392,19 @@ class Codec(Provider):
 
     def new_state(self, geometries, device):
         self.check_geometry(geometries)
-        # accounting (residency) needs no calibration; rows do
-        if self.options.get("calib") == "on" and any(g.key_calibration is None for g in geometries):
-            raise LarqlError(f"{self.identity}: calib=on needs the model's key calibration "
-                             "(kv_calibration.safetensors beside the weights); run `larqlpy calibrate MODEL_DIR`")
+        if self.options.get("calib") == "on":  # accounting (residency) needs no calibration; rows do
+            require_calibration(geometries, f"{self.identity} calib=on")
         scratch = Scratch(device)
-        stores = [CodecStore(g, device, self.make_codec(g, device, "k"), g.window, scratch, self.exact_recent(),
-                             v_codec=self.make_codec(g, device, "v"), sink=self.sink(),
-                             tier=min(self.tier(), g.window or self.tier()) if self.tier_codecs(g, device) else 0,
-                             tier_codecs=self.tier_codecs(g, device), calibration=self.calibration(g))
-                  for g in geometries]
+        stores = [self._store(g, device, scratch) for g in geometries]
         stores[-1].last = True
         return EngineState(self.identity, self.options, stores, extras=[scratch])
+
+    def _store(self, g: LayerGeometry, device: torch.device, scratch: Scratch) -> CodecStore:
+        tier = self.tier_codecs(g, device)
+        return CodecStore(g, device, self.make_codec(g, device, "k"), g.window, scratch, self.exact_recent(),
+                          v_codec=self.make_codec(g, device, "v"), sink=self.sink(),
+                          tier=min(self.tier(), g.window or self.tier()) if tier else 0, tier_codecs=tier,
+                          calibration=self.layer_calibration(g))
 
     def retained_rows(self, geometry, positions):
         return positions if geometry.window is None else min(positions, geometry.window)

@@ -71,8 +71,10 @@ class Rows:
         """Fields for positions [lo, hi), in order: views for growing storage, copies for a ring."""
         if lo < self.base or hi > self.end:
             raise RuntimeError(f"rows [{lo}, {hi}) outside the retained [{self.base}, {self.end})")
-        if self.keep is None or lo >= hi:
-            return {name: b[:, lo:hi] if self.keep is None else b[:, :0] for name, b in self.buf.items()}
+        if self.keep is None:
+            return {name: b[:, lo:hi] for name, b in self.buf.items()}
+        if lo >= hi:  # an empty range of a ring (no slices to join)
+            return {name: b[:, :0] for name, b in self.buf.items()}
         stored_end = self._stored_end()
         out = {}
         for name, b in self.buf.items():
