@@ -39,6 +39,7 @@ bench: model bench-setup
 	$(BIN)/python bench/decode.py --model $(MODEL_DIR)
 	$(BIN)/python bench/codec.py --model $(MODEL_DIR)
 	$(BIN)/python bench/resume.py --model $(MODEL_DIR)
+	$(BIN)/python bench/stream.py --model $(MODEL_DIR)
 
 # The codec accuracy tables in docs/codec.md (about 10 minutes).
 codec-quality: model

@@ -50,7 +50,8 @@ def kernels(rows: int = 65536, d: int = 256) -> None:
 
 def decode_speed(model_dir: Path, contexts: list[int], steps: int) -> None:
     from larqlpy.engines import build_provider, parse_engine_spec
-    from larqlpy.engines.codec import config_spec
+    from larqlpy.engines import preset_spec
+    from larqlpy.engines.presets import RECOMMENDED
     from larqlpy.generate import prefill
 
     from larqlpy.model.loader import load
@@ -59,9 +60,9 @@ def decode_speed(model_dir: Path, contexts: list[int], steps: int) -> None:
     text = (ROOT / "larqlpy" / "data" / "long.txt").read_text()
     ids = loaded.tokenizer.encode(text * (1 + max(contexts) // 2500))
     specs = [("window/v1", parse_engine_spec(continuation="window/v1"), True),
-             ("codec/v1 bits=4 (on codes)", parse_engine_spec(continuation="codec/v1", continuation_options=["bits=4"]), True),
-             ("codec/v1 bits=4 (scratch)", parse_engine_spec(continuation="codec/v1", continuation_options=["bits=4"]), False),
-             ("recommended (on codes)", config_spec(), True)]
+             ("codec/v1 bits=4 (on codes)", parse_engine_spec(continuation="codec/v1", options=["bits=4"]), True),
+             ("codec/v1 bits=4 (scratch)", parse_engine_spec(continuation="codec/v1", options=["bits=4"]), False),
+             ("recommended (on codes)", preset_spec(RECOMMENDED), True)]
     print(f"decode after a long prefill, {steps} steps, 270M float32")
     for n in contexts:
         results = {}

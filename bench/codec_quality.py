@@ -59,8 +59,8 @@ def cosine_table(loaded) -> None:
 
 def drift_table(loaded, tokens: int) -> None:
     from larqlpy.engines import build_provider, parse_engine_spec
-    from larqlpy.quality import drift
-    from larqlpy.residency import bits_per_value
+    from larqlpy.tools.quality import drift
+    from larqlpy.tools.residency import bits_per_value
 
     print(f"\nAgainst canonical/v1, {tokens} generated tokens per prompt, {len(PROMPTS)} prompts "
           "(teacher-forced KL and top-1; free-running greedy match)\n")
@@ -68,7 +68,7 @@ def drift_table(loaded, tokens: int) -> None:
     print("|---|---|---|---|---|---|---|")
     refs = {}
     for identity, opts in ENGINES:
-        spec = parse_engine_spec(continuation=identity, continuation_options=opts)
+        spec = parse_engine_spec(continuation=identity, options=opts)
         rows = []
         for p in PROMPTS:
             ids = loaded.tokenizer.encode(p)

@@ -17,6 +17,8 @@ import argparse
 import time
 from pathlib import Path
 
+from larqlpy.engines.presets import COMPACT, RECOMMENDED, option_texts
+
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = ROOT / "larqlpy" / "data" / "long.txt"
@@ -32,10 +34,10 @@ CONFIGS = [
     # one lever at a time on 4-bit codes: key calibration, the 8-bit recent tier, both
     ("codec/v1", ["bits=4", "calib=on"]),
     ("codec/v1", ["bits=4", "recent=16", "sink=1"]),
-    ("codec/v1", ["bits=4", "calib=on", "recent=16", "sink=1"]),  # RECOMMENDED
+    (RECOMMENDED[0], option_texts(RECOMMENDED)),
     ("codec/v1", ["bits=4", "calib=on", "recent=32", "sink=4"]),
     ("codec/v1", ["k_bits=4", "v_bits=3", "calib=on", "recent=16", "sink=1"]),
-    ("codec/v1", ["bits=3", "calib=on", "recent=16", "sink=1"]),  # COMPACT
+    (COMPACT[0], option_texts(COMPACT)),
     ("codec/v1", ["k_bits=3", "v_bits=2", "calib=on", "recent=16", "sink=1"]),
     ("codec/v1", ["bits=3", "calib=on", "recent=16", "sink=1", "layer_bits=4:6/3"]),
     # what `larqlpy kv-stats` suggests for this text without a calibration (the global layers and 15)
@@ -48,17 +50,17 @@ QUOTED = [  # llama.cpp's quantized KV cache on the same model (quoted from the 
 
 
 def greedy(model, spec, prompt_ids: list[int], n: int) -> tuple[list[int], float]:
-    from larqlpy.generate import GenerationConfig, generate
+    from larqlpy.generate import GenerationConfig, stream_generate
 
-    toks = list(generate(model, prompt_ids, spec, GenerationConfig(max_tokens=n, stop_at_eos=False)))
+    toks = list(stream_generate(model, prompt_ids, spec, GenerationConfig(max_tokens=n, stop_at_eos=False)))
     return [t.id for t in toks], toks[-1].metrics.decode_tps
 
 
 def main() -> None:
     from larqlpy.engines import build_provider, parse_engine_spec
     from larqlpy.model.loader import load
-    from larqlpy.quality import agreement, forced_score, teacher_forced_logits
-    from larqlpy.residency import bits_per_value
+    from larqlpy.tools.quality import agreement, forced_score, teacher_forced_logits
+    from larqlpy.tools.residency import bits_per_value
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "models" / "gemma-3-270m"))
@@ -85,7 +87,7 @@ def main() -> None:
     for i, (identity, opts) in enumerate(CONFIGS):
         if args.only is not None and i not in args.only and i != 0:
             continue
-        spec = parse_engine_spec(continuation=identity, continuation_options=opts)
+        spec = parse_engine_spec(continuation=identity, options=opts)
         m = forced_score(model, spec, prompt, forced, ref)
         if exact_loss is None:
             exact_loss = m["loss"]

@@ -19,7 +19,7 @@ ENGINES = [("canonical/v1", []), ("window/v1", []), ("codec/v1", ["bits=4"]), ("
 
 def main() -> None:
     from larqlpy.engines import build_provider, parse_engine_spec
-    from larqlpy.generate import GenerationConfig, generate
+    from larqlpy.generate import GenerationConfig, stream_generate
     from larqlpy.model.loader import load
     from larqlpy.session import resume, save
 
@@ -38,15 +38,15 @@ def main() -> None:
           f"{'TTFT ratio':>11}{'total ratio':>12}{'file MiB':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         for identity, opts in ENGINES:
-            spec = parse_engine_spec(continuation=identity, continuation_options=opts)
+            spec = parse_engine_spec(continuation=identity, options=opts)
             path = Path(tmp) / "s.kv"
             state = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
-            first = list(generate(loaded.model, ids, spec, GenerationConfig(max_tokens=1), state=state))
+            first = list(stream_generate(loaded.model, ids, spec, GenerationConfig(max_tokens=1), state=state))
             save(loaded, path, state, ids + [first[0].id])
 
             def fresh():
                 t0 = time.perf_counter()
-                it = generate(loaded.model, ids, spec, cfg)
+                it = stream_generate(loaded.model, ids, spec, cfg)
                 next(it)
                 t1 = time.perf_counter()
                 for _ in it:
@@ -56,7 +56,7 @@ def main() -> None:
             def resumed():
                 t0 = time.perf_counter()
                 plan, rids = resume(loaded, path, ids, None)
-                it = generate(loaded.model, rids, plan.spec, cfg, state=plan.state, logits=plan.logits)
+                it = stream_generate(loaded.model, rids, plan.spec, cfg, state=plan.state, logits=plan.logits)
                 next(it)
                 t1 = time.perf_counter()
                 for _ in it:

@@ -31,23 +31,23 @@ def main() -> None:
     args = ap.parse_args()
 
     from larqlpy.engines import EngineSpec
-    from larqlpy.generate import GenerationConfig, generate
+    from larqlpy.generate import GenerationConfig, stream_generate
     from larqlpy.model.loader import load
-    from larqlpy.quality import agreement, score_text
+    from larqlpy.tools.quality import agreement, score_text
 
     t0 = time.time()
     ref = load(args.model, device="cpu")
     text_ids = ref.tokenizer.encode((ROOT / "larqlpy" / "data" / "long.txt").read_text())[:args.text_tokens]
     cfg = GenerationConfig(max_tokens=args.tokens, stop_at_eos=False)
     prompts = [ref.tokenizer.encode(p) for p in PROMPTS]
-    ref_greedy = [[t.id for t in generate(ref.model, p, EngineSpec(), cfg)] for p in prompts]
+    ref_greedy = [[t.id for t in stream_generate(ref.model, p, EngineSpec(), cfg)] for p in prompts]
     rows = []
     for fmt in args.weights.split(","):
         test = load(args.model, device="cpu", weights=fmt)
         s = score_text(ref.model, test.model, text_ids)
         match, prefixes = [], []
         for p, want in zip(prompts, ref_greedy):
-            got = [t.id for t in generate(test.model, p, EngineSpec(), cfg)]
+            got = [t.id for t in stream_generate(test.model, p, EngineSpec(), cfg)]
             frac, prefix = agreement(got, want)
             match.append(frac)
             prefixes.append(prefix)

@@ -1,8 +1,21 @@
-"""larqlpy: Gemma 3 inference with pluggable, memory-frugal KV engines."""
+"""larqlpy: LLM inference with pluggable, memory-frugal KV engines.
 
-from larqlpy.api import Model, engine_spec, load
-from larqlpy.errors import LarqlError
-from larqlpy.generate import GenerationConfig, SamplingConfig, Token
+The Python API (`load`, `Model`, the generation settings) is imported on first use, so importing
+`larqlpy` -- or any of its modules, the CLI's among them -- costs nothing until it is needed.
+"""
 
-__all__ = ["GenerationConfig", "LarqlError", "Model", "SamplingConfig", "Token", "engine_spec", "load"]
-__version__ = "0.1.0"
+import importlib
+
+from larqlpy._version import __version__
+
+_EXPORTS = {
+    "GenerationConfig": "larqlpy.config", "SamplingConfig": "larqlpy.config", "LarqlError": "larqlpy.errors",
+    "Model": "larqlpy.api", "engine_spec": "larqlpy.api", "load": "larqlpy.api", "Token": "larqlpy.generate",
+}
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'larqlpy' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -5,17 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from larqlpy.config import GenerationConfig
 from larqlpy.engines import EngineSpec, parse_engine_spec
-from larqlpy.generate import GenerationConfig, Token, generate
+from larqlpy.generate import Token, stream_generate
 from larqlpy.model.loader import LoadedModel
 from larqlpy.model.loader import load as load_dir
 
 
 def engine_spec(engine: str | None = None, continuation: str | None = None,
                 options: Mapping[str, object] | None = None) -> EngineSpec:
-    """The same parser and refusals as the CLI's --engine / --continuation / --continuation-option."""
-    opts = [f"{k}={v}" for k, v in (options or {}).items()]
-    return parse_engine_spec(engine, continuation, opts)
+    """The same parser and refusals as every other interface's engine choice."""
+    return parse_engine_spec(engine, continuation, [f"{k}={v}" for k, v in (options or {}).items()])
 
 
 class Model:
@@ -29,8 +29,8 @@ class Model:
         """Yield tokens; `gen` takes GenerationConfig / SamplingConfig fields (max_tokens, temperature, ...)."""
         spec = engine_spec(engine, continuation, options)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return generate(self.loaded.model, ids, spec, GenerationConfig.from_dict(dict(gen)),
-                        stop_ids=self.tokenizer.stop_ids, tokenizer=self.tokenizer)
+        return stream_generate(self.loaded.model, ids, spec, GenerationConfig.from_dict(dict(gen)),
+                               stop_ids=self.tokenizer.stop_ids, tokenizer=self.tokenizer)
 
     def complete(self, prompt: str | list[int], **kw) -> str:
         return "".join(t.text for t in self.generate(prompt, **kw))

@@ -1,59 +1,34 @@
-"""The decode loop: prefill in chunks, then one token at a time, yielding tokens with metrics."""
+"""The decode loop, in layers (as mlx-lm layers `generate_step` under `stream_generate`):
+
+- `generate_step(forward, logits, ...)`: sample an id, yield (id, logits), feed the id, repeat --
+  forever; whoever consumes it decides when to stop (the last id yielded is never fed).
+- `stream_tokens(steps, ...)`: Tokens from those pairs -- text from an incremental detokenizer
+  (cost per token independent of the output's length), a fresh metrics snapshot per token, stop
+  handling.
+- `stream_generate(model, prompt_ids, spec, cfg, ...)`: prefill the prompt, then stream.
+
+`forward(id) -> logits` is where a step meets the model: `Cached` runs one position on the engine
+state; `Replay` (no-cache) rebuilds a fresh state from the whole history every step.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
-from typing import Any, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from larqlpy.engines import EngineSpec, EngineState, build_provider
+from larqlpy.config import GenerationConfig, SamplingConfig
+from larqlpy.engines import EngineSpec, build_provider
+from larqlpy.engines.stores.base import EngineState
 from larqlpy.errors import LarqlError
 
 
 @dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    seed: int | None = None
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise LarqlError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise LarqlError(f"--top-k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise LarqlError(f"--top-p must be in (0, 1], got {self.top_p}")
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """The defaults the CLI and the Python API share."""
-
-    max_tokens: int = 64
-    prefill_chunk: int = 1024
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop_at_eos: bool = True
-
-    def __post_init__(self):
-        if self.max_tokens < 0:
-            raise LarqlError(f"--max-tokens must be >= 0, got {self.max_tokens}")
-        if self.prefill_chunk < 1:
-            raise LarqlError(f"prefill chunk must be >= 1, got {self.prefill_chunk}")
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "GenerationConfig":
-        """Build from a flat dict (CLI flags, JSON lines); unknown keys are ignored."""
-        sampling_keys = {f.name for f in fields(SamplingConfig)}
-        own = {f.name for f in fields(cls)} - {"sampling"}
-        sampling = SamplingConfig(**{k: v for k, v in raw.items() if k in sampling_keys and v is not None})
-        return cls(sampling=sampling, **{k: v for k, v in raw.items() if k in own and v is not None})
-
-
-@dataclass
 class Metrics:
+    """A snapshot: every Token carries its own."""
+
     prompt_tokens: int = 0
     prefilled_tokens: int = 0  # fewer than prompt_tokens when a resumed state already held a prefix
     prefill_seconds: float = 0.0
@@ -74,14 +49,14 @@ class Metrics:
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "prefilled_tokens": self.prefilled_tokens, "prefill_seconds": round(self.prefill_seconds, 6),
-                "prefill_tokens_per_s": round(self.prefill_tps, 3), "decode_tokens": self.decode_tokens,
-                "decode_seconds": round(self.decode_seconds, 6), "decode_tokens_per_s": round(self.decode_tps, 3),
-                "resident_kv_bytes": self.resident_kv_bytes, "resident_kv_by_kind": dict(self.resident_kv_by_kind),
-                "position": self.position}
+        return {"prompt_tokens": self.prompt_tokens, "prefilled_tokens": self.prefilled_tokens,
+                "prefill_seconds": round(self.prefill_seconds, 6), "prefill_tokens_per_s": round(self.prefill_tps, 3),
+                "decode_tokens": self.decode_tokens, "decode_seconds": round(self.decode_seconds, 6),
+                "decode_tokens_per_s": round(self.decode_tps, 3), "resident_kv_bytes": self.resident_kv_bytes,
+                "resident_kv_by_kind": dict(self.resident_kv_by_kind), "position": self.position}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Token:
     id: int
     text: str  # the new text this token completes (may be "" while a UTF-8 sequence is open)
@@ -117,60 +92,93 @@ def prefill(model, state: EngineState, ids: Sequence[int], chunk: int, all_logit
     return torch.cat(outs) if all_logits else outs[-1]
 
 
-def generate(model, prompt_ids: Sequence[int], spec: EngineSpec = EngineSpec(),
-             cfg: GenerationConfig = GenerationConfig(), stop_ids: set[int] | None = None,
-             tokenizer=None, state: EngineState | None = None, logits: torch.Tensor | None = None) -> Iterator[Token]:
+class Cached:
+    """One decode step on the engine state: the id's position only."""
+
+    def __init__(self, model, state: EngineState):
+        self.model, self.state = model, state
+
+    def __call__(self, tok: int) -> torch.Tensor:
+        logits = self.model(torch.tensor([tok], dtype=torch.long), self.state)[-1]
+        self.state.last_logits = logits
+        return logits
+
+
+class Replay:
+    """no-cache: every step starts from a fresh state and runs the whole history; only token ids
+    survive between steps."""
+
+    def __init__(self, model, new_state: Callable[[], EngineState], history: list[int], chunk: int,
+                 state: EngineState):
+        self.model, self.new_state, self.history, self.chunk, self.state = model, new_state, history, chunk, state
+
+    def __call__(self, tok: int) -> torch.Tensor:
+        self.history.append(tok)
+        self.state = self.new_state()
+        logits = prefill(self.model, self.state, self.history, self.chunk)[-1]
+        self.state.last_logits = logits
+        return logits
+
+
+def generate_step(forward: Callable[[int], torch.Tensor], logits: torch.Tensor, sampling: SamplingConfig,
+                  gen: torch.Generator | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(id, the logits it was sampled from), one per step, without end."""
+    while True:
+        tok = sample(logits, sampling, gen)
+        yield tok, logits
+        logits = forward(tok)
+
+
+def stream_tokens(steps: Iterator[tuple[int, torch.Tensor]], max_tokens: int, stop_ids: set[int],
+                  detokenizer=None, snapshot: Callable[[int], Metrics] = lambda i: Metrics()) -> Iterator[Token]:
+    """Tokens from (id, logits) pairs: text, a metrics snapshot each (`snapshot(i)`), and the finish
+    reason on the last one. A stop id ends the stream and adds no text."""
+    if max_tokens == 0:
+        return
+    for i, (tok, logits) in enumerate(steps):
+        stop = tok in stop_ids
+        finish = "stop" if stop else ("length" if i + 1 == max_tokens else None)
+        text = "" if stop or detokenizer is None else detokenizer.step(tok)
+        yield Token(tok, text, i, logits, snapshot(i), finish)
+        if finish:
+            return
+
+
+def stream_generate(model, prompt_ids: Sequence[int], spec: EngineSpec = EngineSpec(),
+                    cfg: GenerationConfig = GenerationConfig(), stop_ids: set[int] | None = None,
+                    tokenizer=None, state: EngineState | None = None,
+                    logits: torch.Tensor | None = None) -> Iterator[Token]:
     """Yield generated tokens.
 
     `state` may arrive holding the first `state.position` prompt tokens already (a resumed session):
     only the rest is prefilled; if nothing is left, `logits` (the last position's) must be given.
-    With spec.replay (no-cache), every step starts from fresh state and runs the whole history; only
-    token ids survive between steps. The state's `last_logits` follows every forward pass.
+    The state's `last_logits` follows every forward pass.
     """
     if not prompt_ids:
         raise LarqlError("empty prompt: nothing to condition on")
     provider = build_provider(spec)
     geoms = model.geometries()
-    fresh = lambda: provider.new_state(geoms, model.device)  # noqa: E731
-    state = state if state is not None else fresh()
-    gen = None
-    if cfg.sampling.seed is not None:
-        gen = torch.Generator().manual_seed(cfg.sampling.seed)
-    stop_ids = stop_ids or set()
+    state = state if state is not None else provider.new_state(geoms, model.device)
     history = list(prompt_ids)
     start = state.position
-    metrics = Metrics(prompt_tokens=len(history), prefilled_tokens=len(history) - start)
     t0 = time.perf_counter()
     if start < len(history):
         logits = prefill(model, state, history[start:], cfg.prefill_chunk)[-1]
     elif logits is None:
         raise LarqlError("the state already holds the whole prompt and no logits came with it")
     state.last_logits = logits
-    metrics.prefill_seconds = time.perf_counter() - t0
-    if cfg.max_tokens == 0:
-        return
-    decoded_text = ""
+    prefill_seconds = time.perf_counter() - t0
+    forward = Replay(model, lambda: provider.new_state(geoms, model.device), history, cfg.prefill_chunk, state) \
+        if spec.replay else Cached(model, state)
+    gen = torch.Generator().manual_seed(cfg.sampling.seed) if cfg.sampling.seed is not None else None
     t_decode = time.perf_counter()
-    for i in range(cfg.max_tokens):
-        tok = sample(logits, cfg.sampling, gen)
-        history.append(tok)
-        metrics.decode_tokens = i + 1
-        metrics.decode_seconds = time.perf_counter() - t_decode
-        metrics.resident_kv_bytes = state.resident_bytes()
-        metrics.resident_kv_by_kind = state.resident_by_kind()
-        metrics.position = state.position
-        finish = "stop" if (cfg.stop_at_eos and tok in stop_ids) else ("length" if i + 1 == cfg.max_tokens else None)
-        text = ""
-        if tokenizer is not None and finish != "stop":
-            full = tokenizer.decode(history[len(prompt_ids):])
-            if not full.endswith("\ufffd"):  # wait until a multi-byte character is complete
-                text, decoded_text = full[len(decoded_text):], full
-        yield Token(tok, text, i, logits, metrics, finish)
-        if finish:
-            return
-        if spec.replay:
-            state = fresh()
-            logits = prefill(model, state, history, cfg.prefill_chunk)[-1]
-        else:
-            logits = model(torch.tensor([tok], dtype=torch.long), state)[-1]
-        state.last_logits = logits
+
+    def snapshot(i: int) -> Metrics:
+        s = forward.state
+        return Metrics(len(prompt_ids), len(prompt_ids) - start, prefill_seconds, i + 1,
+                       time.perf_counter() - t_decode, s.resident_bytes(), s.resident_by_kind(), s.position)
+
+    stops = (stop_ids or set()) if cfg.stop_at_eos else set()
+    detokenizer = tokenizer.stream() if tokenizer is not None else None
+    yield from stream_tokens(generate_step(forward, logits, cfg.sampling, gen), cfg.max_tokens, stops,
+                             detokenizer, snapshot)

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import torch
 
-from larqlpy.engines import EngineSpec, EngineState, build_provider
-from larqlpy.engines.spec import validate_options
+from larqlpy._version import __version__
+from larqlpy.engines import EngineSpec, build_provider
+from larqlpy.engines.registry import checked_options
+from larqlpy.engines.stores.base import EngineState
 from larqlpy.errors import LarqlError
 from larqlpy.model.loader import LoadedModel
 from larqlpy.state.store import check_compatible, common_prefix, load_state, restore_state, save_state
@@ -33,11 +35,11 @@ def resume(loaded: LoadedModel, path: str | Path, prompt_ids: list[int] | None, 
     saved = load_state(path)
     engine = saved.header["engine"]
     if spec is None:
-        opts = validate_options(engine["identity"], [(k, str(v)) for k, v in engine["options"].items()],
-                                f"{path}: saved engine")
+        opts = checked_options(engine["identity"], [(k, str(v)) for k, v in engine["options"].items()],
+                               f"{path}: saved engine")
         spec = EngineSpec(engine["identity"], opts)
     if spec.replay:
-        raise LarqlError("--engine no-cache keeps no state between steps: nothing to resume into")
+        raise LarqlError("`engine` no-cache keeps no state between steps: nothing to resume into")
     check_compatible(saved, model_fingerprint=loaded.fingerprint, tokenizer_fingerprint=loaded.tokenizer.fingerprint,
                      identity=spec.identity, options=spec.options_dict, weights=loaded.weights)
     state = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
@@ -60,7 +62,7 @@ def resume(loaded: LoadedModel, path: str | Path, prompt_ids: list[int] | None, 
     if not reprefill:
         raise LarqlError(f"{path}: the prompt diverges from the saved tokens at position {common}, and "
                          f"{spec.identity} can no longer go back there (its window moved past it); "
-                         "pass --reprefill to prefill the prompt from scratch")
+                         "pass `reprefill` to prefill the prompt from scratch")
     fresh = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
     return Resumed(spec, fresh, None, 0, trimmed_from=processed), ids
 
@@ -68,8 +70,6 @@ def resume(loaded: LoadedModel, path: str | Path, prompt_ids: list[int] | None, 
 def save(loaded: LoadedModel, path: str | Path, state: EngineState, tokens: list[int]) -> int:
     """Save where the run stopped: `tokens` is the whole history (the last sampled token included,
     even though it has not been fed yet); the state holds `state.position` of them."""
-    from larqlpy import __version__
-
     return save_state(path, state, model_fingerprint=loaded.fingerprint,
                       tokenizer_fingerprint=loaded.tokenizer.fingerprint, tokens=tokens,
                       logits=state.last_logits, extra={"larqlpy": __version__, "weights": loaded.weights})

@@ -80,7 +80,7 @@ def test_batch_refusals(tiny_dir, tmp_path):
 
 
 def test_no_color_is_honoured():
-    code = "import larqlpy.cli.main as m; print(m.err.no_color, m.out.no_color)"
+    code = "import larqlpy.cli.common as m; print(m.err.no_color, m.out.no_color)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**ENV, "NO_COLOR": "1"})
     assert r.stdout.split() == ["True", "True"]
 

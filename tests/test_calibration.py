@@ -1,4 +1,4 @@
-"""Key calibration (larqlpy.calibration, `larqlpy calibrate`, codec calib=on) and the wider recent
+"""Key calibration (larqlpy.tools.calibrate, model/calibration_file.py, `larqlpy calibrate`, codec calib=on) and the wider recent
 tier (codec/v1 recent=N, recent_bits): exact algebra, file checks, resume, accounting, and the
 issue's quality aims on the real 270M."""
 
@@ -14,15 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from larqlpy import calibration
-from larqlpy.engines import build_provider, parse_engine_spec
-from larqlpy.engines.base import AttentionParams, LayerGeometry
-from larqlpy.engines.codec import COMPACT, RECOMMENDED, CodecStore, Scratch, config_spec
+from larqlpy.cli.common import error_line
+from larqlpy.engines import build_provider, parse_engine_spec, preset_spec
+from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.presets import COMPACT, RECOMMENDED
+from larqlpy.engines.stores.base import AttentionParams, Scratch
+from larqlpy.engines.stores.calibration import KeyCalibration
+from larqlpy.engines.stores.codec import CodecStore
+from larqlpy.engines.stores.kvcodec import KVCodec
 from larqlpy.errors import LarqlError
-from larqlpy.generate import GenerationConfig, generate
+from larqlpy.generate import stream_generate, GenerationConfig
 from larqlpy.kernels.rowcodec import TurboQuantCodec
+from larqlpy.model import calibration_file
 from larqlpy.model.loader import load
-from larqlpy.residency import bits_per_value, named_geometry
+from larqlpy.tools import calibrate as calib_tool
+from larqlpy.tools.residency import bits_per_value, named_geometry
 from tiny import make_tiny
 
 CPU = torch.device("cpu")
@@ -34,7 +40,7 @@ TEXT = "the cat sat on the mat and then the dog ran in the garden " * 12
 
 
 def spec(identity, *opts):
-    return parse_engine_spec(continuation=identity, continuation_options=list(opts))
+    return parse_engine_spec(continuation=identity, options=list(opts))
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +48,14 @@ def cal_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tinycal")
     make_tiny(d, sliding_window=16)
     loaded = load(d, device="cpu", key_calibration=False)
-    cals, meta = calibration.calibrate(loaded, TEXT)
-    calibration.save(d, cals, meta)
+    cals, meta = calib_tool.calibrate(loaded, TEXT)
+    calibration_file.save(d, cals, meta)
     return d
 
 
 def run(loaded, s, ids, n, state=None):
     state = state or build_provider(s).new_state(loaded.model.geometries(), loaded.device)
-    toks = list(generate(loaded.model, ids, s, GenerationConfig(max_tokens=n, stop_at_eos=False), state=state))
+    toks = list(stream_generate(loaded.model, ids, s, GenerationConfig(max_tokens=n, stop_at_eos=False), state=state))
     return toks, state
 
 
@@ -63,7 +69,7 @@ def test_calibration_measures_the_keys_and_round_trips(cal_dir):
     state = build_provider(parse_engine_spec()).new_state(geoms, CPU)
     loaded.model(torch.tensor(ids), state)
     for store, c in zip(state.layers, cals):
-        k, _ = store.read(calibration.SKIP, torch.float32)
+        k, _ = store.read(calib_tool.SKIP, torch.float32)
         assert torch.allclose(c.mean, k.double().mean(1).float(), atol=1e-5)
         assert c.scale.shape == (2, 16) and (c.scale > 0).all()
         assert abs(c.scale.log().mean(-1)).max() < 1e-5  # geometric mean 1 per head
@@ -74,7 +80,7 @@ def test_identity_calibration_changes_nothing(cal_dir):
     """calib=on with mean 0 and scale 1 must give codec/v1's logits bit for bit (fused and scratch paths)."""
     loaded = load(cal_dir, device="cpu")
     plain, _ = run(loaded, spec("codec/v1", "bits=4"), PROMPT, 8)
-    loaded.model.key_calibration = [calibration.KeyCalibration.of(torch.zeros(2, 16), torch.ones(2, 16))] * 6
+    loaded.model.key_calibration = [KeyCalibration.of(torch.zeros(2, 16), torch.ones(2, 16))] * 6
     ident, _ = run(loaded, spec("codec/v1", "bits=4", "calib=on"), PROMPT, 8)
     assert torch.equal(torch.stack([t.logits for t in plain]), torch.stack([t.logits for t in ident]))
 
@@ -83,12 +89,12 @@ def test_identity_calibration_changes_nothing(cal_dir):
 def test_calibrated_store_reconstructs_by_algebra_and_fused_equals_scratch(window):
     gen = torch.Generator().manual_seed(3)
     g = LayerGeometry(0, window, 2, 64)
-    cal = calibration.KeyCalibration.of(torch.randn(2, 64, generator=gen) * 3,
+    cal = KeyCalibration.of(torch.randn(2, 64, generator=gen) * 3,
                                         torch.rand(2, 64, generator=gen) * 3 + 0.2)
     kc, vc = TurboQuantCodec(64, 4, CPU), TurboQuantCodec(64, 3, CPU)
-    tier = (TurboQuantCodec(64, 8, CPU), TurboQuantCodec(64, 8, CPU))
-    make = lambda: CodecStore(g, CPU, kc, window, Scratch(CPU), v_codec=vc, sink=2, tier=3,  # noqa: E731
-                              tier_codecs=tier, calibration=cal)
+    tier = KVCodec(TurboQuantCodec(64, 8, CPU), TurboQuantCodec(64, 8, CPU), cal)
+    make = lambda: CodecStore(g, CPU, KVCodec(kc, vc, cal), window, Scratch(CPU), sink=2, recent=3,  # noqa: E731
+                              recent_codec=tier)
     fused, plain = make(), make()
     p = AttentionParams(scale=0.125)
     ks = []
@@ -135,7 +141,7 @@ def test_resume_bit_identical_and_a_different_calibration_is_refused(cal_dir, tm
     first, state = run(loaded, s, PROMPT, 8)
     for store in state.layers:  # the allocations hold what the sets need, no more
         assert store.sinks.nbytes() == 1 * 2 * 2 * 16 * 4  # one position, K and V, 2 heads, f32
-        assert store.tier.nbytes() == 4 * 2 * 2 * (4 + 16)  # four rows, K and V, 2 heads, norm + 8-bit codes
+        assert store.recent.nbytes() == 4 * 2 * 2 * (4 + 16)  # four rows, K and V, 2 heads, norm + 8-bit codes
     path = tmp_path / "s.kv"
     save(loaded, path, state, PROMPT + [t.id for t in first])
     out = tmp_path / "resumed.pt"
@@ -148,7 +154,7 @@ def test_resume_bit_identical_and_a_different_calibration_is_refused(cal_dir, tm
     other = tmp_path / "other"
     shutil.copytree(cal_dir, other)
     again = load(other, device="cpu", key_calibration=False)
-    calibration.save(other, *calibration.calibrate(again, TEXT.upper()))
+    calibration_file.save(other, *calib_tool.calibrate(again, TEXT.upper()))
     with pytest.raises(LarqlError, match="key calibration") as e:
         resume(load(other, device="cpu"), path, None, None)
     assert "\n" not in str(e.value)
@@ -169,8 +175,9 @@ def test_option_refusals(opts, message):
 def test_calib_on_a_model_without_calibration_says_how_to_make_one(tmp_path):
     make_tiny(tmp_path / "m")
     loaded = load(tmp_path / "m", device="cpu")
-    with pytest.raises(LarqlError, match="run `larqlpy calibrate MODEL_DIR`"):
+    with pytest.raises(LarqlError) as e:
         build_provider(spec("codec/v1", "bits=4", "calib=on")).new_state(loaded.model.geometries(), CPU)
+    assert "run `larqlpy calibrate MODEL_DIR`" in error_line(e.value)
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -185,12 +192,12 @@ def test_a_damaged_calibration_file_is_refused_in_one_line(cal_dir, tmp_path, da
 
     d = tmp_path / "m"
     shutil.copytree(cal_dir, d)
-    f = d / calibration.FILE
+    f = d / calibration_file.FILE
     if damage == "truncate":
         f.write_bytes(f.read_bytes()[:100])
     else:
         t = load_file(str(f))
-        meta = {"format": calibration.FORMAT}
+        meta = {"format": calibration_file.FORMAT}
         if damage == "shape":
             t["layers.2.key_mean"] = torch.zeros(2, 8)
         elif damage == "negative":
@@ -211,7 +218,7 @@ def test_calibrate_command(cal_dir, tmp_path, monkeypatch, capsys):
 
     d = tmp_path / "m"
     shutil.copytree(cal_dir, d)
-    (d / calibration.FILE).unlink()
+    (d / calibration_file.FILE).unlink()
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     monkeypatch.setattr(sys, "argv", ["larqlpy", "calibrate", str(d), "--text", str(text), "--device", "cpu"])
@@ -242,8 +249,8 @@ def test_tier_accounting_matches_an_independent_count():
     for n in (0, 5, 700, 3000):
         for g in geoms:
             assert p.layer_bytes(g, n) == independent_bytes(n, g.window, 3, 600, 6, 2), (g.index, n)
-    assert 4.0 < bits_per_value(build_provider(config_spec(RECOMMENDED)), geoms, 1536) <= 4.5
-    assert 3.0 < bits_per_value(build_provider(config_spec(COMPACT)), geoms, 1536) <= 3.5
+    assert 4.0 < bits_per_value(build_provider(preset_spec(RECOMMENDED)), geoms, 1536) <= 4.5
+    assert 3.0 < bits_per_value(build_provider(preset_spec(COMPACT)), geoms, 1536) <= 3.5
 
 
 def test_recommended_and_compact_configurations_meet_the_aims_on_270m(real, long_text):
@@ -251,7 +258,7 @@ def test_recommended_and_compact_configurations_meet_the_aims_on_270m(real, long
     the recommended configuration (<= 4.5 bits) within KL 0.01 (measured 0.006, loss +0.9% over these
     96 steps; +0.15% over bench/kv_mixed.py's 256), the compact one (<= 3.5 bits) below llama.cpp's
     q4_0 KV (KL 0.06; measured 0.014); plain 4-bit codec/v1 (0.17) far worse than both."""
-    from larqlpy.quality import forced_score, teacher_forced_logits
+    from larqlpy.tools.quality import forced_score, teacher_forced_logits
 
     if real.model.key_calibration is None:
         pytest.fail("models/gemma-3-270m has no kv_calibration.safetensors: run `make model`")
@@ -259,8 +266,8 @@ def test_recommended_and_compact_configurations_meet_the_aims_on_270m(real, long
     prompt, forced = ids[:400], ids[400:]
     ref = teacher_forced_logits(real.model, parse_engine_spec(), prompt, forced)
     exact = torch.nn.functional.cross_entropy(ref, torch.tensor(forced)).item()
-    rec = forced_score(real.model, config_spec(RECOMMENDED), prompt, forced, ref)
-    compact = forced_score(real.model, config_spec(COMPACT), prompt, forced, ref)
+    rec = forced_score(real.model, preset_spec(RECOMMENDED), prompt, forced, ref)
+    compact = forced_score(real.model, preset_spec(COMPACT), prompt, forced, ref)
     plain = forced_score(real.model, spec("codec/v1", "bits=4"), prompt, forced, ref)
     assert rec["mean_kl"] <= 0.01 and abs(rec["loss"] / exact - 1) < 0.02, rec
     assert compact["mean_kl"] < 0.06, compact
@@ -269,8 +276,8 @@ def test_recommended_and_compact_configurations_meet_the_aims_on_270m(real, long
 
 def test_kv_stats_attention_kl_is_zero_for_exact_keys_and_grows_as_bits_shrink(cal_dir):
     from larqlpy.kernels.rowcodec import ExactCodec
-    from larqlpy.engines.base import QueryTap
-    from larqlpy.observe import _LastQueries, attention_kl, suggested_layer_bits
+    from larqlpy.engines.stores.base import QueryTap
+    from larqlpy.tools.observe import _LastQueries, attention_kl, suggested_layer_bits
 
     loaded = load(cal_dir, device="cpu")
     state = build_provider(parse_engine_spec()).new_state(loaded.model.geometries(), CPU)
@@ -289,7 +296,7 @@ def test_kv_stats_attention_kl_is_zero_for_exact_keys_and_grows_as_bits_shrink(c
 
 
 def test_cells_rules_calib_quantize_keys_under_the_calibration(cal_dir, tmp_path):
-    from larqlpy.state.rules import default_rules_path
+    from larqlpy.engines.lifecycle import default_rules_path
 
     text = default_rules_path().read_text().replace("  # calib: on", "  calib: on").replace(
         "keep_active_recent: 128", "keep_active_recent: 0")
@@ -297,12 +304,12 @@ def test_cells_rules_calib_quantize_keys_under_the_calibration(cal_dir, tmp_path
     rules.write_text(text)
     make_tiny(tmp_path / "wide", sliding_window=4096)  # every layer keeps its rows: the budget must act
     fresh = load(tmp_path / "wide", device="cpu", key_calibration=False)
-    calibration.save(tmp_path / "wide", *calibration.calibrate(fresh, TEXT))
+    calibration_file.save(tmp_path / "wide", *calib_tool.calibrate(fresh, TEXT))
     loaded = load(tmp_path / "wide", device="cpu")
     s = spec("cells/v1", f"rules={rules}", "budget=300KiB")
     ids = [2] + [7 + (i * 37) % 250 for i in range(290)]
     state = build_provider(s).new_state(loaded.model.geometries(), CPU)
-    list(generate(loaded.model, ids, s, GenerationConfig(max_tokens=2, stop_at_eos=False), state=state))
+    list(stream_generate(loaded.model, ids, s, GenerationConfig(max_tokens=2, stop_at_eos=False), state=state))
     checked = 0
     for store in state.layers:
         assert store.meta() == {"key_calibration": store.geometry.key_calibration.digest}

@@ -11,7 +11,7 @@ from larqlpy.engines import EngineSpec, build_provider, parse_engine_spec
 from larqlpy.errors import LarqlError
 from larqlpy.generate import prefill
 from larqlpy.model.loader import load
-from larqlpy.state.rules import Event, IllegalTransition, State, load_rules, parse_rules
+from larqlpy.engines.lifecycle import Event, IllegalTransition, State, load_rules, parse_rules
 from tiny import make_tiny
 
 F32_ONLY = """version: 1
@@ -36,7 +36,7 @@ def tiny(tmp_path_factory):
 
 
 def cells_spec(*opts):
-    return parse_engine_spec(continuation="cells/v1", continuation_options=list(opts))
+    return parse_engine_spec(continuation="cells/v1", options=list(opts))
 
 
 def test_default_rules_load_and_every_illegal_transition_raises():
@@ -138,7 +138,7 @@ def test_every_default_rule_fires(tiny):
     assert {(e.value, s.value, d.value) for e, s, d in load_rules().allowed} - moves == {
         ("MEMORY_PRESSURE", "ACTIVE", "PERSISTED")}  # only used on layers the policy won't quantize
     rules = load_rules()
-    from larqlpy.state.rules import Policy
+    from larqlpy.engines.lifecycle import Policy
     p = build_provider(cells_spec("budget=256KiB"))
     p.rules.policy = Policy(keep_active_recent=128, quantize_layers=(), bits=4)
     state = p.new_state(tiny.model.geometries(), tiny.device)

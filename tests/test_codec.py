@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from larqlpy.engines import build_provider, parse_engine_spec
-from larqlpy.engines.codec import CodecStore, Scratch
-from larqlpy.engines.base import AttentionParams, LayerGeometry
+from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.stores.base import AttentionParams, Scratch
+from larqlpy.engines.stores.codec import CodecStore
+from larqlpy.engines.stores.kvcodec import KVCodec
 from larqlpy.errors import LarqlError
 from larqlpy.kernels import codebooks
 from larqlpy.kernels.lloyd_max import gaussian_codebook
@@ -62,8 +64,8 @@ def test_packing_layout():
 def test_attending_on_codes_equals_decoding_them():
     g = LayerGeometry(0, None, 2, 64)
     codec = TurboQuantCodec(64, 4, CPU)
-    fused = CodecStore(g, CPU, codec, None, Scratch(CPU))
-    plain = CodecStore(g, CPU, codec, None, Scratch(CPU))
+    fused = CodecStore(g, CPU, KVCodec(codec, codec), None, Scratch(CPU))
+    plain = CodecStore(g, CPU, KVCodec(codec, codec), None, Scratch(CPU))
     p = AttentionParams(scale=0.125)
     gen = torch.Generator().manual_seed(1)
     for t in (5, 1, 1, 3, 1):
@@ -76,26 +78,26 @@ def test_attending_on_codes_equals_decoding_them():
 def test_recent_rows_write_the_bytes_codec_writes():
     g = LayerGeometry(0, 6, 1, 64)
     codec = TurboQuantCodec(64, 3, CPU)
-    plain = CodecStore(g, CPU, codec, 6, Scratch(CPU))
-    recent = CodecStore(g, CPU, codec, 6, Scratch(CPU), exact_recent=4)
+    plain = CodecStore(g, CPU, KVCodec(codec, codec), 6, Scratch(CPU))
+    recent = CodecStore(g, CPU, KVCodec(codec, codec), 6, Scratch(CPU), exact_keys=4)
     p = AttentionParams(scale=0.125)
     gen = torch.Generator().manual_seed(2)
     for t in (3, 1, 1, 4, 1, 1, 1):
         q, k, v = (torch.randn(h, t, 64, generator=gen) for h in (4, 1, 1))
         plain.attend(q, k, v, p)
         recent.attend(q, k, v, p)
-        assert (recent.recent.base, recent.recent.end) == (max(0, recent.end - 4), recent.end)
+        assert (recent.exact_keys.base, recent.exact_keys.end) == (max(0, recent.end - 4), recent.end)
     a, b = plain.rows.read(*plain.retained()), recent.rows.read(*recent.retained())
     assert all(torch.equal(a[name], b[name]) for name in a)
     k_read, _ = recent.read(recent.end - 6, torch.float32)
-    exact = recent.recent.read(recent.end - 4, recent.end)["k"]
+    exact = recent.exact_keys.read(recent.end - 4, recent.end)["k"]
     assert torch.equal(k_read[:, -4:], exact)  # the newest k K rows come back exact
 
 
 def test_head_dim_must_be_a_power_of_two(tmp_path):
     make_tiny(tmp_path, head_dim=12, query_pre_attn_scalar=12)
     loaded = load(tmp_path)
-    for spec in (parse_engine_spec(continuation="codec/v1", continuation_options=["bits=4"]),
+    for spec in (parse_engine_spec(continuation="codec/v1", options=["bits=4"]),
                  parse_engine_spec(engine="turbo-quant:bits=3")):
         with pytest.raises(LarqlError, match="head_dim 12 is not a power of two"):
             build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
@@ -133,7 +135,7 @@ def test_per_row_cosine_on_real_rows(real_rows, bits, floor):
 
 @pytest.mark.parametrize("spec_args, bits", [(("codec/v1", ["bits=4"]), 4), (("codec/v1", ["bits=3"]), 3)])
 def test_resident_bytes_follow_the_formula(real, long_text, spec_args, bits):
-    spec = parse_engine_spec(continuation=spec_args[0], continuation_options=spec_args[1])
+    spec = parse_engine_spec(continuation=spec_args[0], options=spec_args[1])
     state = build_provider(spec).new_state(real.model.geometries(), real.device)
     ids = real.tokenizer.encode(long_text)[:700]
     real.model(torch.tensor(ids[:600]), state)
@@ -150,15 +152,15 @@ def test_resident_bytes_follow_the_formula(real, long_text, spec_args, bits):
 
 def test_codec_tracks_canonical_on_270m(real):
     """Teacher-forced next-token drift against canonical/v1 over 32 steps (the docs' table runs 256)."""
-    from larqlpy.quality import drift
+    from larqlpy.tools.quality import drift
 
     ids = real.tokenizer.encode("The history of the printing press begins in")
     window, ref = drift(real.model, parse_engine_spec(continuation="window/v1"), ids, 32)
     assert window.mean_kl == 0.0 and window.top1 == 1.0 and window.common_prefix == 32
-    four, _ = drift(real.model, parse_engine_spec(continuation="codec/v1", continuation_options=["bits=4"]), ids, 32, ref)
-    three, _ = drift(real.model, parse_engine_spec(continuation="codec/v1", continuation_options=["bits=3"]), ids, 32, ref)
+    four, _ = drift(real.model, parse_engine_spec(continuation="codec/v1", options=["bits=4"]), ids, 32, ref)
+    three, _ = drift(real.model, parse_engine_spec(continuation="codec/v1", options=["bits=3"]), ids, 32, ref)
     recent, _ = drift(real.model, parse_engine_spec(continuation="codec-recent/v1",
-                                                    continuation_options=["bits=4", "exact_recent_k=64"]), ids, 32, ref)
+                                                    options=["bits=4", "exact_recent_k=64"]), ids, 32, ref)
     assert 0 < four.mean_kl < 0.2 and four.top1 >= 0.7
     assert four.mean_kl < three.mean_kl < 0.6
     assert recent.mean_kl < four.mean_kl / 4  # exact recent keys recover most of the loss

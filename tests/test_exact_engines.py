@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from larqlpy.engines import EngineSpec, build_provider, parse_engine_spec
-from larqlpy.generate import GenerationConfig, generate
+from larqlpy.generate import GenerationConfig, stream_generate
 from larqlpy.model.loader import load
 from tiny import make_tiny
 
@@ -80,10 +80,10 @@ def test_window_resident_bytes_are_bounded_on_270m(real, prompt):
 def test_no_cache_replay_matches_canonical_on_270m(real, prompt):
     cfg = GenerationConfig(max_tokens=12, stop_at_eos=False)
     ids = prompt[:600]
-    ref = list(generate(real.model, ids, CANONICAL, cfg))
+    ref = list(stream_generate(real.model, ids, CANONICAL, cfg))
     for spec in (parse_engine_spec(engine="no-cache"), parse_engine_spec("no-cache", "window/v1")):
         assert spec.replay
-        got = list(generate(real.model, ids, spec, cfg))
+        got = list(stream_generate(real.model, ids, spec, cfg))
         assert [t.id for t in got] == [t.id for t in ref]
         diff = max((a.logits - b.logits).abs().max().item() for a, b in zip(got, ref))
         assert diff <= 1e-4, diff

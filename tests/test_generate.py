@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from larqlpy.engines import EngineSpec, build_provider
-from larqlpy.generate import GenerationConfig, SamplingConfig, generate, prefill, sample
+from larqlpy.generate import GenerationConfig, SamplingConfig, stream_generate, prefill, sample
 from larqlpy.model.loader import load
 from tiny import make_tiny
 
@@ -33,17 +33,17 @@ def test_sampling_rules():
 
 def test_seeded_sampling_reproducible(tiny):
     cfg = GenerationConfig(max_tokens=16, sampling=SamplingConfig(temperature=1.0, seed=11), stop_at_eos=False)
-    a = [t.id for t in generate(tiny.model, [2, 40, 41], EngineSpec(), cfg)]
-    b = [t.id for t in generate(tiny.model, [2, 40, 41], EngineSpec(), cfg)]
+    a = [t.id for t in stream_generate(tiny.model, [2, 40, 41], EngineSpec(), cfg)]
+    b = [t.id for t in stream_generate(tiny.model, [2, 40, 41], EngineSpec(), cfg)]
     assert a == b and len(a) == 16
 
 
 def test_stops_at_eos_and_reports_finish(tiny):
     # force EOS: make it the argmax by treating every token as a stop id
-    toks = list(generate(tiny.model, [2, 40], EngineSpec(), GenerationConfig(max_tokens=10),
+    toks = list(stream_generate(tiny.model, [2, 40], EngineSpec(), GenerationConfig(max_tokens=10),
                          stop_ids=set(range(tiny.config.vocab_size))))
     assert len(toks) == 1 and toks[0].finish_reason == "stop"
-    toks = list(generate(tiny.model, [2, 40], EngineSpec(), GenerationConfig(max_tokens=5, stop_at_eos=False)))
+    toks = list(stream_generate(tiny.model, [2, 40], EngineSpec(), GenerationConfig(max_tokens=5, stop_at_eos=False)))
     assert [t.finish_reason for t in toks] == [None] * 4 + ["length"]
     assert toks[-1].metrics.decode_tokens == 5 and toks[-1].metrics.position == 2 + 4
 
@@ -71,3 +71,57 @@ def test_python_api(tmp_path):
     assert len(toks) == 4 and all(t.metrics.prompt_tokens == len(m.tokenizer.encode("the cat")) for t in toks)
     with pytest.raises(larqlpy.LarqlError):
         list(m.generate("x", continuation="nope/v1"))
+
+
+def test_each_token_carries_its_own_metrics_snapshot(tiny):
+    toks = list(stream_generate(tiny.model, [2, 40, 41], EngineSpec(), GenerationConfig(max_tokens=6, stop_at_eos=False)))
+    assert [t.metrics.decode_tokens for t in toks] == [1, 2, 3, 4, 5, 6]  # an earlier token's figures stay its own
+    assert [t.metrics.position for t in toks] == [3, 4, 5, 6, 7, 8]
+    assert all(a.metrics.decode_seconds <= b.metrics.decode_seconds for a, b in zip(toks, toks[1:]))
+    with pytest.raises(Exception):
+        toks[0].metrics.decode_tokens = 9  # frozen
+
+
+def test_streamed_text_waits_for_characters_split_across_ids(tiny):
+    tok = tiny.tokenizer
+    text = "the é and 日本 then 🙂 in"
+    ids = tok.encode(text)[1:]
+    assert len(ids) > len(text.split())  # the accented and CJK characters come as byte-fallback ids
+    d = tok.stream()
+    pieces = [d.step(i) for i in ids]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # a 4-byte character arrives over four byte ids: nothing until the last, then the whole character
+    emoji = tok.inner.encode("🙂", add_special_tokens=False).ids
+    d = tok.stream()
+    assert len(emoji) == 4 and [d.step(i) for i in emoji] == ["", "", "", "🙂"]
+
+
+def test_the_detokenizer_window_stays_short_over_a_long_output(tiny):
+    d = tiny.tokenizer.stream()
+    ids = tiny.tokenizer.encode("the cat in the garden " * 400)[1:]
+    out = []
+    for i in ids:
+        out.append(d.step(i))
+        assert len(d.ids) <= d.WAIT + 1  # what a step decodes does not grow with the output
+    assert "".join(out) == tiny.tokenizer.decode(ids)
+    bad = [tiny.tokenizer.inner.token_to_id("<0xFF>")] * 6 + ids[:3]  # bytes that are never UTF-8
+    d = tiny.tokenizer.stream()
+    assert "".join(d.step(i) for i in bad).startswith("\ufffd")
+
+
+def test_replay_is_a_forward_function_not_a_branch(tiny):
+    from larqlpy.generate import Cached, Replay, generate_step
+
+    spec = EngineSpec()
+    cfg = GenerationConfig(max_tokens=5, stop_at_eos=False)
+    state = build_provider(spec).new_state(tiny.model.geometries(), tiny.device)
+    logits = prefill(tiny.model, state, [2, 40, 41], 64)[-1]
+    steps = generate_step(Cached(tiny.model, state), logits, cfg.sampling)
+    cached = [next(steps)[0] for _ in range(5)]
+    fresh = lambda: build_provider(spec).new_state(tiny.model.geometries(), tiny.device)  # noqa: E731
+    s0 = fresh()
+    logits = prefill(tiny.model, s0, [2, 40, 41], 64)[-1]
+    steps = generate_step(Replay(tiny.model, fresh, [2, 40, 41], 64, s0), logits, cfg.sampling)
+    replayed = [next(steps)[0] for _ in range(5)]
+    assert cached == replayed

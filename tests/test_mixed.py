@@ -6,21 +6,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from larqlpy.engines import build_provider, parse_engine_spec
-from larqlpy.engines.base import AttentionParams, LayerGeometry
-from larqlpy.engines.codec import CodecStore, Scratch, config_spec, parse_layer_bits
+from larqlpy.cli.common import error_line
+from larqlpy.engines import build_provider, parse_engine_spec, preset_spec
+from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.options import parse_layer_bits
+from larqlpy.engines.presets import RECOMMENDED
+from larqlpy.engines.stores.base import AttentionParams, Scratch
+from larqlpy.engines.stores.codec import CodecStore
+from larqlpy.engines.stores.kvcodec import KVCodec
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.codebooks import MSE
 from larqlpy.kernels.lloyd_max import gaussian_codebook
 from larqlpy.kernels.rowcodec import TurboQuantCodec
 from larqlpy.kernels.turboquant_torch import TorchCodec
-from larqlpy.residency import named_geometry
+from larqlpy.tools.residency import named_geometry
 
 CPU = torch.device("cpu")
 
 
 def spec(identity, *opts):
-    return parse_engine_spec(continuation=identity, continuation_options=list(opts))
+    return parse_engine_spec(continuation=identity, options=list(opts))
 
 
 @pytest.mark.parametrize("bits", [2, 5, 6, 8])
@@ -61,9 +66,10 @@ def test_packing_is_little_endian_groups_of_eight():
 def test_refusals_are_one_line_and_suggest_the_recommended_configuration(opts, message):
     with pytest.raises(LarqlError) as e:
         spec("codec/v1", *opts)
-    text = str(e.value)
+    text = error_line(e.value)  # as the CLI says it: the suggestion spelled as flags
     assert message in text and "\n" not in text
     assert "recommended: --continuation codec/v1" in text
+    assert "recommended: codec/v1 bits=4 calib=on recent=16 sink=1" in str(e.value)  # the library's spelling
 
 
 def test_layer_bits_beyond_the_model_are_refused():
@@ -93,9 +99,9 @@ def test_accounting_matches_an_independent_count():
             kb, vb = {5: (8, 2)}.get(g.index, (5, 3))
             assert p.layer_bytes(g, n) == independent_bytes(kb, vb, n, g.window, 4, 16, g.index == 11), (g.index, n)
     # bits per value at 4,096 positions of the recommended configuration: 4.125 + the sinks' share
-    from larqlpy.residency import bits_per_value
+    from larqlpy.tools.residency import bits_per_value
 
-    rec = build_provider(config_spec())
+    rec = build_provider(preset_spec(RECOMMENDED))
     b = bits_per_value(rec, geoms, 4096)
     assert 4.0 < b <= 4.5
 
@@ -113,7 +119,7 @@ def run_store(store, steps, gen, hq=4, hkv=1, d=64):
 def test_sinks_and_recent_rows_come_back_exact_and_fused_equals_scratch(window):
     g = LayerGeometry(0, window, 1, 64)
     kc, vc = TurboQuantCodec(64, 5, CPU), TurboQuantCodec(64, 3, CPU)
-    make = lambda: CodecStore(g, CPU, kc, window, Scratch(CPU), exact_recent=2, v_codec=vc, sink=3)  # noqa: E731
+    make = lambda: CodecStore(g, CPU, KVCodec(kc, vc), window, Scratch(CPU), exact_keys=2, sink=3)  # noqa: E731
     fused, plain = make(), make()
     gen_a, gen_b = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
     steps = (2, 1, 1, 1, 3, 1, 1)
@@ -136,7 +142,7 @@ def test_sinks_and_recent_rows_come_back_exact_and_fused_equals_scratch(window):
     keys, _ = fused.read(fused.end - 2, torch.float32)
     assert torch.equal(keys, k_all[:, -2:])  # the newest exact_recent K rows
     # the codes are those plain codec/v1 writes
-    ref = CodecStore(g, CPU, kc, window, Scratch(CPU), v_codec=vc)
+    ref = CodecStore(g, CPU, KVCodec(kc, vc), window, Scratch(CPU))
     for t, (lo, hi) in zip(steps, [(0, 2), (2, 3), (3, 4), (4, 5), (5, 8), (8, 9), (9, 10)]):
         ref.append(k_all[:, lo:hi], v_all[:, lo:hi])
         ref.release()
@@ -145,11 +151,11 @@ def test_sinks_and_recent_rows_come_back_exact_and_fused_equals_scratch(window):
 
 
 def test_cells_rules_apply_per_layer_widths(tmp_path):
-    from larqlpy.engines.cells import precision_widths
-    from larqlpy.state.rules import default_rules_path
+    from larqlpy.engines.stores.kvcodec import precision_widths
+    from larqlpy.engines.lifecycle import default_rules_path
     from tiny import make_tiny
     from larqlpy.model.loader import load
-    from larqlpy.generate import GenerationConfig, generate
+    from larqlpy.generate import GenerationConfig, stream_generate
 
     text = default_rules_path().read_text().replace("  bits: 4 ", "  bits: 4\n  k_bits: 5\n  v_bits: 3\n"
                                                     "  layer_bits: {0: 8/2, 1: exact}\n  #").replace("keep_active_recent: 128", "keep_active_recent: 0")
@@ -159,7 +165,7 @@ def test_cells_rules_apply_per_layer_widths(tmp_path):
     loaded = load(tmp_path / "m")
     s = spec("cells/v1", f"rules={rules}", "budget=300KiB")
     state = build_provider(s).new_state(loaded.model.geometries(), loaded.device)
-    list(generate(loaded.model, [2] + [7 + (i * 37) % 250 for i in range(290)], s, GenerationConfig(max_tokens=4, stop_at_eos=False),
+    list(stream_generate(loaded.model, [2] + [7 + (i * 37) % 250 for i in range(290)], s, GenerationConfig(max_tokens=4, stop_at_eos=False),
                   state=state))
     seen = {}
     for store in state.layers:
@@ -179,12 +185,12 @@ def test_recommended_configuration_keeps_quality_on_270m(real, long_text):
     """The recommended default, teacher-forced on real text after a 400-token prompt (96 decode steps):
     below llama.cpp's q4_0 KV (KL 0.06) and well below plain 4-bit codec/v1 (measured: 0.047 vs 0.170).
     The issue's aim (KL <= 0.01 at <= 4.5 bits) is not reached; see docs/codec.md."""
-    from larqlpy.quality import forced_score, teacher_forced_logits
+    from larqlpy.tools.quality import forced_score, teacher_forced_logits
 
     ids = real.tokenizer.encode(long_text)[:496]
     prompt, forced = ids[:400], ids[400:]
     ref = teacher_forced_logits(real.model, parse_engine_spec(), prompt, forced)
-    rec = forced_score(real.model, config_spec(), prompt, forced, ref)
+    rec = forced_score(real.model, preset_spec(RECOMMENDED), prompt, forced, ref)
     plain = forced_score(real.model, spec("codec/v1", "bits=4"), prompt, forced, ref)
     assert rec["mean_kl"] < 0.06, rec
     assert rec["mean_kl"] < plain["mean_kl"] / 3 and rec["loss"] < plain["loss"], (rec, plain)

@@ -63,8 +63,8 @@ def test_kv_stats_against_an_independent_computation(real, real_dir, long_text, 
 
     from larqlpy.engines import EngineSpec, build_provider
     from larqlpy.kernels.turboquant_torch import TorchCodec
-    from larqlpy.observe import kv_stats
-    from larqlpy.state.rules import parse_rules
+    from larqlpy.tools.observe import kv_stats
+    from larqlpy.engines.lifecycle import parse_rules
 
     ids = real.tokenizer.encode(long_text)[:600]
     first = kv_stats(real, ids, min_cosine=0.0)
@@ -110,14 +110,14 @@ def test_kv_stats_against_an_independent_computation(real, real_dir, long_text, 
 
 def test_consistency_against_an_independent_run(real, real_dir, tmp_path):
     from larqlpy.engines import EngineSpec, parse_engine_spec
-    from larqlpy.generate import GenerationConfig, generate
-    from larqlpy.observe import consistency, load_questions
+    from larqlpy.generate import GenerationConfig, stream_generate
+    from larqlpy.tools.observe import consistency, load_questions
 
     qfile = tmp_path / "q.jsonl"
     qfile.write_text('{"id": "a", "question": "What is the capital of France?"}\n'
                      '{"id": "b", "question": "Who wrote Romeo and Juliet?"}\n')
     questions = load_questions(qfile)
-    codec = parse_engine_spec(continuation="codec/v1", continuation_options=["bits=3"])
+    codec = parse_engine_spec(continuation="codec/v1", options=["bits=3"])
     r = consistency(real, questions, [parse_engine_spec(continuation="window/v1"), codec], max_tokens=6)
     window, coded = r["engines"]
     assert window["exact_match_rate"] == 1.0 and window["mean_kl"] == 0.0 and window["mean_common_prefix"] == 6
@@ -125,8 +125,8 @@ def test_consistency_against_an_independent_run(real, real_dir, tmp_path):
     for q in questions:  # recompute the common prefix by running both engines here
         ids = real.tokenizer.encode(q["prompt"])
         cfg = GenerationConfig(max_tokens=6, stop_at_eos=False)
-        a = [t.id for t in generate(real.model, ids, EngineSpec(), cfg)]
-        b = [t.id for t in generate(real.model, ids, codec, cfg)]
+        a = [t.id for t in stream_generate(real.model, ids, EngineSpec(), cfg)]
+        b = [t.id for t in stream_generate(real.model, ids, codec, cfg)]
         prefixes.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), 6))
     assert [p["common_prefix"] for p in coded["per_question"]] == prefixes
     assert coded["mean_common_prefix"] == sum(prefixes) / 2 and coded["mean_kl"] > 0
@@ -139,7 +139,7 @@ def test_consistency_against_an_independent_run(real, real_dir, tmp_path):
 
 
 def test_shipped_question_set():
-    from larqlpy.observe import load_questions
+    from larqlpy.tools.observe import load_questions
 
     qs = load_questions()
     assert 20 <= len(qs) <= 50 and len({q["id"] for q in qs}) == len(qs)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from larqlpy.engines import EngineSpec, build_provider
-from larqlpy.generate import GenerationConfig, generate, prefill
+from larqlpy.generate import GenerationConfig, stream_generate, prefill
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +36,14 @@ def test_greedy_ids_match_transformers(real, hf, prompt_ids):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(prompt_ids):].tolist()
-    got = [t.id for t in generate(real.model, prompt_ids, EngineSpec(),
+    got = [t.id for t in stream_generate(real.model, prompt_ids, EngineSpec(),
                                   GenerationConfig(max_tokens=32, stop_at_eos=False))]
     assert got == ref
 
 
 def test_answers_paris(real):
     ids = real.tokenizer.encode("Question: What is the capital of France? Answer:")
-    text = real.tokenizer.decode([t.id for t in generate(real.model, ids, EngineSpec(), GenerationConfig(max_tokens=8))])
+    text = real.tokenizer.decode([t.id for t in stream_generate(real.model, ids, EngineSpec(), GenerationConfig(max_tokens=8))])
     assert text.strip().startswith("Paris")
     # The plain prompt of the issue: Paris is among the top candidates, though greedy says " the"
     state = build_provider(EngineSpec()).new_state(real.model.geometries(), real.device)

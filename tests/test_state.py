@@ -18,9 +18,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from larqlpy.engines import EngineSpec, build_provider, parse_engine_spec
+from larqlpy.cli.common import error_line
+from larqlpy.engines import EngineSpec, build_provider, parse_engine_spec, preset_spec
+from larqlpy.engines.presets import SPREAD
 from larqlpy.errors import LarqlError
-from larqlpy.generate import GenerationConfig, generate
+from larqlpy.generate import GenerationConfig, stream_generate
 from larqlpy.model.loader import load
 from larqlpy.session import resume, save
 from larqlpy.state.store import PREFIX, load_state
@@ -29,13 +31,6 @@ from tiny import make_tiny
 WORKERS = str(Path(__file__).with_name("workers.py"))
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
 PROMPT = [2] + [7 + (i * 37) % 280 for i in range(40)]
-ENGINES = [
-    ("canonical/v1", []), ("window/v1", []), ("codec/v1", ["bits=4"]), ("codec/v1", ["bits=3"]),
-    ("codec-recent/v1", ["bits=4", "exact_recent_k=8"]), ("int4-group/v1", ["group=8"]),
-    ("cells/v1", []), ("cells/v1", ["budget=160KiB"]),
-    ("codec/v1", ["k_bits=5", "v_bits=3", "sink=4", "layer_bits=1:8/2,2:exact"]),
-    ("codec-recent/v1", ["k_bits=8", "v_bits=2", "sink=3", "exact_recent_k=5"]),
-]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +47,7 @@ def tiny(tiny_dir):
 
 def run(loaded, spec, ids, n, state=None):
     state = state or build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
-    toks = list(generate(loaded.model, ids, spec, GenerationConfig(max_tokens=n, stop_at_eos=False), state=state))
+    toks = list(stream_generate(loaded.model, ids, spec, GenerationConfig(max_tokens=n, stop_at_eos=False), state=state))
     return toks, state
 
 
@@ -63,9 +58,9 @@ def resume_elsewhere(model_dir, path, n, tmp_path, weights="f32"):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("identity, options", ENGINES)
-def test_resume_in_a_new_process_is_bit_identical(tiny, tiny_dir, tmp_path, identity, options):
-    spec = parse_engine_spec(continuation=identity, continuation_options=options)
+@pytest.mark.parametrize("preset", SPREAD, ids=lambda p: p[0] + "".join(f",{k}={v}" for k, v in p[1]))
+def test_resume_in_a_new_process_is_bit_identical(tiny, tiny_dir, tmp_path, preset):
+    spec = preset_spec(preset)
     whole, _ = run(tiny, spec, PROMPT, 20)
     first, state = run(tiny, spec, PROMPT, 8)
     path = tmp_path / "s.kv"
@@ -77,7 +72,7 @@ def test_resume_in_a_new_process_is_bit_identical(tiny, tiny_dir, tmp_path, iden
 
 @pytest.mark.parametrize("identity, options", [("window/v1", []), ("codec/v1", ["bits=4"])])
 def test_resume_on_the_270m(real, real_dir, tmp_path, long_text, identity, options):
-    spec = parse_engine_spec(continuation=identity, continuation_options=options)
+    spec = parse_engine_spec(continuation=identity, options=options)
     ids = real.tokenizer.encode(long_text)[:600]  # past the window
     whole, _ = run(real, spec, ids, 12)
     first, state = run(real, spec, ids, 4)
@@ -94,7 +89,7 @@ def test_extending_prompt_prefills_only_the_suffix(tiny, tmp_path):
     longer = PROMPT + [50, 60, 70, 80, 90]
     plan, ids = resume(tiny, tmp_path / "s.kv", longer, None)
     assert plan.reused == len(PROMPT) and plan.trimmed_from is None
-    toks = list(generate(tiny.model, ids, plan.spec, GenerationConfig(max_tokens=3), state=plan.state))
+    toks = list(stream_generate(tiny.model, ids, plan.spec, GenerationConfig(max_tokens=3), state=plan.state))
     assert toks[0].metrics.prefilled_tokens == 5 and toks[0].metrics.prompt_tokens == len(longer)
     fresh, _ = run(tiny, spec, longer, 3)
     assert [t.id for t in toks] == [t.id for t in fresh]
@@ -107,15 +102,16 @@ def test_diverging_prompt_trims_where_it_can(tiny, tmp_path):
     other = PROMPT[:30] + [99, 98, 97]
     plan, ids = resume(tiny, tmp_path / "c.kv", other, None)
     assert plan.reused == 30 and plan.trimmed_from == len(PROMPT)
-    toks = list(generate(tiny.model, ids, plan.spec, GenerationConfig(max_tokens=4), state=plan.state))
+    toks = list(stream_generate(tiny.model, ids, plan.spec, GenerationConfig(max_tokens=4), state=plan.state))
     fresh, _ = run(tiny, EngineSpec(), other, 4)
     assert [t.id for t in toks] == [t.id for t in fresh]
     # window/v1 with a 16-row window cannot go back 10 positions: refused, unless asked to re-prefill
     spec = parse_engine_spec(continuation="window/v1")
     _, wstate = run(tiny, spec, PROMPT, 1)
     save(tiny, tmp_path / "w.kv", wstate, PROMPT)
-    with pytest.raises(LarqlError, match="pass --reprefill"):
+    with pytest.raises(LarqlError) as e:
         resume(tiny, tmp_path / "w.kv", other, None)
+    assert "pass --reprefill" in error_line(e.value) and "pass `reprefill`" in str(e.value)
     plan, _ = resume(tiny, tmp_path / "w.kv", other, None, reprefill=True)
     assert plan.reused == 0 and plan.state.position == 0
     # one position back is always possible (the window keeps one row more than a query reads)
@@ -147,7 +143,7 @@ def test_cli_save_resume_and_inspect(tiny_dir, tmp_path):
 
 @pytest.fixture
 def saved(tiny, tmp_path):
-    spec = parse_engine_spec(continuation="codec/v1", continuation_options=["bits=4"])
+    spec = parse_engine_spec(continuation="codec/v1", options=["bits=4"])
     _, state = run(tiny, spec, PROMPT, 3)
     path = tmp_path / "s.kv"
     save(tiny, path, state, PROMPT + [1, 2, 3])
@@ -184,7 +180,7 @@ def test_load_refusals(tiny, tmp_path, saved, tiny_dir):
         load_state(write(raw[:off] + bytes([raw[off] ^ 0x10]) + raw[off + 1:]))
     # engine, options, model, tokenizer
     with pytest.raises(LarqlError, match="made with engine codec/v1"):
-        resume(tiny, path, None, parse_engine_spec(continuation="codec/v1", continuation_options=["bits=3"]))
+        resume(tiny, path, None, parse_engine_spec(continuation="codec/v1", options=["bits=3"]))
     with pytest.raises(LarqlError, match="made with engine codec/v1 \\[bits=4\\], this run asks for window/v1"):
         resume(tiny, path, None, parse_engine_spec(continuation="window/v1"))
     other = tmp_path / "other"

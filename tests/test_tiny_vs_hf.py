@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from larqlpy.engines import EngineSpec, build_provider
-from larqlpy.generate import GenerationConfig, generate, prefill
+from larqlpy.generate import GenerationConfig, stream_generate, prefill
 from larqlpy.model.loader import load
 from tiny import make_tiny
 
@@ -48,7 +48,7 @@ def test_greedy_ids_match_transformers(tmp_path, variant):
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(ids):].tolist()
     cfg = GenerationConfig(max_tokens=24, prefill_chunk=5, stop_at_eos=False)
-    got = [t.id for t in generate(loaded.model, ids, EngineSpec(), cfg)]
+    got = [t.id for t in stream_generate(loaded.model, ids, EngineSpec(), cfg)]
     assert got == ref
 
 

@@ -8,13 +8,13 @@ import torch
 
 
 def resume_and_decode(model_dir: str, state_path: str, n: str, out: str, weights: str = "f32") -> None:
-    from larqlpy.generate import GenerationConfig, generate
+    from larqlpy.generate import GenerationConfig, stream_generate
     from larqlpy.model.loader import load
     from larqlpy.session import resume
 
     loaded = load(model_dir, device="cpu", weights=weights)
     plan, ids = resume(loaded, state_path, None, None)
-    toks = list(generate(loaded.model, ids, plan.spec, GenerationConfig(max_tokens=int(n), stop_at_eos=False),
+    toks = list(stream_generate(loaded.model, ids, plan.spec, GenerationConfig(max_tokens=int(n), stop_at_eos=False),
                          state=plan.state, logits=plan.logits))
     torch.save({"ids": [t.id for t in toks], "logits": torch.stack([t.logits for t in toks])}, out)
 

@@ -15,7 +15,10 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+import gguf
 import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from larqlpy.errors import LarqlError
 
@@ -55,8 +58,6 @@ def _field(reader, key: str, default=None):
 
 
 def read_gguf(src: Path):
-    import gguf
-
     if not src.is_file():
         raise LarqlError(f"{src}: no such file")
     try:
@@ -120,8 +121,6 @@ def build_tokenizer(reader):
     its merge order; positions do). Tokens made only of spaces are stored with real spaces but the
     normalizer turns spaces into U+2581, so they are respelled first.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type"))
     spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
@@ -158,12 +157,9 @@ def build_tokenizer(reader):
 
 def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = None, force: bool = False) -> Path:
     """Dequantize a Gemma 3 GGUF into an HF-layout directory. Written to a temp dir, then renamed."""
-    import gguf
-    from safetensors.numpy import save_file
-
     src, dest = Path(src), Path(dest)
     if dest.exists() and not force:
-        raise LarqlError(f"{dest}: already exists (pass --force to overwrite)")
+        raise LarqlError(f"{dest}: already exists (pass `force` to overwrite)")
     reader = read_gguf(src)
     config = config_from_gguf(reader)
     step = progress or (lambda what, done, total: None)

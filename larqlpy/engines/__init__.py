@@ -1,10 +1,12 @@
-"""KV engines ("continuation providers") behind one small protocol; see `base.py`."""
+"""KV engines ("continuation providers"): what to run (this package, plain Python) and how rows are
+kept (`stores/`, torch). See docs/architecture.md."""
 
-from larqlpy.engines.base import AttentionParams, EngineState, LayerGeometry, LayerStore, Provider
-from larqlpy.engines.registry import PROVIDERS, build_provider, provider_class
-from larqlpy.engines.spec import EngineSpec, parse_engine_spec
+from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.provider import Provider
+from larqlpy.engines.registry import PROVIDERS, build_provider, parse_engine_spec, preset_spec, provider_class
+from larqlpy.engines.spec import EngineSpec
 
 __all__ = [
-    "AttentionParams", "EngineSpec", "EngineState", "LayerGeometry", "LayerStore", "PROVIDERS",
-    "Provider", "build_provider", "parse_engine_spec", "provider_class",
+    "EngineSpec", "LayerGeometry", "PROVIDERS", "Provider", "build_provider", "parse_engine_spec", "preset_spec",
+    "provider_class",
 ]

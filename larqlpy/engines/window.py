@@ -12,9 +12,9 @@ do; keeping W matches LARQL's accounting (Gemma 3 4B at 4,096 positions: 50,176 
 
 from __future__ import annotations
 
-from larqlpy.engines.base import LayerGeometry, Provider
-from larqlpy.engines.canonical import F32Store
-from larqlpy.engines.spec import OptionSpec, int_in
+from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.options import OptionSpec, int_in
+from larqlpy.engines.provider import Provider
 from larqlpy.errors import LarqlError
 
 
@@ -36,6 +36,8 @@ class Window(Provider):
                                  f"{g.window}; rows attention still reads would be dropped")
 
     def make_store(self, geometry, device):
+        from larqlpy.engines.stores.f32 import F32Store  # torch: loaded when rows are first stored
+
         return F32Store(geometry, device, None if geometry.window is None else self.keep(geometry))
 
     def retained_rows(self, geometry, positions):

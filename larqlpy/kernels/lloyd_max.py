@@ -19,8 +19,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from larqlpy.kernels.tqformat import WIDTHS
+
 _SQRT2 = math.sqrt(2.0)
-WIDTHS = (2, 3, 4, 5, 6, 8)  # the widths the codec engines offer (k_bits / v_bits)
 _ERF = np.vectorize(math.erf)
 
 

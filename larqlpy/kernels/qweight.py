@@ -37,7 +37,7 @@ GEMV_ROWS = 16  # up to this many rows run the decode kernel once per row: faste
 
 def check_format(name: str) -> str:
     if name not in FORMATS:
-        raise LarqlError(f"--weights: expected one of {', '.join(FORMATS)}, got {name!r}")
+        raise LarqlError(f"`weights`: expected one of {', '.join(FORMATS)}, got {name!r}")
     return name
 
 
@@ -246,7 +246,7 @@ class PackedWeight:
     def quantize(cls, w: torch.Tensor, fmt: str, name: str = "weight") -> "PackedWeight":
         n, k = w.shape
         if fmt in ("int8", "int4") and k % GROUP:
-            raise LarqlError(f"--weights {fmt}: {name} has {k} inputs, not a multiple of the group size {GROUP}")
+            raise LarqlError(f"`weights` {fmt}: {name} has {k} inputs, not a multiple of the group size {GROUP}")
         w = w.detach().to("cpu", torch.float32).contiguous()
         nt = -(-n // TILE)
         if nt * TILE != n:  # pad to whole tiles with zero rows; outputs are cut back to n
@@ -264,7 +264,7 @@ class PackedWeight:
             codes, minimum = torch.empty(nt, k // 2, TILE, dtype=torch.uint8), torch.empty(nt, k // GROUP, TILE)
             _quant_int4(wn, codes.numpy(), scale.numpy(), minimum.numpy())
             return cls(fmt, (n, k), codes, scale, minimum)
-        raise LarqlError(f"--weights: cannot pack into {fmt!r}")
+        raise LarqlError(f"`weights`: cannot pack into {fmt!r}")
 
     @property
     def device(self) -> torch.device:

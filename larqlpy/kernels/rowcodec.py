@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from larqlpy.kernels import tqformat
 from larqlpy.kernels import turboquant as tq
 from larqlpy.kernels.turboquant_torch import TorchCodec
 
@@ -34,12 +35,12 @@ class RowCodec:
 
 class TurboQuantCodec(RowCodec):
     def __init__(self, d: int, bits: int, device: torch.device):
-        tq.check_dim(d)
-        tq.check_bits(bits)
+        tqformat.check_dim(d)
+        tqformat.check_bits(bits)
         self.d, self.bits, self.device = d, bits, device
         self.cpu = device.type == "cpu"
         self.fused = self.cpu
-        self.fields = {"norm": ((), torch.float32), "code": ((tq.code_bytes(d, bits),), torch.uint8)}
+        self.fields = {"norm": ((), torch.float32), "code": ((tqformat.code_bytes(d, bits),), torch.uint8)}
         self.label = f"tq{bits}"
         self.torch = TorchCodec(d, bits, device)
         self.signs = tq.signs(d)
@@ -134,3 +135,12 @@ class ExactCodec(RowCodec):
             out.copy_(x)
             return out
         return x
+
+
+def row_codec(fmt: tuple, d: int, device: torch.device) -> RowCodec:
+    """The codec of a row format: ("tq", bits), ("int4g", group) or ("f32",)."""
+    if fmt[0] == "tq":
+        return TurboQuantCodec(d, fmt[1], device)
+    if fmt[0] == "int4g":
+        return Int4GroupCodec(d, fmt[1], device)
+    return ExactCodec(d, device)

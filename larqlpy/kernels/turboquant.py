@@ -40,23 +40,6 @@ def codebook(bits: int) -> tuple[np.ndarray, np.ndarray]:
     return c.astype(np.float32), ((c[1:] + c[:-1]) / 2).astype(np.float32)
 
 
-WIDTHS = (2, 3, 4, 5, 6, 8)
-
-
-def code_bytes(d: int, bits: int) -> int:
-    return d * bits // 8
-
-
-def check_bits(bits: int) -> None:
-    if bits not in WIDTHS:
-        raise ValueError(f"bits must be one of {', '.join(map(str, WIDTHS))}, got {bits}")
-
-
-def check_dim(d: int) -> None:
-    if d < 8 or d & (d - 1):
-        raise ValueError(f"head_dim {d} is not a power of two >= 8 (the Walsh-Hadamard rotation needs one)")
-
-
 @njit(cache=True, inline="always")
 def _fwht(v):  # pragma: no cover - jitted
     d = v.shape[0]

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from larqlpy.kernels import tqformat
 from larqlpy.kernels import turboquant as tq
 
 
 class TorchCodec:
     def __init__(self, d: int, bits: int, device: torch.device):
-        tq.check_dim(d)
-        tq.check_bits(bits)
+        tqformat.check_dim(d)
+        tqformat.check_bits(bits)
         c, b = tq.codebook(bits)
         self.d, self.bits, self.device = d, bits, device
         self.signs = torch.from_numpy(tq.signs(d)).to(device)

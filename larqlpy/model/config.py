@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from larqlpy.errors import LarqlError
@@ -148,3 +150,19 @@ def _rope(spec: dict[str, Any], theta: float) -> RopeConfig:
         raise LarqlError(f"config.json: unsupported rope_type {rope_type!r} (supported: default, linear)")
     factor = float(spec.get("factor", 1.0)) if rope_type == "linear" else 1.0
     return RopeConfig(theta=float(theta), rope_type=rope_type, factor=factor)
+
+
+def read_config(path: Path) -> Gemma3Config:
+    """The directory's config.json, checked (no weights read)."""
+    cfg_path = path / "config.json"
+    if not path.is_dir():
+        raise LarqlError(f"{path}: no such model directory")
+    if not cfg_path.is_file():
+        raise LarqlError(f"{path}: not a model directory (no config.json)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LarqlError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise LarqlError(f"{cfg_path}: expected a JSON object")
+    return Gemma3Config.from_dict(raw)

@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from larqlpy.engines.base import AttentionParams, EngineState, LayerGeometry
+from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.stores.base import AttentionParams, EngineState
 from larqlpy.kernels.matvec import embedding, linear, linears, rms_norm
 from larqlpy.model.config import Gemma3Config, RopeConfig
 
@@ -91,7 +92,7 @@ class Gemma3(nn.Module):
     def __init__(self, cfg: Gemma3Config, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
-        self.key_calibration = None  # per-layer larqlpy.calibration.KeyCalibration, when the model has one
+        self.key_calibration = None  # per-layer KeyCalibration (engines/stores/calibration.py), when the model has one
         self.embed_tokens = _weight(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = _weight(cfg.hidden_size)
@@ -114,6 +115,7 @@ class Gemma3(nn.Module):
         tables = {kind: rope.tables(start, t, self.dtype) for kind, rope in self.ropes.items()}
         for block, store in zip(self.layers, state.layers):
             x = block(x, *tables[store.geometry.kind], store)
+        state.end_block()
         if not all_logits:
             x = x[-1:]
         logits = linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.embed_tokens)  # tied LM head

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from larqlpy import calibration
+from larqlpy.model import calibration_file
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.qweight import PackedPart, PackedWeight, check_format, stack
-from larqlpy.model.config import Gemma3Config
+from larqlpy.model.config import Gemma3Config, read_config
 from larqlpy.model.gemma3 import Block, Gemma3
 from larqlpy.model.tokenizer import Tokenizer
 
@@ -65,21 +65,6 @@ class LoadedModel:
         return self.model.device
 
 
-def read_config(path: Path) -> Gemma3Config:
-    cfg_path = path / "config.json"
-    if not path.is_dir():
-        raise LarqlError(f"{path}: no such model directory")
-    if not cfg_path.is_file():
-        raise LarqlError(f"{path}: not a model directory (no config.json)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LarqlError(f"{cfg_path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise LarqlError(f"{cfg_path}: expected a JSON object")
-    return Gemma3Config.from_dict(raw)
-
-
 def weight_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file holding it, from the index for sharded checkpoints."""
     index = path / "model.safetensors.index.json"
@@ -110,7 +95,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
          key_calibration: bool = True) -> LoadedModel:
     """Load a model directory. device: auto|cpu|cuda; dtype: float32|bfloat16 (activations);
     weights: f32|bf16|int8|int4 -- the matrices (embedding / tied LM head included) are packed at load;
-    key_calibration: read kv_calibration.safetensors when the directory has one (larqlpy.calibration)."""
+    key_calibration: read kv_calibration.safetensors when the directory has one (model/calibration_file.py)."""
     path = Path(path)
     check_format(weights)
     cfg = read_config(path)
@@ -182,7 +167,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
         hasher.update(f"{f.name}:{size}".encode())
     fingerprint = hasher.hexdigest()[:16]
     if key_calibration:
-        model.key_calibration = calibration.load(path, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+        model.key_calibration = calibration_file.load(path, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                                  fingerprint)
     return LoadedModel(path, cfg, model, tokenizer, fingerprint, weights)
 
@@ -212,16 +197,16 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise LarqlError("--device cuda: no CUDA device available")
+        raise LarqlError("`device` cuda: no CUDA device available")
     if device not in ("cpu", "cuda"):
-        raise LarqlError(f"--device: expected auto, cpu or cuda, got {device!r}")
+        raise LarqlError(f"`device`: expected auto, cpu or cuda, got {device!r}")
     return torch.device(device)
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if dtype not in table:
-        raise LarqlError(f"--dtype: expected float32 or bfloat16, got {dtype!r}")
+        raise LarqlError(f"`dtype`: expected float32 or bfloat16, got {dtype!r}")
     return table[dtype]
 
 
@@ -252,5 +237,5 @@ def describe(path: str | Path) -> dict:
         "head_dim": cfg.head_dim, "sliding_window": cfg.sliding_window, "vocab_size": cfg.vocab_size,
         "rope": f"global {g.theta:g}{scaling}, local {l.theta:g}",
         "final_logit_softcapping": cfg.final_logit_softcapping,
-        "key_calibration": calibration.summary(path),
+        "key_calibration": calibration_file.summary(path),
     }

@@ -52,6 +52,39 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids, skip_special_tokens=True)
 
+    def stream(self) -> "Detokenizer":
+        """An incremental decoder for generated ids (special tokens skipped, as `decode` does)."""
+        return Detokenizer(self.decode)
+
     @property
     def vocab_size(self) -> int:
         return self.inner.get_vocab_size()
+
+
+class Detokenizer:
+    """Text of generated ids, one id at a time, at a cost per id that does not grow with the output.
+
+    It decodes only a short window: the ids since the last emitted text (`read`), with the id before
+    them for context (`prefix`); the new text is what that window adds to its context. While the
+    window ends inside a UTF-8 character (a trailing U+FFFD) it waits -- at most WAIT ids, the
+    longest a character can take, after which the bytes are not UTF-8 and come out as U+FFFD.
+    (`tokenizers`' DecodeStream does the same but raises on such bytes, which a model can emit.)"""
+
+    WAIT = 4
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.ids: list[int] = []  # from the context id on
+        self.read = 0  # ids[:read] are already emitted text
+
+    def step(self, token_id: int) -> str:
+        """The new text this id completes ("" while a character is still open)."""
+        self.ids.append(token_id)
+        context = self.decode(self.ids[:self.read])
+        text = self.decode(self.ids)
+        if (len(text) <= len(context) or text.endswith("\ufffd")) and len(self.ids) - self.read < self.WAIT:
+            return ""
+        new = text[len(context):]
+        self.ids = self.ids[self.read:]  # the window just emitted becomes the next context
+        self.read = len(self.ids)
+        return new

@@ -21,7 +21,6 @@ directory: a crash at any moment leaves the previous complete state in place.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 import tempfile
@@ -32,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from larqlpy.engines.base import EngineState
+from larqlpy.engines.stores.base import EngineState
+from larqlpy.engines.stores.mapped import MappedFile, open_mapped
 from larqlpy.errors import LarqlError
 
 MAGIC = b"LARQLKV\0"
@@ -54,7 +54,7 @@ class SavedState:
     header: dict
     records: dict[int, list[tuple[dict, dict]]]  # layer -> (cell meta, field -> array view)
     logits: torch.Tensor | None
-    backing: object  # keeps the mmap open for PERSISTED cells
+    backing: MappedFile  # keeps the mmap open for PERSISTED cells
 
     @property
     def tokens(self) -> list[int]:
@@ -129,20 +129,6 @@ def _jsonable(options: dict) -> dict:
     return json.loads(json.dumps(options, default=str))
 
 
-class _FileBacking:
-    """The loaded file's bytes through mmap; PERSISTED cells of cells/v1 keep reading from it."""
-
-    def __init__(self, path: Path, data_offset: int):
-        self.f = open(path, "rb")
-        self.map = mmap.mmap(self.f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(self.f.fileno()).st_size else b""
-        self.data_offset = data_offset
-
-    def read(self, loc) -> np.ndarray:
-        offset, length, dtype, shape = loc
-        dt = np.dtype(dtype)
-        return np.frombuffer(self.map, dtype=dt, count=length // dt.itemsize, offset=self.data_offset + offset).reshape(shape)
-
-
 def load_state(path: str | Path) -> SavedState:
     """Read and verify a state file. Every problem is a one-line LarqlError naming what is wrong."""
     path = Path(path)
@@ -185,7 +171,7 @@ def load_state(path: str | Path) -> SavedState:
         raise LarqlError(f"{path}: malformed header ({e})") from None
     if data_offset + need > size:
         raise LarqlError(f"{path}: truncated: data needs {data_offset + need} bytes, file has {size}")
-    backing = _FileBacking(path, data_offset)
+    backing = open_mapped(path, data_offset)
     records: dict[int, list[tuple[dict, dict]]] = {}
     logits = None
     for cell, name, e in entries:
@@ -211,15 +197,15 @@ def check_compatible(saved: SavedState, *, model_fingerprint: str, tokenizer_fin
         raise LarqlError(f"{p}: made with a different model (fingerprint {h['model_fingerprint']}, "
                          f"this model {model_fingerprint})")
     if h.get("weights", "f32") != weights:  # the K/V rows depend on the weights they came from
-        raise LarqlError(f"{p}: made with --weights {h.get('weights', 'f32')}, this run loads the model with "
-                         f"--weights {weights}; resume with the same --weights")
+        raise LarqlError(f"{p}: made with `weights` {h.get('weights', 'f32')}, this run loads the model with "
+                         f"`weights` {weights}; resume with the same `weights`")
     if h["tokenizer_fingerprint"] != tokenizer_fingerprint:
         raise LarqlError(f"{p}: made with a different tokenizer (fingerprint {h['tokenizer_fingerprint']}, "
                          f"this one {tokenizer_fingerprint})")
     want = {"identity": identity, "options": _jsonable(options)}
     if h["engine"] != want:
         raise LarqlError(f"{p}: made with engine {_engine_str(h['engine'])}, this run asks for {_engine_str(want)}; "
-                         "refusing (resume with the same engine, or drop --resume to prefill afresh)")
+                         "refusing (resume with the same engine, or drop `resume` to prefill afresh)")
 
 
 def _engine_str(e: dict) -> str:
@@ -259,3 +245,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def summarize(saved: SavedState) -> dict:
+    """What `state inspect` shows: the header's identity fields, and per layer its retained range and
+    cells grouped by state and precision (count, positions, bytes)."""
+    h = saved.header
+    by_layer: dict[int, dict[str, list[int]]] = {}
+    for c in h["cells"]:
+        slot = by_layer.setdefault(c["layer"], {}).setdefault(f"{c['state']} {c['precision']}", [0, 0, 0])
+        slot[0] += 1
+        slot[1] += c["n"]
+        slot[2] += sum(f["length"] for f in c["fields"].values())
+    return {"path": str(saved.path), "bytes": saved.path.stat().st_size, "format": h["format"],
+            "larqlpy": h.get("larqlpy"), "model_fingerprint": h["model_fingerprint"],
+            "tokenizer_fingerprint": h["tokenizer_fingerprint"], "weights": h.get("weights", "f32"),
+            "engine": h["engine"], "tokens": len(h["tokens"]), "processed": h["processed"],
+            "layers": [{"index": l["index"], "kind": l["kind"], "retained": l["retained"],
+                        "cells": {k: {"cells": v[0], "positions": v[1], "bytes": v[2]}
+                                  for k, v in sorted(by_layer.get(l["index"], {}).items())}}
+                       for l in h["layers"]]}

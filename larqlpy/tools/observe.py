@@ -8,11 +8,12 @@ from pathlib import Path
 import torch
 
 from larqlpy.engines import EngineSpec, build_provider
-from larqlpy.engines.base import QueryTap
+from larqlpy.engines.lifecycle import default_rules_path
+from larqlpy.engines.stores.base import QueryTap
 from larqlpy.errors import LarqlError
 from larqlpy.generate import prefill
 from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
-from larqlpy.state.rules import default_rules_path
+from larqlpy.tools.quality import drift
 
 QUANTILES = (0.001, 0.01, 0.5, 0.99, 0.999)
 OUTLIER_RATIO = 4.0  # a channel whose largest |value| is this many times the median channel's
@@ -129,7 +130,7 @@ def suggested_rules(n_layers: int, keep_exact: list[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-QUESTIONS = Path(__file__).resolve().parent / "data" / "questions.jsonl"
+QUESTIONS = Path(__file__).resolve().parent.parent / "data" / "questions.jsonl"
 
 
 def load_questions(path: str | Path | None = None) -> list[dict]:
@@ -158,8 +159,6 @@ def load_questions(path: str | Path | None = None) -> list[dict]:
 
 def consistency(loaded, questions: list[dict], specs, max_tokens: int = 16) -> dict:
     """Each engine's greedy answers against canonical/v1's: exact match, common prefix, KL."""
-    from larqlpy.quality import drift
-
     refs: dict = {}
     rows = []
     for spec in specs:

@@ -1,4 +1,4 @@
-"""The KV cell state machine: states, events, and transition rules loaded from YAML.
+"""The KV cell state machine of cells/v1: states, events, and transition rules loaded from YAML.
 
 Rules files are validated on load; every error names the file and the line. A transition the
 engine asks for that no rule allows raises `IllegalTransition` -- never silently skipped.
@@ -14,8 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from larqlpy.kernels.turboquant import WIDTHS
-
+from larqlpy.engines.options import check_width, parse_layer_bits
 from larqlpy.errors import LarqlError
 
 
@@ -103,7 +102,7 @@ class Rules:
 
 
 def default_rules_path() -> Path:
-    return Path(str(resources.files("larqlpy.state").joinpath("default_rules.yaml")))
+    return Path(str(resources.files("larqlpy.engines").joinpath("default_rules.yaml")))
 
 
 def load_rules(path: str | Path | None = None) -> Rules:
@@ -197,8 +196,6 @@ def _enum(cls, node, err, what):
 
 
 def _policy(node, err) -> Policy:
-    from larqlpy.engines.codec import parse_layer_bits
-
     if node is None:
         return Policy()
     if not isinstance(node, yaml.MappingNode):
@@ -229,9 +226,10 @@ def _policy(node, err) -> Policy:
     for name in ("k_bits", "v_bits"):
         node_w = fields.get(name, (None, None))[1]
         if node_w is not None:
-            widths[name] = _int(node_w, None, err, name, lo=2)
-            if widths[name] not in WIDTHS:
-                raise err(node_w, f"{name} must be one of {', '.join(map(str, WIDTHS))}, got {widths[name]}")
+            try:
+                widths[name] = check_width(_int(node_w, None, err, name, lo=2))
+            except ValueError as e:
+                raise err(node_w, f"{name} {e}") from None
     per_node = fields.get("layer_bits", (None, None))[1]
     per: tuple = ()
     if per_node is not None:

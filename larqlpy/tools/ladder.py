@@ -9,19 +9,22 @@ canonical over the decode steps.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import time
 from pathlib import Path
 from typing import Sequence
 
+import psutil
 import torch
 
-from larqlpy.engines import EngineSpec, build_provider, parse_engine_spec
+from larqlpy.engines import EngineSpec, build_provider, preset_spec
+from larqlpy.engines.presets import LADDER
+from larqlpy.errors import LarqlError
 from larqlpy.generate import prefill
-from larqlpy.quality import kl
+from larqlpy.tools.quality import kl
 
-DEFAULT_ENGINES = [("canonical/v1", []), ("window/v1", []), ("codec/v1", ["bits=4"]), ("codec/v1", ["bits=3"]),
-                   ("codec-recent/v1", ["bits=4", "exact_recent_k=64"]), ("int4-group/v1", [])]
-TEXT = Path(__file__).resolve().parent / "data" / "long.txt"
+TEXT = Path(__file__).resolve().parent.parent / "data" / "long.txt"
 
 
 def ladder_ids(tokenizer, n: int) -> list[int]:
@@ -67,14 +70,12 @@ def row_cosine(state, ref_state) -> float:
 
 def ladder(loaded, positions: Sequence[int], specs: Sequence[EngineSpec] | None = None, steps: int = 8,
            on_length=None) -> dict:
-    from larqlpy.errors import LarqlError
-
     model = loaded.model
     skipped = []
     if specs is None:  # the default set: leave out engines this model's geometry refuses, and say so
         specs = []
-        for c, o in DEFAULT_ENGINES:
-            spec = parse_engine_spec(continuation=c, continuation_options=o)
+        for preset in LADDER:
+            spec = preset_spec(preset)
             try:
                 build_provider(spec).check_geometry(model.geometries())
                 specs.append(spec)
@@ -125,8 +126,6 @@ def plot(result: dict, path: str | Path) -> None:
 
 def _anon_bytes() -> int:
     """This process's anonymous resident memory (the mapped weights are file-backed: not counted)."""
-    import psutil
-
     try:
         for line in open("/proc/self/status"):
             if line.startswith("RssAnon:"):
@@ -139,9 +138,6 @@ def _anon_bytes() -> int:
 
 def _release_free_heap() -> None:
     """Hand freed heap pages back to the OS, so the next engine's growth is its own (glibc)."""
-    import ctypes
-    import gc
-
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

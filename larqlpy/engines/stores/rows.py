@@ -1,4 +1,5 @@
-"""Physical row storage the engines share: per-position fields for the logical range [base, end).
+"""Physical row storage the engines share: per-position fields for the logical range [base, end),
+and `RowStore`, the layer store whose persistence is a set of named `Rows`.
 
 Two shapes of storage:
 - growing (keep=None): every row from position 0, in buffers that double when full;
@@ -11,8 +12,13 @@ norms and packed codes for the codec engines. Reads come back in position order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from larqlpy.engines.stores.base import LayerStore
+
+CELL_POSITIONS = 64  # saved states cut each row set into cells of this many positions
 FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
@@ -138,3 +144,74 @@ class Rows:
         if self.pending:
             live += sum(v.untyped_storage().nbytes() for v in self.pending.values())
         return live
+
+
+@dataclass(frozen=True)
+class RowSet:
+    """One named `Rows` of a store, with how its cells are saved."""
+
+    rows: Rows
+    state: str  # the cell state it is saved as: ACTIVE (f32 rows) or QUANTIZED (codes)
+    precision: str
+    first_positions: int | None = None  # a set that holds only positions below this (attention sinks)
+
+    def end_at(self, layer_end: int) -> int:
+        """Where this set ends when its layer ends at `layer_end`."""
+        return layer_end if self.first_positions is None else min(layer_end, self.first_positions)
+
+
+class RowStore(LayerStore):
+    """A store kept in named row sets (`row_sets()`, "main" first): persistence, trimming, the
+    retained range and resident bytes all follow from them."""
+
+    def row_sets(self) -> dict[str, RowSet]:
+        raise NotImplementedError
+
+    @property
+    def main(self) -> Rows:
+        return self.row_sets()["main"].rows
+
+    def retained(self):
+        return self.main.base, self.main.end
+
+    def resident_bytes(self):
+        return sum(s.rows.nbytes() for s in self.row_sets().values())
+
+    def export(self):
+        out = []
+        for name, s in self.row_sets().items():
+            rows = s.rows
+            for lo in range(rows.base - rows.base % CELL_POSITIONS, rows.end, CELL_POSITIONS):
+                a, b = max(lo, rows.base), min(lo + CELL_POSITIONS, rows.end)
+                if a < b:
+                    vals = rows.read(a, b)
+                    out.append(({"set": name, "start": a, "n": b - a, "state": s.state, "precision": s.precision},
+                                {k: v.contiguous().cpu().numpy() for k, v in vals.items()}))
+        return out
+
+    def restore(self, end, records):
+        for name, s in self.row_sets().items():
+            rows, set_stop = s.rows, s.end_at(end)
+            mine = sorted((r for r in records if r[0]["set"] == name), key=lambda r: r[0]["start"])
+            pos = mine[0][0]["start"] if mine else (set_stop if rows.keep is not None else 0)
+            base = pos
+            for meta, arrays in mine:
+                if meta["start"] != pos or meta["state"] != s.state or meta["precision"] != s.precision:
+                    raise ValueError(f"layer {self.geometry.index}: cell at {meta['start']} does not fit "
+                                     f"({meta['state']} {meta['precision']}, expected {s.state} {s.precision} at {pos})")
+                if set(arrays) != set(rows.fields):
+                    raise ValueError(f"layer {self.geometry.index}: cell at {pos} has fields {sorted(arrays)}")
+                pos += meta["n"]
+            if pos != set_stop or (rows.keep is None and base != 0) or (rows.keep is not None and set_stop - base > rows.keep):
+                raise ValueError(f"layer {self.geometry.index}: saved rows [{base}, {pos}) do not fit end {set_stop}")
+            rows.restore(base, set_stop, [(m["start"], {k: torch.from_numpy(a.copy()) for k, a in arr.items()})
+                                         for m, arr in mine])
+        self.end = end
+
+    def can_trim(self, end):
+        return end <= self.end and self.main.base <= self.geometry.read_start(end)
+
+    def trim(self, end):
+        for s in self.row_sets().values():
+            s.rows.trim(max(s.rows.base, end) if s.rows.keep is not None else s.end_at(end))
+        self.end = end

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from larqlpy.engines import LayerGeometry, Provider, build_provider
-from larqlpy.engines.registry import PROVIDERS
-from larqlpy.engines.spec import EngineSpec
+from larqlpy.engines import EngineSpec, LayerGeometry, Provider, build_provider, preset_spec
+from larqlpy.engines.presets import RESIDENCY
 from larqlpy.errors import LarqlError
+from larqlpy.model.config import read_config
 
 # Gemma 3 text geometries (layers, sliding window, KV heads, head_dim); every 6th layer is global.
 NAMED_GEOMETRIES = {
@@ -32,8 +32,6 @@ def resolve_geometry(model_or_name: str) -> tuple[str, list[LayerGeometry]]:
     if not path.exists():
         raise LarqlError(f"{model_or_name}: neither a model directory nor a named geometry "
                          f"({', '.join(NAMED_GEOMETRIES)})")
-    from larqlpy.model.loader import read_config
-
     cfg = read_config(path)
     return str(path), [LayerGeometry(i, cfg.window(i), cfg.num_key_value_heads, cfg.head_dim)
                        for i in range(cfg.num_hidden_layers)]
@@ -61,16 +59,13 @@ def bits_per_value(provider: Provider, geometries: list[LayerGeometry], position
 
 
 def default_specs() -> list[EngineSpec]:
-    """Every registered provider, with the options that show its range (e.g. each codec width)."""
-    specs = []
-    for identity, cls in PROVIDERS.items():
-        specs.extend(EngineSpec(identity, opts) for opts in cls.residency_variants())
-    return specs
+    """Every provider, with the options that show its range (engines.presets.RESIDENCY)."""
+    return [preset_spec(p) for p in RESIDENCY]
 
 
 def residency(model_or_name: str, positions: int, specs: list[EngineSpec] | None = None) -> dict:
     if positions < 0:
-        raise LarqlError(f"--positions must be >= 0, got {positions}")
+        raise LarqlError(f"`positions` must be >= 0, got {positions}")
     name, geometries = resolve_geometry(model_or_name)
     rows = [account(build_provider(s), geometries, positions) for s in (specs or default_specs())]
     return {"geometry": name, "positions": positions, "layers": len(geometries),
@@ -85,7 +80,7 @@ def capacity(model_or_name: str, budget: int, specs: list[EngineSpec] | None = N
     Accounted bytes never shrink as positions grow, so a binary search finds the largest N with
     bytes(N) <= budget; an engine whose bytes stop growing reports `unbounded`."""
     if budget < 1:
-        raise LarqlError(f"--budget must be positive, got {budget}")
+        raise LarqlError(f"`budget` must be positive, got {budget}")
     name, geometries = resolve_geometry(model_or_name)
     out = []
     for spec in specs or default_specs():

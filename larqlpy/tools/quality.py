@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 
 from larqlpy.engines import EngineSpec, build_provider
-from larqlpy.generate import GenerationConfig, generate, prefill
+from larqlpy.config import GenerationConfig
+from larqlpy.generate import prefill, stream_generate
 from larqlpy.state.store import common_prefix
 
 
@@ -74,12 +75,12 @@ def drift(model, spec: EngineSpec, prompt: Sequence[int], n: int,
     """Compare `spec` with canonical/v1 over n generated tokens after `prompt`."""
     if reference is None:
         cfg = GenerationConfig(max_tokens=n, stop_at_eos=False)
-        ref_ids = [t.id for t in generate(model, prompt, EngineSpec(), cfg)]
+        ref_ids = [t.id for t in stream_generate(model, prompt, EngineSpec(), cfg)]
         reference = (ref_ids, teacher_forced_logits(model, EngineSpec(), prompt, ref_ids))
     ref_ids, ref_logits = reference
     test_logits = teacher_forced_logits(model, spec, prompt, ref_ids)
     k = kl(ref_logits, test_logits)
-    free = [t.id for t in generate(model, prompt, spec, GenerationConfig(max_tokens=n, stop_at_eos=False))]
+    free = [t.id for t in stream_generate(model, prompt, spec, GenerationConfig(max_tokens=n, stop_at_eos=False))]
     d = Drift(spec.describe(), len(ref_ids), k.mean().item(), k.max().item(),
               (test_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(), *agreement(free, ref_ids))
     return d, reference

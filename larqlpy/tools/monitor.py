@@ -23,11 +23,11 @@ FIELDS = ("t_s", "position", "rss_bytes", "cuda_allocated_bytes")
 def check_paths(data: Path | None, plot: Path | None) -> None:
     """Refuse bad output paths before any work starts."""
     if data is not None and data.suffix.lower() not in (".csv", ".json"):
-        raise LarqlError(f"--monitor: expected a .csv or .json path, got {data}")
+        raise LarqlError(f"`monitor`: expected a .csv or .json path, got {data}")
     if plot is not None and data is None:
-        raise LarqlError("--monitor-plot needs --monitor FILE")
+        raise LarqlError("`monitor_plot` needs `monitor`")
     if plot is not None and plot.suffix.lower() != ".png":
-        raise LarqlError(f"--monitor-plot: expected a .png path, got {plot}")
+        raise LarqlError(f"`monitor_plot`: expected a .png path, got {plot}")
 
 
 class Monitor:

@@ -1,0 +1,157 @@
+"""`larqlpy bench ladder|consistency`: measurements of every engine on a real model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from larqlpy.cli.common import (CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS,
+                                check_paths, err, fmt_bytes, monitored, one_engine, out)
+from larqlpy.errors import LarqlError
+
+bench_app = typer.Typer(no_args_is_help=True, help="Measurements on a real model.")
+
+
+@bench_app.command("ladder")
+def bench_ladder(
+    model: Path = typer.Argument(..., help="model directory"),
+    positions: str = typer.Option("512,2048,8192", "--positions", help="comma-separated context lengths"),
+    engine: Optional[str] = typer.Option(None, "--engine", help="one engine, V2 spelling"),
+    continuation: Optional[str] = CONTINUATION,
+    continuation_option: List[str] = CONTINUATION_OPTION,
+    steps: int = typer.Option(8, "--steps", help="decode steps per length (teacher-forced)"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="instead: run each engine until its memory grew by this"),
+    max_positions: int = typer.Option(16384, "--max-positions", help="with --budget: stop here if it still fits"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG: bytes against positions, log scale"),
+    as_json: bool = typer.Option(False, "--json"),
+    monitor: Optional[Path] = MONITOR,
+    monitor_plot: Optional[Path] = MONITOR_PLOT,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    weights: str = WEIGHTS,
+):
+    """Each engine at several lengths: live KV bytes, speed, row cosine and KL against canonical/v1."""
+    from larqlpy.model.loader import load
+    from larqlpy.tools.ladder import ladder
+    from larqlpy.tools.ladder import plot as draw
+
+    try:
+        lengths = [int(p) for p in positions.split(",")]
+    except ValueError:
+        raise LarqlError(f"--positions: expected comma-separated integers, got {positions!r}") from None
+    if not lengths or min(lengths) < 1 or steps < 1:
+        raise LarqlError("--positions and --steps must be positive")
+    specs = one_engine("bench ladder", engine, continuation, continuation_option)
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise LarqlError(f"--plot: expected a .png path, got {plot}")
+    check_paths(monitor, monitor_plot)
+    if budget is not None:
+        with monitored(monitor, monitor_plot):
+            return _ladder_budget(model, budget, specs, max_positions, as_json, device, dtype, weights)
+    with monitored(monitor, monitor_plot) as mon:
+        loaded = load(model, device=device, dtype=dtype, weights=weights)
+        result = ladder(loaded, lengths, specs, steps, on_length=lambda n: setattr(mon, "position", n))
+    if plot is not None:
+        draw(result, plot)
+        result["plot"] = str(plot)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    t = Table(title=f"{model}: {steps} teacher-forced decode steps after each length")
+    for col in ("engine", "positions", "resident KV", "bytes/pos", "prefill tok/s", "decode tok/s", "row cosine",
+                "next-token KL"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    for r in result["rows"]:
+        t.add_row(escape(r["engine"]), f"{r['positions']:,}", fmt_bytes(r["resident_kv_bytes"]), f"{r['bytes_per_position']:,.0f}",
+                  f"{r['prefill_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.2f}", f"{r['row_cosine']:.4f}",
+                  f"{r['next_token_kl']:.4f}")
+    out.print(t)
+    for sk in result["skipped"]:
+        err.print(f"skipped {sk['engine']}: {sk['reason']}", markup=False)
+    if plot is not None:
+        err.print(f"wrote {plot}", markup=False)
+
+
+def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json: bool, device: str, dtype: str,
+                   weights: str):
+    """Confirm `residency --budget` by running: each engine grows a context until the process's
+    memory grew by the budget."""
+    from larqlpy.engines import preset_spec
+    from larqlpy.engines.options import parse_size
+    from larqlpy.engines.presets import LADDER
+    from larqlpy.model.loader import load
+    from larqlpy.tools.ladder import until_budget
+    from larqlpy.tools.residency import capacity
+
+    try:
+        nbytes = parse_size(budget)
+    except ValueError as e:
+        raise LarqlError(f"--budget: {e}") from None
+    if max_positions < 1:
+        raise LarqlError("--max-positions must be >= 1")
+    specs = specs or [preset_spec(p) for p in LADDER]
+    loaded = load(model, device=device, dtype=dtype, weights=weights)
+    accounted = capacity(str(model), nbytes, specs)["engines"]
+    rows = []
+    for spec, acc in zip(specs, accounted):
+        r = until_budget(loaded, spec, nbytes, max_positions=max_positions)
+        r["accounted_positions"] = acc["max_positions"]
+        rows.append(r)
+    if as_json:
+        sys.stdout.write(json.dumps({"model": str(model), "budget": nbytes, "rows": rows}) + "\n")
+        return
+    t = Table(title=f"{model}: the longest context in {fmt_bytes(nbytes)}, accounted and run (peak anonymous memory)")
+    for col in ("engine", "accounted positions", "ran to", "peak growth", "KV at the end"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    for r in rows:
+        ran = f"{r['fits_positions']:,}" + ("" if r["reached_budget"] else "+ (cap)")
+        t.add_row(escape(r["engine"]), f"{r['accounted_positions']:,}", ran, fmt_bytes(r["peak_growth_bytes"]),
+                  fmt_bytes(r["resident_kv_bytes_at_end"]))
+    out.print(t)
+
+
+@bench_app.command("consistency")
+def bench_consistency(
+    model: Path = typer.Argument(..., help="model directory"),
+    questions: Optional[Path] = typer.Argument(None, help="JSON lines of {id, question}; default: the shipped set"),
+    engine: Optional[str] = typer.Option(None, "--engine", help="one engine, V2 spelling"),
+    continuation: Optional[str] = CONTINUATION,
+    continuation_option: List[str] = CONTINUATION_OPTION,
+    max_tokens: int = typer.Option(16, "-n", "--max-tokens", help="answer length"),
+    as_json: bool = typer.Option(False, "--json"),
+    monitor: Optional[Path] = MONITOR,
+    monitor_plot: Optional[Path] = MONITOR_PLOT,
+    device: str = DEVICE,
+    weights: str = WEIGHTS,
+):
+    """A fixed question set answered greedily by each engine, against canonical/v1."""
+    from larqlpy.engines import preset_spec
+    from larqlpy.engines.presets import LADDER
+    from larqlpy.model.loader import load
+    from larqlpy.tools.observe import consistency, load_questions
+
+    if max_tokens < 1:
+        raise LarqlError("--max-tokens must be >= 1")
+    specs = one_engine("bench consistency", engine, continuation, continuation_option) or [
+        preset_spec(p) for p in LADDER[1:]]
+    items = load_questions(questions)
+    check_paths(monitor, monitor_plot)
+    with monitored(monitor, monitor_plot):
+        loaded = load(model, device=device, weights=weights)
+        r = consistency(loaded, items, specs, max_tokens)
+    if as_json:
+        sys.stdout.write(json.dumps(r) + "\n")
+        return
+    t = Table(title=f"{len(items)} questions, {max_tokens} greedy tokens each, against canonical/v1")
+    for col in ("engine", "exact match", "mean common prefix", "mean next-token KL"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    for e in r["engines"]:
+        t.add_row(escape(e["engine"]), f"{e['exact_match_rate']:.0%}", f"{e['mean_common_prefix']:.1f}",
+                  f"{e['mean_kl']:.4f}")
+    out.print(t)

@@ -1,0 +1,112 @@
+"""What the CLI's commands share: the consoles, the shared options, and the one place library
+parameters become flags (`FLAGS`, `flag`, `cli_text`).
+
+Commands import the library inside their bodies: `larqlpy --help` and every refusal that needs no
+weights must not pay for torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from larqlpy.errors import LarqlError, spell
+
+NO_COLOR = "NO_COLOR" in os.environ
+err = Console(stderr=True, no_color=NO_COLOR, highlight=False)
+out = Console(no_color=NO_COLOR, highlight=False, width=None if sys.stdout.isatty() else 160)  # pipes: no wrapping
+
+DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda")
+DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16")
+MONITOR = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)")
+MONITOR_PLOT = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG")
+WEIGHTS = typer.Option("f32", "--weights", help="f32 | bf16 | int8 | int4: weight precision, packed at load")
+ENGINE = typer.Option(None, "--engine", help="V2 spelling: standard | no-cache | name:k=v,...")
+CONTINUATION = typer.Option(None, "--continuation", help="provider identity, e.g. canonical/v1")
+CONTINUATION_OPTION = typer.Option([], "--continuation-option", help="key=value (repeatable)")
+
+# Library parameter -> how a CLI user gives it. The library names parameters in backticks
+# (larqlpy.errors); only here do they become flags.
+FLAGS = {
+    "options": "--continuation-option", "engine": "--engine", "continuation": "--continuation",
+    "max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+    "seed": "--seed", "prefill_chunk": "--prefill-chunk", "kv_budget": "--kv-budget", "resume": "--resume",
+    "save_state": "--save-state", "reprefill": "--reprefill", "weights": "--weights", "device": "--device",
+    "dtype": "--dtype", "monitor": "--monitor", "monitor_plot": "--monitor-plot", "force": "--force",
+    "positions": "--positions", "budget": "--budget", "calibrate": "`larqlpy calibrate MODEL_DIR`",
+}
+
+
+def flag(name: str) -> str | None:
+    return FLAGS.get(name)
+
+
+def preset_flags(preset: tuple) -> str:
+    """A named configuration (engines.presets) as the flags that select it."""
+    return f"--continuation {preset[0]} " + " ".join(f"--continuation-option {k}={v}" for k, v in preset[1])
+
+
+def cli_text(text: str) -> str:
+    """Library text (an info line, a message) in the CLI's spelling."""
+    return spell(text, flag)
+
+
+def error_line(e: LarqlError) -> str:
+    """A refusal as the CLI prints it."""
+    return e.render(flag, preset_flags)
+
+
+def read_prompt(prompt: str) -> str:
+    if prompt == "-":
+        return sys.stdin.read()
+    return prompt
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def one_engine(command: str, engine, continuation, options) -> list | None:
+    """The single engine a command was narrowed to (None: all of them). no-cache holds no rows."""
+    from larqlpy.engines import parse_engine_spec
+
+    if engine is None and continuation is None and not options:
+        return None
+    spec = parse_engine_spec(engine, continuation, options)
+    if spec.replay:
+        raise LarqlError(f"{command}: no-cache keeps no KV rows between steps; name a continuation")
+    return [spec]
+
+
+class _NoMonitor:
+    position = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def monitored(path: Optional[Path], plot: Optional[Path]):
+    """A Monitor when --monitor was given, else a stand-in that only holds a position."""
+    if path is None:
+        return _NoMonitor()
+    from larqlpy.tools.monitor import Monitor
+
+    return Monitor(path, plot=plot)
+
+
+def check_paths(data: Optional[Path], plot: Optional[Path]) -> None:
+    from larqlpy.tools.monitor import check_paths as check
+
+    check(data, plot)

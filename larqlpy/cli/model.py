@@ -1,0 +1,85 @@
+"""Model directories: `info`, `convert-gguf`, `calibrate`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from larqlpy.cli.common import DEVICE, cli_text, err, out
+from larqlpy.errors import LarqlError
+
+
+def info(model: Path = typer.Argument(..., help="model directory"),
+         as_json: bool = typer.Option(False, "--json")):
+    """Architecture, layers and their kinds, parameter count, dtype."""
+    from larqlpy.model.loader import describe
+
+    d = describe(model)
+    d["key_calibration"] = cli_text(d["key_calibration"])
+    if as_json:
+        out.print_json(json.dumps(d))
+        return
+    t = Table(title=str(model), show_header=False)
+    for k in ("model_type", "parameters", "dtypes", "layers", "hidden_size", "heads", "kv_heads", "head_dim",
+              "sliding_window", "vocab_size", "rope", "final_logit_softcapping", "key_calibration"):
+        v = d[k]
+        t.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
+    t.add_row("layer kinds", " ".join("G" if k == "global" else "s" for k in d["layer_kinds"]) + "  (s sliding, G global)")
+    out.print(t)
+
+
+def convert_gguf(src: Path = typer.Argument(..., help="a Gemma 3 .gguf file"),
+                 dest: Path = typer.Argument(..., help="output directory (HF layout)"),
+                 force: bool = typer.Option(False, "--force", help="overwrite DEST if it exists")):
+    """Dequantize a Gemma 3 GGUF into safetensors + config.json + tokenizer.json."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from larqlpy.convert.gguf import convert_gguf as convert
+
+    with Progress(TextColumn("{task.description:<40}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=err, disable=not err.is_terminal) as bar:
+        task = bar.add_task("reading", total=None)
+
+        def step(what: str, done: int, total: int) -> None:
+            bar.update(task, description=what[:40], completed=done, total=total)
+
+        convert(src, dest, step, force=force)
+    err.print(f"wrote {dest}")
+
+
+def calibrate(
+    model: Path = typer.Argument(..., help="model directory"),
+    text: Optional[Path] = typer.Option(None, "--text", help="calibration text (default: the packaged one)"),
+    device: str = DEVICE,
+):
+    """Measure the keys' mean and per-channel scale (what codec calib=on quantizes with) and write
+    MODEL/kv_calibration.safetensors."""
+    if text is not None and not text.is_file():
+        raise LarqlError(f"--text {text}: no such file")
+    body = None
+    if text is not None:
+        try:
+            body = text.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise LarqlError(f"--text {text}: cannot read it as UTF-8 text ({e})") from None
+
+    from larqlpy.model import calibration_file
+    from larqlpy.model.loader import load
+    from larqlpy.tools.calibrate import calibrate as measure
+
+    t0 = time.perf_counter()
+    loaded = load(model, device=device, key_calibration=False)
+    cals, meta = measure(loaded, body)
+    path = calibration_file.save(model, cals, meta)
+    t = Table(title=f"{model}: key calibration over {int(meta['tokens']):,} tokens")
+    for col in ("layer", "kind", "mean share of key energy", "scale min", "scale max"):
+        t.add_column(col, justify="right")
+    for g, c, share in zip(loaded.model.geometries(), cals, map(float, meta["mean_share"].split(","))):
+        t.add_row(str(g.index), g.kind, f"{share:.2f}", f"{c.scale.min().item():.2f}", f"{c.scale.max().item():.2f}")
+    out.print(t)
+    err.print(f"wrote {path} ({time.perf_counter() - t0:.1f} s)", markup=False)

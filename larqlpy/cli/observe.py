@@ -1,0 +1,67 @@
+"""`larqlpy kv-stats`: look before you quantize -- per-layer K/V statistics on a real text."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from larqlpy.cli.common import DEVICE, WEIGHTS, err, out, read_prompt
+from larqlpy.errors import LarqlError
+
+
+def kv_stats(
+    model: Path = typer.Argument(..., help="model directory"),
+    prompt: str = typer.Argument(..., help="a text file, - for stdin, or the text itself"),
+    max_positions: int = typer.Option(2048, "--max-positions", help="use at most this many tokens"),
+    min_cosine: float = typer.Option(0.995, "--min-cosine", help="a layer whose rows fall below this at 4 bits stays exact"),
+    rules_out: Optional[Path] = typer.Option(None, "--rules-out", help="write the suggested cells/v1 rules here"),
+    as_json: bool = typer.Option(False, "--json"),
+    device: str = DEVICE,
+    weights: str = WEIGHTS,
+):
+    """Per layer, K and V: range, quantiles, outlier channels, and the per-row cosine each codec reaches."""
+    from larqlpy.model.loader import load
+    from larqlpy.tools.observe import QUANTILES, QUERIES, WIDER
+    from larqlpy.tools.observe import kv_stats as measure
+
+    if max_positions < 1 or not 0 < min_cosine <= 1:
+        raise LarqlError("--max-positions must be >= 1 and --min-cosine in (0, 1]")
+    text = read_prompt(prompt) if prompt == "-" or not Path(prompt).is_file() else Path(prompt).read_text()
+    loaded = load(model, device=device, weights=weights)
+    ids = loaded.tokenizer.encode(text)[:max_positions]
+    r = measure(loaded, ids, min_cosine)
+    if rules_out is not None:
+        rules_out.write_text(r["rules"])
+    if as_json:
+        sys.stdout.write(json.dumps(r) + "\n")
+        return
+    t = Table(title=f"{model}: K/V over {r['positions']:,} positions (per-row cosine: mean / min; attention KL "
+                    f"of the newest {QUERIES} queries with K at tq4 / tq3{', calibrated' if r['calibrated'] else ''})")
+    for col in ("layer", "", "min", "max", f"q{QUANTILES[0]}", f"q{QUANTILES[-1]}", "outlier ch.", "tq4", "tq3",
+                "int4g32", "attention KL", "verdict"):
+        t.add_column(col, justify="right")
+    for e in r["layers"]:
+        for name in ("K", "V"):
+            st = e[name]
+            cos = {c: f"{v['mean']:.4f} / {v['min']:.3f}" for c, v in st["cosine"].items()}
+            t.add_row(f"{e['layer']} {e['kind'][0]}" if name == "K" else "", name, f"{st['min']:.2f}", f"{st['max']:.2f}",
+                      f"{st['quantiles'][str(QUANTILES[0])]:.2f}", f"{st['quantiles'][str(QUANTILES[-1])]:.2f}",
+                      str(st["outlier_channels"]), cos.get("tq4", ""), cos.get("tq3", ""), cos.get("int4g32", ""),
+                      f"{e['attention_kl']['tq4']:.4f} / {e['attention_kl']['tq3']:.4f}" if name == "K" else "",
+                      ("keep exact" if e["quantizes_badly"] else "quantize") if name == "K" else "")
+    out.print(t)
+    err.print(f"suggested policy: quantize_layers = "
+              f"{'all' if not r['keep_exact'] else [i for i in range(len(r['layers'])) if i not in r['keep_exact']]}"
+              + (f" (rules written to {rules_out})" if rules_out else ""), markup=False)
+    err.print("suggested codec/v1 option: " + (f"--continuation-option layer_bits={r['layer_bits']}" if r["layer_bits"]
+              else f"none (no layer's attention KL is {WIDER:g}x the median)")
+              + ("" if r["calibrated"] else "; with calib=on (`larqlpy calibrate MODEL_DIR`) keys quantize far better"),
+              markup=False)
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Measurements on a real model.")

@@ -1,0 +1,72 @@
+"""`larqlpy residency`: what each engine keeps after N positions, or the longest context a budget
+fits -- accounted, no weights needed."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import List, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from larqlpy.cli.common import CONTINUATION, CONTINUATION_OPTION, fmt_bytes, one_engine, out, preset_flags
+from larqlpy.errors import LarqlError
+
+
+def residency(
+    model: str = typer.Argument(..., help="model directory or named geometry (gemma3-270m, -1b, -4b, -12b, -27b)"),
+    positions: Optional[int] = typer.Option(None, "--positions", help="sequence length to account for"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="instead: the longest context each engine fits in this, e.g. 2GiB"),
+    engine: Optional[str] = typer.Option(None, "--engine", help="V2 spelling of one engine"),
+    continuation: Optional[str] = CONTINUATION,
+    continuation_option: List[str] = CONTINUATION_OPTION,
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Rows and bytes per layer kind each engine keeps after N positions (no weights needed);
+    with --budget, the longest context each engine fits in that many bytes."""
+    from larqlpy.engines.options import parse_size
+    from larqlpy.engines.presets import RECOMMENDED
+    from larqlpy.tools.residency import capacity
+    from larqlpy.tools.residency import residency as account
+
+    specs = one_engine("residency", engine, continuation, continuation_option)
+    if (positions is None) == (budget is None):
+        raise LarqlError("residency: give exactly one of --positions N or --budget SIZE")
+    if budget is not None:
+        try:
+            nbytes = parse_size(budget)
+        except ValueError as e:
+            raise LarqlError(f"--budget: {e}") from None
+        c = capacity(model, nbytes, specs)
+        if as_json:
+            sys.stdout.write(json.dumps(c) + "\n")
+            return
+        t = Table(title=f"{c['geometry']}: the longest context that fits in {fmt_bytes(nbytes)} of KV")
+        for col in ("engine", "max positions", "KV bytes there"):
+            t.add_column(col, justify="left" if col == "engine" else "right")
+        for e in c["engines"]:
+            name = e["engine"] + "".join(f" {k}={v}" for k, v in e["options"].items())
+            t.add_row(escape(name), "unbounded" if e["max_positions"] is None else f"{e['max_positions']:,}",
+                      fmt_bytes(e["bytes_at_max"]) if "bytes_at_max" in e else "")
+        out.print(t)
+        rec = next((e for e in c["engines"] if (e["engine"], tuple(sorted(e["options"].items()))) == RECOMMENDED), None)
+        if rec is not None:
+            fits = "any length" if rec["max_positions"] is None else f"{rec['max_positions']:,} positions"
+            out.print(escape(f"recommended approximate configuration ({fits} here): {preset_flags(RECOMMENDED)}"))
+        return
+    r = account(model, positions, specs)
+    if as_json:
+        sys.stdout.write(json.dumps(r) + "\n")
+        return
+    t = Table(title=f"{r['geometry']} at {r['positions']:,} positions "
+                    f"({r['kinds']['sliding']} sliding + {r['kinds']['global']} global layers)")
+    for col in ("engine", "sliding rows", "sliding bytes", "global rows", "global bytes", "total rows", "total"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    for e in r["engines"]:
+        name = e["engine"] + "".join(f" {k}={v}" for k, v in e["options"].items())
+        sl, gl = e["by_kind"].get("sliding", {}), e["by_kind"].get("global", {})
+        t.add_row(name, f"{sl.get('rows', 0):,}", fmt_bytes(sl.get("bytes", 0)), f"{gl.get('rows', 0):,}",
+                  fmt_bytes(gl.get("bytes", 0)), f"{e['rows']:,}", fmt_bytes(e["bytes"]))
+    out.print(t)

@@ -1,0 +1,90 @@
+"""`larqlpy run`: one generation, streamed to stdout (or one JSON object)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from larqlpy.cli.common import (CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, MONITOR, MONITOR_PLOT,
+                                WEIGHTS, check_paths, err, fmt_bytes, monitored, read_prompt)
+from larqlpy.config import GenerationConfig, SamplingConfig
+
+
+def run(
+    model: Path = typer.Argument(..., help="model directory (HF layout)"),
+    prompt: str = typer.Argument(..., help="prompt text, or - to read stdin ('' with --resume: continue)"),
+    max_tokens: int = typer.Option(GenerationConfig.max_tokens, "-n", "--max-tokens", help="tokens to generate at most"),
+    engine: Optional[str] = ENGINE,
+    continuation: Optional[str] = CONTINUATION,
+    continuation_option: List[str] = CONTINUATION_OPTION,
+    kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="resident KV budget, e.g. 64MiB (cells/v1)"),
+    save_state: Optional[Path] = typer.Option(None, "--save-state", help="write the attention state here after the run"),
+    resume_from: Optional[Path] = typer.Option(None, "--resume", help="continue from a saved state file"),
+    reprefill: bool = typer.Option(False, "--reprefill", help="with --resume: prefill afresh if the state cannot be trimmed"),
+    temperature: float = typer.Option(SamplingConfig.temperature, "--temperature", help="0 = greedy"),
+    top_k: int = typer.Option(SamplingConfig.top_k, "--top-k", help="0 = off"),
+    top_p: float = typer.Option(SamplingConfig.top_p, "--top-p", help="1 = off"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    prefill_chunk: int = typer.Option(GenerationConfig.prefill_chunk, "--prefill-chunk", help="tokens per prefill block"),
+    stats: bool = typer.Option(False, "--stats", help="print engine, speeds and KV bytes to stderr"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
+    monitor: Optional[Path] = MONITOR,
+    monitor_plot: Optional[Path] = MONITOR_PLOT,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    weights: str = WEIGHTS,
+):
+    """Generate a continuation of PROMPT."""
+    from larqlpy.request import Request
+
+    req = Request.from_dict(dict(
+        prompt=read_prompt(prompt), engine=engine, continuation=continuation, options=list(continuation_option),
+        kv_budget=kv_budget, resume=str(resume_from) if resume_from else None,
+        save_state=str(save_state) if save_state else None, reprefill=reprefill, max_tokens=max_tokens,
+        prefill_chunk=prefill_chunk, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+    req.spec()  # every refusal before the weights load
+    check_paths(monitor, monitor_plot)
+
+    from larqlpy.model.loader import load
+    from larqlpy.runner import execute
+
+    with monitored(monitor, monitor_plot) as mon:
+        loaded = load(model, device=device, dtype=dtype, weights=weights)
+
+        def stream(tok):
+            mon.position = tok.metrics.position + 1
+            if not as_json:
+                sys.stdout.write(tok.text)
+                sys.stdout.flush()
+
+        result = execute(loaded, req, stream)
+    result.pop("id")
+    result.pop("error")
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    if stats:
+        print_stats(result)
+
+
+def print_stats(result: dict) -> None:
+    m, session = result["stats"], result.get("session", {})
+    extra = ""
+    if session.get("resumed_from"):
+        extra += f" | resumed {session['reused_tokens']} tok from {session['resumed_from']}"
+    if session.get("saved_to"):
+        extra += f" | saved {fmt_bytes(session['saved_bytes'])} to {session['saved_to']}"
+    err.print(f"engine {result['engine']} | weights {result.get('weights', 'f32')} | prompt {result['prompt_tokens']} tok | prefill "
+              f"{m.get('prefill_tokens_per_s', 0):.1f} tok/s | decode {m.get('decode_tokens_per_s', 0):.1f} tok/s | "
+              f"resident KV {fmt_bytes(m.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}{extra}",
+              soft_wrap=True, markup=False)
+    if "transitions" in result:
+        cells = ", ".join(f"{k} {v}" for k, v in sorted(result["cells"].items()))
+        moves = ", ".join(f"{t['event']} {t['from']}->{t['to']} x{t['count']}" for t in result["transitions"])
+        err.print(f"cells: {cells} | transitions: {moves}", soft_wrap=True, markup=False)

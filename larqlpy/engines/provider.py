@@ -1,0 +1,68 @@
+"""A continuation provider: an identity string, the options it declares, what it would retain, and
+the per-layer stores it builds.
+
+Declaring and accounting need no torch: option refusals, `residency` and `--help` run without it.
+The stores (engines/stores/) are torch; a provider imports its store module when it builds a state.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Sequence
+
+from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.options import OptionSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from larqlpy.engines.presets import Preset
+    from larqlpy.engines.stores.base import EngineState, LayerStore
+
+
+class Provider:
+    identity: ClassVar[str]
+    summary: ClassVar[str]
+    exact: ClassVar[bool] = True
+
+    def __init__(self, options: dict):
+        self.options = dict(options)
+
+    # -- declaration -------------------------------------------------------------------------
+    @classmethod
+    def option_specs(cls) -> tuple[OptionSpec, ...]:
+        """The options this provider declares; anything else is refused."""
+        return ()
+
+    @classmethod
+    def suggestion(cls) -> "Preset | None":
+        """A configuration to suggest beside option refusals (e.g. the recommended one)."""
+        return None
+
+    @classmethod
+    def check_options(cls, options: dict, where: str) -> None:
+        """Cross-option checks after each value parsed; raise LarqlError to refuse."""
+
+    def check_geometry(self, geometries: Sequence[LayerGeometry]) -> None:
+        """Refuse a model this provider cannot serve, before any row is stored."""
+
+    # -- accounting (what residency reports) -------------------------------------------------
+    def retained_rows(self, geometry: LayerGeometry, positions: int) -> int:
+        """Rows the store holds after `positions` positions: by default, those a later query can read."""
+        return geometry.readable_rows(positions)
+
+    def row_bytes(self, geometry: LayerGeometry) -> int:
+        return geometry.row_bytes_f32
+
+    def layer_bytes(self, geometry: LayerGeometry, positions: int) -> int:
+        """Bytes one layer's store holds after `positions` positions."""
+        return self.retained_rows(geometry, positions) * self.row_bytes(geometry)
+
+    # -- stores ------------------------------------------------------------------------------
+    def make_store(self, geometry: LayerGeometry, device: "torch.device") -> "LayerStore":
+        raise NotImplementedError
+
+    def new_state(self, geometries: Sequence[LayerGeometry], device: "torch.device") -> "EngineState":
+        from larqlpy.engines.stores.base import EngineState  # torch: loaded when rows are first stored
+
+        self.check_geometry(geometries)
+        return EngineState(self.identity, self.options, [self.make_store(g, device) for g in geometries])

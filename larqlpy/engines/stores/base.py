@@ -1,0 +1,221 @@
+"""The boundary between attention and the KV engines: a layer's store, and a sequence's state.
+
+Attention hands a layer's store the new K/V rows and the queries of one block and gets the attention
+output back (`LayerStore.attend`). The default `attend` appends, asks for the rows the block may read
+and runs scaled-dot-product attention over them; an engine that can attend on its own representation
+overrides it. Attention never asks which engine it talks to.
+
+Logical positions (what RoPE and masks use) and physical storage are separate: a store knows the
+logical range [base, end) it retains; where those rows live is its own business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.kernels.attention import attend_one
+
+QUERY_TILE = 256  # prefill queries attended per tile
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    scale: float  # query_pre_attn_scalar ** -0.5
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int,
+              window: int | None, p: AttentionParams) -> torch.Tensor:
+    """Causal (optionally sliding) attention of a query block over rows [k_start, k_start + N).
+
+    q: (H, T, D); k, v: (Hkv, N, D) -> (H, T, D). Query heads are grouped onto their KV head.
+    """
+    n_heads, t, d = q.shape
+    n_kv, n = k.shape[0], k.shape[1]
+    if t == 1 and k_start + n - 1 == q_start and q.device.type == "cpu" and q.dtype == torch.float32:
+        return attend_one(q, k, v, p.scale)  # a decode step over exactly its visible rows: no mask
+    group = n_heads // n_kv
+    qg = q.reshape(1, n_kv, group * t, d)  # one matmul per KV head; 4-D lets torch pick its flash kernel
+    mask = None
+    if t > 1 or k_start + n - 1 != q_start:  # a single query over exactly its own rows needs no mask
+        q_pos = torch.arange(q_start, q_start + t, device=q.device)
+        k_pos = torch.arange(k_start, k_start + n, device=q.device)
+        rel = q_pos[:, None] - k_pos[None, :]  # (T, N)
+        allowed = rel >= 0
+        if window is not None:
+            allowed &= rel < window
+        mask = torch.zeros(t, n, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        mask = mask.repeat(group, 1)  # (G*T, N)
+    out = F.scaled_dot_product_attention(qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=p.scale)
+    return out.reshape(n_heads, t, d)
+
+
+class LayerStore:
+    """One layer's K/V rows for one sequence: the protocol every engine's store implements.
+
+    Required: append, read, retained, resident_bytes. Optional, with defaults: release (keep
+    everything), meta (nothing extra), persistence (export / restore: refused; trim: not possible).
+    `attend` is shared."""
+
+    def __init__(self, geometry: LayerGeometry, device: torch.device):
+        self.geometry = geometry
+        self.device = device
+        self.end = 0  # logical position after the newest row
+
+    # -- storage -------------------------------------------------------------------------------
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Take rows for positions [end, end + T); k, v: (Hkv, T, D)."""
+        raise NotImplementedError
+
+    def read(self, start: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for positions [start, end) as (Hkv, N, D) tensors of `dtype`."""
+        raise NotImplementedError
+
+    def retained(self) -> tuple[int, int]:
+        """Logical range (base, end) of the rows this store holds."""
+        raise NotImplementedError
+
+    def resident_bytes(self) -> int:
+        """Bytes of the buffers this store holds now, counted from the allocations themselves."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """After a block: drop rows no later query can read. Exact engines that keep everything do nothing."""
+
+    def meta(self) -> dict:
+        """What a saved state must match to be restored into this store, beyond the geometry."""
+        return {}
+
+    # -- persistence (state files save each layer as cells of positions) -----------------------
+    def export(self) -> list[tuple[dict, dict]]:
+        """(cell meta, field -> numpy array) for every retained cell, oldest first."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be saved")
+
+    def restore(self, end: int, records: list[tuple[dict, dict]]) -> None:
+        """Refill from `export()`'s records (already checksummed). Raises ValueError if inconsistent."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be restored")
+
+    def can_trim(self, end: int) -> bool:
+        """Whether the store can forget positions >= end and still serve a query at `end`."""
+        return False
+
+    def trim(self, end: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot be trimmed")
+
+    # -- the one dispatch point attention calls ------------------------------------------------
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> torch.Tensor:
+        """Append this block's rows and attend its queries (H, T, D) over what they may read."""
+        q_start, t = self.end, q.shape[1]
+        self.append(k, v)
+        start = self.geometry.read_start(q_start)
+        keys, values = self.read(start, q.dtype)
+        if t <= QUERY_TILE:
+            out = attention(q, keys, values, q_start, start, self.geometry.window, p)
+        else:  # tiles of queries read only the rows they can see: skips the causal / out-of-window work
+            outs = []
+            for a in range(0, t, QUERY_TILE):
+                b = min(t, a + QUERY_TILE)
+                lo, hi = self.geometry.read_start(q_start + a) - start, q_start + b - start
+                outs.append(attention(q[:, a:b], keys[:, lo:hi], values[:, lo:hi], q_start + a, start + lo,
+                                      self.geometry.window, p))
+            out = torch.cat(outs, dim=1)
+        self.release()
+        return out
+
+
+class QueryTap:
+    """A layer store wrapped for a measurement: `on_query(store, q, p)` sees each block's queries
+    before the store attends as usual; everything else is the store's."""
+
+    def __init__(self, store: LayerStore, on_query):
+        self.store, self.on_query = store, on_query
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def attend(self, q, k, v, p):
+        self.on_query(self.store, q, p)
+        return self.store.attend(q, k, v, p)
+
+
+class Shared:
+    """Something every layer of one sequence's state shares (a decode buffer, a cell manager).
+    The model calls `end_block` once after its layer loop; the defaults do nothing."""
+
+    def nbytes(self) -> int:
+        return 0
+
+    def end_block(self) -> None:
+        """After every layer has attended a block."""
+
+    def report(self) -> dict:
+        """Engine-specific figures (e.g. cell transitions) for the run's statistics."""
+        return {}
+
+
+class Scratch(Shared):
+    """One decode buffer for a whole engine state, reused by every layer (grows to the largest) and
+    freed after each block: decode steps that attend on codes need none."""
+
+    def __init__(self, device: torch.device):
+        self.buf = torch.empty(0, dtype=torch.float32, device=device)
+
+    def get(self, *shape: int) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        if n > self.buf.numel():
+            self.buf = torch.empty(n, dtype=torch.float32, device=self.buf.device)
+        return self.buf[:n].view(*shape)
+
+    def nbytes(self) -> int:
+        return self.buf.untyped_storage().nbytes()
+
+    def end_block(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.float32, device=self.buf.device)
+
+
+class EngineState:
+    """All layers' stores for one sequence, what they share, and the logical position counter."""
+
+    def __init__(self, identity: str, options: dict, stores: Sequence[LayerStore], shared: Sequence[Shared] = ()):
+        self.identity = identity
+        self.options = dict(options)
+        self.layers = list(stores)
+        self.shared = list(shared)
+        self.max_chunk: int | None = None  # an engine that must act between blocks caps the block size
+        self.last_logits: torch.Tensor | None = None  # logits of the newest processed position
+
+    @property
+    def position(self) -> int:
+        return self.layers[0].end if self.layers else 0
+
+    def end_block(self) -> None:
+        """The model's hook after its layer loop: shared parts act once per block."""
+        for part in self.shared:
+            part.end_block()
+
+    def resident_bytes(self) -> int:
+        return sum(s.resident_bytes() for s in self.layers) + sum(p.nbytes() for p in self.shared)
+
+    def resident_by_kind(self) -> dict[str, int]:
+        """Rows' bytes per layer kind, plus shared buffers under "scratch" when there are any."""
+        out: dict[str, int] = {}
+        for s in self.layers:
+            out[s.geometry.kind] = out.get(s.geometry.kind, 0) + s.resident_bytes()
+        if self.shared:
+            out["scratch"] = sum(p.nbytes() for p in self.shared)
+        return out
+
+    def retained_rows(self) -> int:
+        return sum(end - base for base, end in (s.retained() for s in self.layers))
+
+    def report(self) -> dict:
+        out: dict = {}
+        for part in self.shared:
+            out.update(part.report())
+        return out

@@ -1,0 +1,319 @@
+"""cells/v1's layer store (see engines/cells.py): cells of positions, each in a lifecycle state, under
+one manager per sequence that holds the budget."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import dataclasses
+import numpy as np
+import torch
+
+from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.lifecycle import Event, Rules, State
+from larqlpy.engines.stores.base import EngineState, LayerStore, Scratch, Shared
+from larqlpy.engines.stores.calibration import require_calibration
+from larqlpy.engines.stores.kvcodec import KVCodec, precision_widths
+from larqlpy.engines.stores.mapped import MappedFile, SpillFile
+from larqlpy.kernels.rowcodec import TurboQuantCodec
+
+
+class Cell:
+    __slots__ = ("start", "n", "state", "precision", "data", "where", "backing")
+
+    def __init__(self, start: int):
+        self.start, self.n = start, 0
+        self.state = State.NONE
+        self.precision = "f32"
+        self.data: dict[str, torch.Tensor] | None = None  # in memory (ACTIVE: capacity rows; QUANTIZED: n rows)
+        self.where: dict | None = None  # PERSISTED: field -> location in `backing`
+        self.backing: MappedFile | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+    def resident_bytes(self) -> int:
+        if self.state in (State.ACTIVE, State.QUANTIZED) and self.data:
+            return sum(t.untyped_storage().nbytes() for t in self.data.values())
+        return 0
+
+
+class CellStore(LayerStore):
+    def __init__(self, geometry: LayerGeometry, device: torch.device, manager: "CellManager"):
+        super().__init__(geometry, device)
+        self.manager = manager
+        # the layer's key calibration when the rules ask for it (policy `calib: on`), else None
+        cal = geometry.key_calibration if manager.rules.policy.calib else None
+        self.calibration = None if cal is None else cal.to(device)
+        self.cells: list[Cell] = []  # index i covers [i * C, (i + 1) * C); evicted cells stay as markers
+        self.first_live = 0  # index of the oldest non-evicted cell
+        self._codecs: dict[tuple[int, int], KVCodec] = {}
+
+    def codec(self, widths: tuple[int, int]) -> KVCodec:
+        """The K/V codec pair of this layer's QUANTIZED cells at (K bits, V bits)."""
+        if widths not in self._codecs:
+            d = self.geometry.head_dim
+            self._codecs[widths] = KVCodec(self.manager.codec(d, widths[0]), self.manager.codec(d, widths[1]),
+                                           self.calibration)
+        return self._codecs[widths]
+
+    # -- writing -------------------------------------------------------------------------------
+    def append(self, k, v):
+        rules, c_size = self.manager.rules, self.manager.cell_size
+        hkv, d = self.geometry.n_kv_heads, self.geometry.head_dim
+        t, done = k.shape[1], 0
+        while done < t:
+            cell = self.cells[-1] if self.cells else None
+            if cell is None or cell.n == c_size:
+                cell = Cell(len(self.cells) * c_size)
+                cell.state = rules.apply(Event.TOKEN_APPEND, State.NONE, State.ACTIVE)
+                cell.data = {name: torch.empty(hkv, c_size, d, dtype=torch.float32, device=self.device)
+                             for name in ("k", "v")}
+                self.cells.append(cell)
+            if cell.state != State.ACTIVE:
+                raise RuntimeError("the newest cell left ACTIVE")  # the manager never demotes it
+            take = min(c_size - cell.n, t - done)
+            cell.data["k"][:, cell.n:cell.n + take] = k[:, done:done + take]
+            cell.data["v"][:, cell.n:cell.n + take] = v[:, done:done + take]
+            cell.n += take
+            done += take
+        self.end += t
+
+    # -- reading -------------------------------------------------------------------------------
+    def read(self, start, dtype):
+        rules = self.manager.rules
+        hkv, d, n = self.geometry.n_kv_heads, self.geometry.head_dim, self.end - start
+        buf = self.manager.scratch.get(2, hkv, n, d)
+        for cell in self.cells[start // self.manager.cell_size:]:
+            lo, hi = max(start, cell.start), cell.end
+            if lo >= hi:
+                continue
+            if cell.state == State.EVICTED:
+                raise RuntimeError(f"layer {self.geometry.index}: read of evicted cell at {cell.start}")
+            a, b, dst = lo - cell.start, hi - cell.start, slice(lo - start, hi - start)
+            if cell.state == State.ACTIVE:
+                rules.apply(Event.READ_REQUEST, State.ACTIVE, State.ACTIVE)
+                buf[0][:, dst], buf[1][:, dst] = cell.data["k"][:, a:b], cell.data["v"][:, a:b]
+            elif cell.state == State.QUANTIZED:
+                rules.apply(Event.READ_REQUEST, State.QUANTIZED, State.QUANTIZED)
+                self._decode(cell.data, cell.precision, a, b, buf, dst)
+            else:  # PERSISTED: bring it back for this read only
+                cell.state = rules.apply(Event.CACHE_MISS, State.PERSISTED, State.RECOVERING)
+                fields = {name: _readonly_tensor(cell.backing.read(loc)) for name, loc in cell.where.items()}
+                if cell.precision == "f32":
+                    buf[0][:, dst], buf[1][:, dst] = fields["k"][:, a:b], fields["v"][:, a:b]
+                else:
+                    self._decode(fields, cell.precision, a, b, buf, dst)
+                cell.state = rules.apply(Event.WRITE_BACK, State.RECOVERING, State.PERSISTED)
+        return buf[0].to(dtype), buf[1].to(dtype)
+
+    def _decode(self, data, precision, a, b, buf, dst):
+        codec = self.codec(precision_widths(precision))
+        rows = {name: t[:, a:b] for name, t in data.items()}
+        for i, t in enumerate("kv"):
+            codec.decode(rows, t, buf[i][:, dst])
+
+    def meta(self):
+        return {} if self.calibration is None else {"key_calibration": self.calibration.digest}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def release(self):
+        if self.geometry.window is not None:  # keep the last `window` rows, like window/v1
+            horizon = self.end - self.geometry.window
+            while self.first_live < len(self.cells) and self.cells[self.first_live].end <= horizon \
+                    and self.cells[self.first_live].n == self.manager.cell_size:
+                self.evict(self.cells[self.first_live])
+                self.first_live += 1
+
+    def evict(self, cell: Cell) -> None:
+        cell.state = self.manager.rules.apply(Event.EVICT, cell.state, State.EVICTED)
+        cell.data = cell.where = cell.backing = None
+
+    def demote(self, cell: Cell) -> bool:
+        """One MEMORY_PRESSURE step down for `cell`, as the rules allow. False: nothing allowed."""
+        rules, mp = self.manager.rules, Event.MEMORY_PRESSURE
+        if cell.state == State.ACTIVE:
+            prefer = (State.QUANTIZED, State.PERSISTED) if rules.policy.may_quantize(self.geometry.index) \
+                else (State.PERSISTED,)
+            dst = rules.target(mp, State.ACTIVE, prefer)
+        elif cell.state == State.QUANTIZED:
+            dst = rules.target(mp, State.QUANTIZED, (State.PERSISTED,))
+        else:
+            return False
+        if dst is None:
+            return False
+        if dst == State.QUANTIZED:
+            codec = self.codec(rules.policy.widths(self.geometry.index))
+            cell.data, cell.precision = codec.encode(cell.data["k"][:, :cell.n], cell.data["v"][:, :cell.n]), codec.label
+        else:
+            arrays = {name: t[:, :cell.n].numpy() for name, t in cell.data.items()} if cell.precision == "f32" \
+                else {name: t.numpy() for name, t in cell.data.items()}
+            cell.where, cell.backing, cell.data = self.manager.spill.write(arrays), self.manager.spill, None
+        cell.state = rules.apply(mp, cell.state, dst)
+        return True
+
+    # -- persistence ---------------------------------------------------------------------------
+    def export(self):
+        out = []
+        for c in self.cells[self.first_live:]:
+            meta = {"set": "main", "start": c.start, "n": c.n, "state": c.state.value, "precision": c.precision}
+            if c.state == State.ACTIVE:
+                arrays = {t: c.data[t][:, :c.n].contiguous().cpu().numpy() for t in ("k", "v")}
+            elif c.state == State.QUANTIZED:
+                arrays = {name: t.contiguous().cpu().numpy() for name, t in c.data.items()}
+            else:
+                arrays = {name: c.backing.read(loc) for name, loc in c.where.items()}
+            out.append((meta, arrays))
+        return out
+
+    def restore(self, end, records):
+        c_size = self.manager.cell_size
+        self.cells = []
+        for meta, arrays in sorted(records, key=lambda r: r[0]["start"]):
+            start, n = meta["start"], meta["n"]
+            if meta["set"] != "main" or start % c_size or start != len(self.cells) * c_size and self.cells \
+                    or n < 1 or n > c_size:
+                raise ValueError(f"layer {self.geometry.index}: cell at {start} (n={n}) does not fit cells of {c_size}")
+            while len(self.cells) * c_size < start:  # cells below the horizon were evicted before saving
+                gone = Cell(len(self.cells) * c_size)
+                gone.n, gone.state = c_size, State.EVICTED
+                self.cells.append(gone)
+            cell = Cell(start)
+            cell.n, cell.state, cell.precision = n, State(meta["state"]), meta["precision"]
+            if cell.state == State.ACTIVE:
+                cell.data = {t: torch.zeros(self.geometry.n_kv_heads, c_size, self.geometry.head_dim) for t in ("k", "v")}
+                for t in ("k", "v"):
+                    cell.data[t][:, :n] = torch.from_numpy(np.array(arrays[t]))
+            elif cell.state == State.QUANTIZED:
+                try:
+                    precision_widths(cell.precision)
+                except ValueError:
+                    raise ValueError(f"layer {self.geometry.index}: cell at {start} has precision "
+                                     f"{cell.precision!r}") from None
+                cell.data = {name: torch.from_numpy(np.array(a)) for name, a in arrays.items()}
+            elif cell.state == State.PERSISTED:
+                cell.backing, cell.where = meta["_where"]  # stays in the state file, read through mmap
+            else:
+                raise ValueError(f"layer {self.geometry.index}: a saved cell cannot be {cell.state.value}")
+            self.cells.append(cell)
+        self.first_live = sum(1 for c in self.cells if c.state == State.EVICTED)
+        if (self.cells[-1].end if self.cells else 0) != end:
+            raise ValueError(f"layer {self.geometry.index}: saved cells end at "
+                             f"{self.cells[-1].end if self.cells else 0}, not {end}")
+        if self.cells and self.cells[-1].state != State.ACTIVE:
+            raise ValueError(f"layer {self.geometry.index}: the newest saved cell is not ACTIVE")
+        self.end = end
+
+    def can_trim(self, end):
+        if end > self.end or self.retained()[0] > self.geometry.read_start(end):
+            return False
+        cell = self.cells[end // self.manager.cell_size] if end < self.end else None
+        return cell is None or cell.state == State.ACTIVE  # a coded or persisted cell is not cut
+
+    def trim(self, end):
+        keep = -(-end // self.manager.cell_size)
+        for c in self.cells[keep:]:
+            if c.state != State.EVICTED:
+                self.evict(c)
+        self.cells = self.cells[:keep]
+        if self.cells:
+            self.cells[-1].n = end - self.cells[-1].start
+        self.end = end
+
+    def retained(self):
+        live = self.cells[self.first_live:] if self.cells else []
+        return (live[0].start if live else self.end), self.end
+
+    def resident_bytes(self):
+        return sum(c.resident_bytes() for c in self.cells[self.first_live:])
+
+    def cell_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.cells:
+            out[c.state.value] = out.get(c.state.value, 0) + 1
+        return out
+
+
+class CellManager(Shared):
+    """What one sequence's layers share: rules and their counters, the budget, the spill file, the
+    scratch. After every block it holds the budget."""
+
+    def __init__(self, rules: Rules, budget: int | None, device: torch.device, spill_dir: str | None = None):
+        self.rules, self.budget, self.device = rules, budget, device
+        self.cell_size = rules.cell_size
+        self.scratch = Scratch(device)
+        self.spill = SpillFile(spill_dir)
+        self.stores: list[CellStore] = []
+        self._codecs: dict[tuple[int, int], TurboQuantCodec] = {}
+
+    def codec(self, d: int, bits: int) -> TurboQuantCodec:
+        if (d, bits) not in self._codecs:
+            self._codecs[(d, bits)] = TurboQuantCodec(d, bits, self.device)
+        return self._codecs[(d, bits)]
+
+    def resident(self) -> int:
+        return sum(s.resident_bytes() for s in self.stores)
+
+    def end_block(self) -> None:
+        self.enforce()
+        self.scratch.end_block()
+
+    def enforce(self) -> None:
+        if self.budget is None:
+            return
+        excess = self.resident() - self.budget
+        if excess <= 0:
+            return
+        protect_from = max(0, self.stores[0].end - self.rules.policy.keep_active_recent)
+        candidates = sorted(((c.start, s.geometry.index, s, c) for s in self.stores
+                             for c in s.cells[s.first_live:-1]  # never the newest cell
+                             if c.state in (State.ACTIVE, State.QUANTIZED) and c.end <= protect_from),
+                            key=lambda x: (x[0], x[1]))
+        while excess > 0 and candidates:
+            progressed = False
+            for item in list(candidates):
+                _, _, store, cell = item
+                before = cell.resident_bytes()
+                if not store.demote(cell):
+                    candidates.remove(item)
+                    continue
+                excess -= before - cell.resident_bytes()
+                progressed = True
+                if cell.state not in (State.ACTIVE, State.QUANTIZED):
+                    candidates.remove(item)
+                if excess <= 0:
+                    break
+            if not progressed:
+                break
+
+    def nbytes(self) -> int:  # the scratch, reported beside the cells
+        return self.scratch.nbytes()
+
+    def report(self) -> dict:
+        cells: dict[str, int] = {}
+        for s in self.stores:
+            for k, v in s.cell_counts().items():
+                cells[k] = cells.get(k, 0) + v
+        return {"transitions": self.rules.counted(), "cells": cells, "budget": self.budget,
+                "spilled_bytes": self.spill.size}
+
+
+def new_cells_state(provider, geometries, device: torch.device) -> EngineState:
+    if provider.rules.policy.calib:
+        require_calibration(geometries, f"cells/v1 (the rules in {provider.rules.source} set calib: on)")
+    rules = dataclasses.replace(provider.rules, counts=Counter())  # each sequence counts its own
+    manager = CellManager(rules, provider.options.get("budget"), device)
+    manager.stores = [CellStore(g, device, manager) for g in geometries]
+    state = EngineState(provider.identity, provider.options, manager.stores, shared=[manager])
+    if manager.budget is not None:
+        state.max_chunk = rules.cell_size  # hold the budget between blocks of one cell
+    return state
+
+
+def _readonly_tensor(a: np.ndarray) -> torch.Tensor:
+    """A tensor over mmap'd bytes (only ever read from), without torch's non-writable warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)

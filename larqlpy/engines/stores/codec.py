@@ -1,0 +1,167 @@
+"""The codec engines' layer store: window/v1's retention, rows kept as codes (see engines/codec.py).
+
+Reading: prefill blocks decode the rows they may see into one scratch buffer shared by all layers
+(bounded by one layer) and run the usual attention. Decode steps on the CPU attend on the codes
+directly: rotate the query once per head, score against centroid values times the stored norms,
+accumulate the values in the rotated domain and rotate back once per head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.stores.base import EngineState, Scratch
+from larqlpy.engines.stores.calibration import require_calibration
+from larqlpy.engines.stores.kvcodec import KVCodec
+from larqlpy.engines.stores.rows import Rows, RowSet, RowStore
+from larqlpy.kernels.rowcodec import TurboQuantCodec, row_codec
+
+
+class CodecStore(RowStore):
+    """K and V rows as codes (`codec`), plus optional copies of some rows: the newest `recent` rows'
+    K and V again at a wider width (`recent_codec`), the newest `exact_keys` K rows in f32, and the
+    K and V rows of the first `sink` positions in f32 (attention sinks)."""
+
+    def __init__(self, geometry: LayerGeometry, device: torch.device, codec: KVCodec, keep: int | None,
+                 scratch: Scratch, exact_keys: int = 0, sink: int = 0, recent: int = 0,
+                 recent_codec: KVCodec | None = None):
+        super().__init__(geometry, device)
+        self.codec, self.scratch = codec, scratch
+        hkv, d = geometry.n_kv_heads, geometry.head_dim
+        f32 = ((d,), torch.float32)
+        self.rows = Rows(hkv, codec.fields, device, keep)
+        self.exact_keys = Rows(hkv, {"k": f32}, device, exact_keys) if exact_keys else None
+        self.recent_codec = recent_codec if recent else None
+        self.recent = Rows(hkv, recent_codec.fields, device, recent) if recent else None
+        self.sink = sink
+        self.sinks = Rows(hkv, {"k": f32, "v": f32}, device, min_capacity=sink) if sink else None
+        self.fused = codec.fused and (recent_codec is None or recent_codec.fused)
+
+    def meta(self):
+        cal = self.codec.calibration
+        return {} if cal is None else {"key_calibration": cal.digest}
+
+    def append(self, k, v):
+        q_start = self.end
+        self.rows.append(self.codec.encode(k, v))
+        if self.recent is not None:
+            self.recent.append(self.recent_codec.encode(k, v))
+        if self.exact_keys is not None:
+            self.exact_keys.append({"k": k.float()})
+        if self.sinks is not None and q_start < self.sink:
+            n = min(self.sink - q_start, k.shape[1])
+            self.sinks.append({"k": k[:, :n].float(), "v": v[:, :n].float()})
+        self.end = self.rows.end
+
+    def _exact_from(self, start: int) -> int:
+        """First position whose K row is exact (end when none is)."""
+        return self.end if self.exact_keys is None else max(start, self.exact_keys.base)
+
+    def _recent_from(self, start: int) -> int:
+        """First position whose rows are read from the wider recent tier (end when there is none)."""
+        return self.end if self.recent is None else max(start, self.recent.base)
+
+    def _sink_end(self, start: int) -> int:
+        """Sink rows a read from `start` sees: positions [start, returned)."""
+        return start if self.sinks is None else max(start, min(self.sinks.end, self.end))
+
+    def read(self, start, dtype):
+        hkv, d, n = self.geometry.n_kv_heads, self.geometry.head_dim, self.end - start
+        buf = self.scratch.get(2, hkv, n, d)
+        mid = self._recent_from(start)
+        for codec, rows, lo, hi in ((self.codec, self.rows, start, mid), (self.recent_codec, self.recent, mid, self.end)):
+            if lo < hi:
+                r = rows.read(lo, hi)
+                for i, t in enumerate("kv"):
+                    codec.decode(r, t, buf[i][:, lo - start:hi - start])
+        lo = self._exact_from(start)
+        if lo < self.end:
+            buf[0][:, lo - start:] = self.exact_keys.read(lo, self.end)["k"]
+        hi = self._sink_end(start)
+        if hi > start:
+            s = self.sinks.read(start, hi)
+            buf[0][:, :hi - start], buf[1][:, :hi - start] = s["k"], s["v"]
+        return buf[0].to(dtype), buf[1].to(dtype)
+
+    def attend(self, q, k, v, p):
+        if q.shape[1] != 1 or not self.fused:
+            return super().attend(q, k, v, p)
+        q_start = self.end
+        self.append(k, v)
+        start = self.geometry.read_start(q_start)
+        mid = self._recent_from(start)
+        lo = min(mid, self._exact_from(start))  # K rows from here on come from the tier or are exact
+        r = self.rows.read(start, mid)
+        t = self.recent.read(mid, self.end) if mid < self.end else None
+        exact = self.exact_keys.read(lo, self.end)["k"] if self.exact_keys is not None and lo < self.end else None
+        ns = self._sink_end(start) - start
+        sinks = self.sinks.read(start, start + ns) if ns else None
+        hkv = self.geometry.n_kv_heads
+        group = q.shape[0] // hkv
+        out = torch.empty(q.shape[0], 1, q.shape[2], dtype=torch.float32)
+        for h in range(hkv):
+            qh = q[h * group:(h + 1) * group, 0].float()
+            prepared = self.codec.query(qh, h)  # one rotation per head serves the main codes and the tier
+            parts = [self.codec.scores(prepared, r, h, lo - start)]
+            if t is not None:
+                parts.append(self.recent_codec.scores(prepared, t, h))
+            if exact is not None:
+                parts.append(qh @ exact[h].T)
+            s = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+            if sinks is not None:
+                s[:, :ns] = qh @ sinks["k"][h].T
+            probs = torch.softmax(s * p.scale, dim=-1)
+            if sinks is not None:
+                head = probs[:, :ns].clone()
+                probs[:, :ns] = 0.0
+            o = self.codec.weighted_sum(probs[:, :mid - start].contiguous(), r, h)
+            if t is not None:
+                o += self.recent_codec.weighted_sum(probs[:, mid - start:].contiguous(), t, h)
+            out[h * group:(h + 1) * group, 0] = o if sinks is None else o + head @ sinks["v"][h]
+        self.release()
+        return out.to(q.dtype)
+
+    def release(self):
+        for rows in (self.rows, self.exact_keys, self.recent):
+            if rows is not None:
+                rows.commit()
+
+    def row_sets(self):
+        sets = {"main": RowSet(self.rows, "QUANTIZED", self.codec.label)}
+        if self.exact_keys is not None:
+            sets["exact_keys"] = RowSet(self.exact_keys, "ACTIVE", "f32")
+        if self.recent is not None:
+            sets["recent"] = RowSet(self.recent, "QUANTIZED", self.recent_codec.label)
+        if self.sinks is not None:
+            sets["sink"] = RowSet(self.sinks, "ACTIVE", "f32", first_positions=self.sink)
+        return sets
+
+    def can_trim(self, end):
+        # the recent rings' rows below the old end are gone: only the newest position can be redone
+        for ring in (self.exact_keys, self.recent):
+            if ring is not None and ring.base > max(0, end - ring.keep):
+                return False
+        return super().can_trim(end)
+
+
+def layer_codec(provider, g: LayerGeometry, device: torch.device) -> KVCodec:
+    """The K/V codec pair `provider` (engines/codec.py) stores layer `g`'s rows with."""
+    cal = g.key_calibration.to(device) if provider.calibrated(g) else None
+    return KVCodec(*(row_codec(provider.row_format(g, t), g.head_dim, device) for t in "kv"), cal)
+
+
+def new_codec_state(provider, geometries, device: torch.device) -> EngineState:
+    if provider.options.get("calib") == "on":  # accounting (residency) needs no calibration; rows do
+        require_calibration(geometries, f"{provider.identity} calib=on")
+    scratch = Scratch(device)
+    stores = []
+    for g in geometries:
+        recent = provider.recent(g)
+        cal = g.key_calibration.to(device) if provider.calibrated(g) else None
+        wide = KVCodec(*(TurboQuantCodec(g.head_dim, provider.recent_bits(), device) for _ in "kv"), cal) \
+            if recent else None
+        stores.append(CodecStore(g, device, layer_codec(provider, g, device), g.window, scratch,
+                                 exact_keys=provider.exact_keys(), sink=provider.sink(), recent=recent,
+                                 recent_codec=wide))
+    return EngineState(provider.identity, provider.options, stores, shared=[scratch])

@@ -1,0 +1,101 @@
+"""One layer's K/V codec pair: how K and V rows become codes and come back, under an optional key
+calibration. codec/v1 (for all its rows and its wider recent tier) and cells/v1 (for QUANTIZED
+cells) both store rows through this one class.
+
+Fields are named `k_<field>` and `v_<field>` (a TurboQuant row: `k_norm`, `k_code`, ...), shaped
+(Hkv, N, *field_shape). On the CPU a TurboQuant pair can also attend on its codes: rotate each
+head's queries once (`query`), score against the codes (`scores`), and sum values without decoding
+a row (`weighted_sum`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from larqlpy.engines.stores.calibration import KeyCalibration
+from larqlpy.kernels.rowcodec import RowCodec, TurboQuantCodec
+
+
+def precision_label(k: RowCodec, v: RowCodec) -> str:
+    """What a saved cell's precision says: tq4 (K and V at 4 bits), tq5/3 (K at 5, V at 3), f32, int4g32."""
+    if k.label == v.label:
+        return k.label
+    if isinstance(k, TurboQuantCodec) and isinstance(v, TurboQuantCodec):
+        return f"tq{k.bits}/{v.bits}"
+    return f"{k.label}/{v.label}"
+
+
+def precision_widths(label: str) -> tuple[int, int]:
+    """tq4 -> (4, 4), tq5/3 -> (5, 3); ValueError for anything else."""
+    if not label.startswith("tq"):
+        raise ValueError(f"not a TurboQuant precision: {label!r}")
+    k, _, v = label.removeprefix("tq").partition("/")
+    return int(k), int(v or k)
+
+
+class KVCodec:
+    def __init__(self, k: RowCodec, v: RowCodec, calibration: KeyCalibration | None = None):
+        self.codecs = {"k": k, "v": v}
+        self.calibration = calibration
+        self.fields = {f"{t}_{name}": spec for t, c in self.codecs.items() for name, spec in c.fields.items()}
+        self.label = precision_label(k, v)
+        self.fused = k.fused and v.fused  # both attend on codes
+
+    @property
+    def k(self) -> RowCodec:
+        return self.codecs["k"]
+
+    @property
+    def v(self) -> RowCodec:
+        return self.codecs["v"]
+
+    def row_bytes(self, n_kv_heads: int) -> int:
+        """Bytes of one position's K and V codes over all KV heads."""
+        return n_kv_heads * (self.k.row_bytes + self.v.row_bytes)
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """k, v: (Hkv, T, D) -> fields (Hkv, T, ...); keys as (k - mean) * scale under a calibration."""
+        if self.calibration is not None:
+            k = self.calibration.apply(k)
+        return {**self._encode("k", k), **self._encode("v", v)}
+
+    def _encode(self, t: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        hkv, n, _ = x.shape
+        enc = self.codecs[t].encode(x.reshape(hkv * n, -1))
+        return {f"{t}_{name}": val.view(hkv, n, *val.shape[1:]) for name, val in enc.items()}
+
+    def decode(self, fields: dict[str, torch.Tensor], t: str, out: torch.Tensor) -> None:
+        """Rows' `t` ("k" or "v") fields -> out (Hkv, N, D) f32, the calibration undone."""
+        hkv, n, d = out.shape
+        codec = self.codecs[t]
+        flat = {name: fields[f"{t}_{name}"].reshape(hkv * n, *fields[f"{t}_{name}"].shape[2:]).contiguous()
+                for name in codec.fields}
+        direct = out.is_contiguous()  # a slice of a scratch buffer spans heads: decode beside it, then copy
+        got = codec.decode(flat, out=out.view(hkv * n, d) if direct else None)
+        if not direct or got.data_ptr() != out.data_ptr():
+            out.copy_(got.view(hkv, n, d))
+        if t == "k" and self.calibration is not None:
+            self.calibration.undo(out, out=out)
+
+    # -- attending on codes (fused codecs, CPU) --------------------------------------------------
+    def query(self, q: torch.Tensor, head: int):
+        """One KV head's queries (G, D) -> what `scores` takes: the rotated queries and the
+        calibration's per-query bias (None without one). Every TurboQuant width of one head_dim
+        shares the rotation, so a tier of another width can score the same prepared query."""
+        bias = None
+        if self.calibration is not None:
+            q, bias = self.calibration.query(q, head)
+        return self.k.rotate(q), bias
+
+    def scores(self, query, fields: dict[str, torch.Tensor], head: int, hi: int | None = None) -> torch.Tensor:
+        """(G, N) scores of the prepared queries against the first `hi` rows' K codes of `head`."""
+        qr, bias = query
+        s = self.k.scores(qr, self._head(fields, "k", head, hi))
+        return s if bias is None else s.add_(bias[:, None])
+
+    def weighted_sum(self, p: torch.Tensor, fields: dict[str, torch.Tensor], head: int) -> torch.Tensor:
+        """sum_j p_j * v_j (G, D) over `head`'s V codes, without decoding a row."""
+        return self.v.weighted_sum(p, self._head(fields, "v", head))
+
+    def _head(self, fields, t: str, head: int, hi: int | None = None) -> dict[str, torch.Tensor]:
+        return {name: fields[f"{t}_{name}"][head, :hi] for name in self.codecs[t].fields}

@@ -1,0 +1,1 @@
+"""Measurement tools over a loaded model: calibrate, observe, ladder, quality, residency, monitor."""
