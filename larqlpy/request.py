@@ -11,7 +11,9 @@ from typing import Any
 
 from larqlpy.config import GenerationConfig
 from larqlpy.engines import EngineSpec, parse_engine_spec
+from larqlpy.engines.options import parse_size
 from larqlpy.errors import LarqlError
+from larqlpy.files import check_output, utf8
 
 
 @dataclass(frozen=True)
@@ -30,10 +32,11 @@ class Request:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Request":
         if not isinstance(raw, dict):
-            raise LarqlError("expected a JSON object")
+            raise LarqlError(f"expected a JSON object, got {_json_type(raw)}")
         prompt = raw.get("prompt")
         if not isinstance(prompt, str):
             raise LarqlError("'prompt' must be a string")
+        utf8(prompt, "'prompt'")  # a JSON \\ud800 escape is a str no tokenizer can take
         opts = raw.get("options", raw.get("continuation_options", ()))
         if isinstance(opts, dict):
             opts = tuple(f"{k}={v}" for k, v in opts.items())
@@ -60,6 +63,12 @@ class Request:
         if self.kv_budget is not None:
             if self.engine is not None or continuation not in (None, "cells/v1"):
                 raise LarqlError("`kv_budget` applies to cells/v1: drop `engine`, or use `continuation` cells/v1")
+            if any(o.partition("=")[0].strip() == "budget" for o in options):
+                raise LarqlError("`kv_budget` and the cells/v1 option budget are one setting; give one")
+            try:
+                parse_size(self.kv_budget)
+            except ValueError as e:
+                raise LarqlError(f"`kv_budget`: {e}") from None
             continuation = "cells/v1"
             options.append(f"budget={self.kv_budget}")
         chosen = self.engine is not None or continuation is not None or options
@@ -68,4 +77,11 @@ class Request:
             raise LarqlError("`engine` no-cache keeps no attention state: it cannot be saved or resumed")
         if self.reprefill and self.resume is None:
             raise LarqlError("`reprefill` only makes sense with `resume`")
+        if self.save_state is not None:
+            check_output(self.save_state, "`save_state`")
         return spec
+
+
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Callable
 
+from larqlpy.config import GenerationConfig
 from larqlpy.engines import build_provider
+from larqlpy.errors import LarqlError
 from larqlpy.generate import Token, stream_generate
 from larqlpy.request import Request
 from larqlpy.session import resume, save
@@ -24,8 +27,9 @@ def execute(loaded, req: Request, on_token: Callable[[Token], None] | None = Non
         ids = loaded.tokenizer.encode(req.prompt)
         state = None if spec.replay else build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
         logits = None
+    gen, notes = fit_context(req.gen, len(ids), loaded.config.max_position_embeddings)
     texts, token_ids, last = [], [], None
-    for tok in stream_generate(loaded.model, ids, spec, req.gen, loaded.tokenizer.stop_ids, loaded.tokenizer, state, logits):
+    for tok in stream_generate(loaded.model, ids, spec, gen, loaded.tokenizer.stop_ids, loaded.tokenizer, state, logits):
         texts.append(tok.text)
         token_ids.append(tok.id)
         last = tok
@@ -38,8 +42,24 @@ def execute(loaded, req: Request, on_token: Callable[[Token], None] | None = Non
               "engine": spec.describe(), "finish_reason": last.finish_reason if last else "length",
               "device": str(loaded.device), "dtype": str(loaded.model.dtype).replace("torch.", ""), "weights": loaded.weights,
               "stats": last.metrics.as_dict() if last else {"prompt_tokens": len(ids)}, "error": None}
+    if notes:
+        result["notes"] = notes
     if state is not None:
         result.update(state.report())
     if session:
         result["session"] = session
     return result
+
+
+def fit_context(gen: GenerationConfig, prompt_tokens: int, context: int) -> tuple[GenerationConfig, list[str]]:
+    """The prompt and its output must fit the model's context: a prompt that fills it is refused; a
+    `max_tokens` past it is capped to what is left, and the note says so."""
+    if gen.max_tokens and prompt_tokens >= context:
+        raise LarqlError(f"the prompt is {prompt_tokens:,} tokens; the model's context is {context:,} positions, "
+                         "so nothing can be generated after it")
+    room = context - prompt_tokens
+    if gen.max_tokens <= room:
+        return gen, []
+    note = (f"`max_tokens` {gen.max_tokens:,} capped to {room:,}: the prompt's {prompt_tokens:,} tokens and the "
+            f"output must fit the model's context of {context:,} positions")
+    return dataclasses.replace(gen, max_tokens=room), [note]

@@ -13,7 +13,8 @@ from larqlpy.engines.registry import checked_options
 from larqlpy.engines.stores.base import EngineState
 from larqlpy.errors import LarqlError
 from larqlpy.model.loader import LoadedModel
-from larqlpy.state.store import check_compatible, common_prefix, load_state, restore_state, save_state
+from larqlpy.state.format import check_compatible, common_prefix, load_state
+from larqlpy.state.store import restore_state, save_state
 
 
 @dataclass
@@ -41,17 +42,18 @@ def resume(loaded: LoadedModel, path: str | Path, prompt_ids: list[int] | None, 
     if spec.replay:
         raise LarqlError("`engine` no-cache keeps no state between steps: nothing to resume into")
     check_compatible(saved, model_fingerprint=loaded.fingerprint, tokenizer_fingerprint=loaded.tokenizer.fingerprint,
-                     identity=spec.identity, options=spec.options_dict, weights=loaded.weights)
+                     identity=spec.identity, options=spec.options_dict, numerics=numerics(loaded))
     state = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
     restore_state(saved, state)
-    state.last_logits = saved.logits
+    saved_logits = None if saved.logits is None else torch.from_numpy(saved.logits)
+    state.last_logits = saved_logits
     ids = list(saved.tokens) if prompt_ids is None else list(prompt_ids)
     if not ids:
         raise LarqlError("empty prompt: nothing to condition on")
     processed = saved.processed
     common = common_prefix(saved.tokens[:processed], ids)
     if common == processed and len(ids) >= processed:
-        logits = saved.logits if len(ids) == processed else None
+        logits = saved_logits if len(ids) == processed else None
         if len(ids) > processed or logits is not None:
             return Resumed(spec, state, logits, processed), ids
     target = min(common, len(ids) - 1)
@@ -72,4 +74,10 @@ def save(loaded: LoadedModel, path: str | Path, state: EngineState, tokens: list
     even though it has not been fed yet); the state holds `state.position` of them."""
     return save_state(path, state, model_fingerprint=loaded.fingerprint,
                       tokenizer_fingerprint=loaded.tokenizer.fingerprint, tokens=tokens,
-                      logits=state.last_logits, extra={"larqlpy": __version__, "weights": loaded.weights})
+                      logits=state.last_logits, extra={"larqlpy": __version__, **numerics(loaded)})
+
+
+def numerics(loaded: LoadedModel) -> dict[str, str]:
+    """What the rows' numbers depend on beyond the model: saved with a state, checked on resume."""
+    return {"weights": loaded.weights, "dtype": str(loaded.model.dtype).removeprefix("torch."),
+            "device": loaded.device.type}

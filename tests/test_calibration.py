@@ -26,6 +26,7 @@ from larqlpy.errors import LarqlError
 from larqlpy.generate import stream_generate, GenerationConfig
 from larqlpy.kernels.rowcodec import TurboQuantCodec
 from larqlpy.model import calibration_file
+from larqlpy.model.files import describe
 from larqlpy.model.loader import load
 from larqlpy.tools import calibrate as calib_tool
 from larqlpy.tools.residency import bits_per_value, named_geometry
@@ -187,7 +188,7 @@ def test_calib_on_a_model_without_calibration_says_how_to_make_one(tmp_path):
     ("missing", "missing tensor layers.5.key_scale"),
     ("other weights", "measured on other weights"),
 ])
-def test_a_damaged_calibration_file_is_refused_in_one_line(cal_dir, tmp_path, damage, message):
+def test_a_damaged_or_stale_calibration_blocks_only_the_engines_that_read_it(cal_dir, tmp_path, damage, message):
     from safetensors.torch import load_file, save_file
 
     d = tmp_path / "m"
@@ -207,10 +208,14 @@ def test_a_damaged_calibration_file_is_refused_in_one_line(cal_dir, tmp_path, da
         else:
             meta["model_fingerprint"] = "0123456789abcdef"
         save_file(t, str(f), metadata=meta)
-    with pytest.raises(LarqlError, match=re.escape(message)) as e:
-        load(d, device="cpu")
-    assert "\n" not in str(e.value)
-    load(d, device="cpu", key_calibration=False)  # so `larqlpy calibrate` can still write a fresh one
+    loaded = load(d, device="cpu")  # loads: canonical/v1 never reads the calibration
+    assert loaded.model.key_calibration is None and message in loaded.model.calibration_problem
+    toks, _ = run(loaded, spec("canonical/v1"), PROMPT, 2)
+    assert len(toks) == 2
+    with pytest.raises(LarqlError, match=re.escape(message)) as e:  # calib=on does read it: refused, saying why
+        build_provider(spec("codec/v1", "bits=4", "calib=on")).new_state(loaded.model.geometries(), CPU)
+    assert "\n" not in str(e.value) and "unusable" in str(e.value)
+    assert message in describe(d)["key_calibration"]  # and `info` says so
 
 
 def test_calibrate_command(cal_dir, tmp_path, monkeypatch, capsys):

@@ -15,7 +15,7 @@ from imports import edges, find_cycle
 
 ROOT = Path(__file__).resolve().parent.parent / "larqlpy"
 LAYERS = [
-    ("larqlpy._version", "larqlpy.errors"),
+    ("larqlpy._version", "larqlpy.errors", "larqlpy.files"),
     ("larqlpy.kernels",),
     ("larqlpy.engines",),
     ("larqlpy.state",),

@@ -25,7 +25,7 @@ from larqlpy.errors import LarqlError
 from larqlpy.generate import GenerationConfig, stream_generate
 from larqlpy.model.loader import load
 from larqlpy.session import resume, save
-from larqlpy.state.store import PREFIX, load_state
+from larqlpy.state.format import PREFIX, load_state
 from tiny import make_tiny
 
 WORKERS = str(Path(__file__).with_name("workers.py"))
@@ -240,6 +240,17 @@ def test_kill_9_while_saving_leaves_a_loadable_state(tiny_dir, tmp_path):
         sizes.append(len(s.tokens))
         assert s.processed == len(s.tokens)
     assert max(sizes) > 8  # it was killed mid-stream, not only after the first save
+    # the killed writers' temp files are left behind; the next save removes them, and its own
+    proc = subprocess.Popen([sys.executable, WORKERS, "save-forever", str(tiny_dir), str(path)],
+                            stdout=subprocess.PIPE, text=True, env=ENV)
+    proc.stdout.readline()
+    proc.stdout.readline()  # a second save: it found the leftovers of the ones killed before
+    proc.send_signal(signal.SIGSTOP)  # paused between saves or inside one: its own temp file is live
+    live = [f for f in tmp_path.iterdir() if f.name.endswith(".tmp")]
+    assert len(live) <= 1 and all(f.name.startswith(f".s.kv.{proc.pid}.") for f in live)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    load_state(path)
 
 
 def test_two_processes_resuming_one_file(tiny_dir, tmp_path):

@@ -14,6 +14,7 @@ from rich.table import Table
 from larqlpy.cli.common import (CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS,
                                 check_paths, err, fmt_bytes, monitored, one_engine, out)
 from larqlpy.errors import LarqlError
+from larqlpy.files import check_output
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measurements on a real model.")
 
@@ -50,6 +51,8 @@ def bench_ladder(
     specs = one_engine("bench ladder", engine, continuation, continuation_option)
     if plot is not None and plot.suffix.lower() != ".png":
         raise LarqlError(f"--plot: expected a .png path, got {plot}")
+    if plot is not None:
+        check_output(plot, "--plot")
     check_paths(monitor, monitor_plot)
     if budget is not None:
         with monitored(monitor, monitor_plot):

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 
 from larqlpy.errors import LarqlError, spell
+from larqlpy.files import utf8
 
 NO_COLOR = "NO_COLOR" in os.environ
 err = Console(stderr=True, no_color=NO_COLOR, highlight=False)
@@ -38,7 +39,7 @@ FLAGS = {
     "seed": "--seed", "prefill_chunk": "--prefill-chunk", "kv_budget": "--kv-budget", "resume": "--resume",
     "save_state": "--save-state", "reprefill": "--reprefill", "weights": "--weights", "device": "--device",
     "dtype": "--dtype", "monitor": "--monitor", "monitor_plot": "--monitor-plot", "force": "--force",
-    "positions": "--positions", "budget": "--budget", "calibrate": "`larqlpy calibrate MODEL_DIR`",
+    "positions": "--positions", "budget": "--budget", "plot": "--plot", "calibrate": "`larqlpy calibrate MODEL_DIR`",
 }
 
 
@@ -61,10 +62,12 @@ def error_line(e: LarqlError) -> str:
     return e.render(flag, preset_flags)
 
 
-def read_prompt(prompt: str) -> str:
+def read_prompt(prompt: str, what: str = "PROMPT") -> str:
+    """The prompt argument, or stdin for `-`; text that is not UTF-8 is refused, saying where."""
     if prompt == "-":
-        return sys.stdin.read()
-    return prompt
+        stream = getattr(sys.stdin, "buffer", sys.stdin)
+        return utf8(stream.read(), "stdin")
+    return utf8(prompt, what)
 
 
 def fmt_bytes(n: float) -> str:

@@ -12,12 +12,13 @@ from rich.table import Table
 
 from larqlpy.cli.common import DEVICE, cli_text, err, out
 from larqlpy.errors import LarqlError
+from larqlpy.files import check_output, read_text
 
 
 def info(model: Path = typer.Argument(..., help="model directory"),
          as_json: bool = typer.Option(False, "--json")):
     """Architecture, layers and their kinds, parameter count, dtype."""
-    from larqlpy.model.loader import describe
+    from larqlpy.model.files import describe
 
     d = describe(model)
     d["key_calibration"] = cli_text(d["key_calibration"])
@@ -59,16 +60,15 @@ def calibrate(
 ):
     """Measure the keys' mean and per-channel scale (what codec calib=on quantizes with) and write
     MODEL/kv_calibration.safetensors."""
-    if text is not None and not text.is_file():
-        raise LarqlError(f"--text {text}: no such file")
-    body = None
-    if text is not None:
-        try:
-            body = text.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise LarqlError(f"--text {text}: cannot read it as UTF-8 text ({e})") from None
-
     from larqlpy.model import calibration_file
+    from larqlpy.model.config import read_config
+
+    if text is not None and not text.exists():
+        raise LarqlError(f"--text {text}: no such file")
+    body = None if text is None else read_text(text, "--text")
+    read_config(model)
+    check_output(model / calibration_file.FILE, "MODEL")  # before the measurement, not after
+
     from larqlpy.model.loader import load
     from larqlpy.tools.calibrate import calibrate as measure
 

@@ -12,12 +12,14 @@ from rich.table import Table
 
 from larqlpy.cli.common import DEVICE, WEIGHTS, err, out, read_prompt
 from larqlpy.errors import LarqlError
+from larqlpy.files import atomic_write, check_output, read_text
 
 
 def kv_stats(
     model: Path = typer.Argument(..., help="model directory"),
     prompt: str = typer.Argument(..., help="a text file, - for stdin, or the text itself"),
-    max_positions: int = typer.Option(2048, "--max-positions", help="use at most this many tokens"),
+    max_positions: Optional[int] = typer.Option(None, "--max-positions",
+                                                help="use at most this many tokens (default 2048, or the context)"),
     min_cosine: float = typer.Option(0.995, "--min-cosine", help="a layer whose rows fall below this at 4 bits stays exact"),
     rules_out: Optional[Path] = typer.Option(None, "--rules-out", help="write the suggested cells/v1 rules here"),
     as_json: bool = typer.Option(False, "--json"),
@@ -25,18 +27,27 @@ def kv_stats(
     weights: str = WEIGHTS,
 ):
     """Per layer, K and V: range, quantiles, outlier channels, and the per-row cosine each codec reaches."""
+    from larqlpy.model.config import read_config
     from larqlpy.model.loader import load
     from larqlpy.tools.observe import QUANTILES, QUERIES, WIDER
     from larqlpy.tools.observe import kv_stats as measure
 
+    context = read_config(model).max_position_embeddings
+    if max_positions is None:
+        max_positions = min(2048, context)
     if max_positions < 1 or not 0 < min_cosine <= 1:
         raise LarqlError("--max-positions must be >= 1 and --min-cosine in (0, 1]")
-    text = read_prompt(prompt) if prompt == "-" or not Path(prompt).is_file() else Path(prompt).read_text()
+    if max_positions > context:
+        raise LarqlError(f"--max-positions {max_positions:,} is past the model's context of {context:,} positions")
+    if rules_out is not None:
+        check_output(rules_out, "--rules-out")
+    text = read_text(prompt, "PROMPT_OR_FILE") if prompt != "-" and Path(prompt).is_file() else read_prompt(prompt)
     loaded = load(model, device=device, weights=weights)
     ids = loaded.tokenizer.encode(text)[:max_positions]
     r = measure(loaded, ids, min_cosine)
     if rules_out is not None:
-        rules_out.write_text(r["rules"])
+        with atomic_write(rules_out, "--rules-out") as f:
+            f.write(r["rules"].encode())
     if as_json:
         sys.stdout.write(json.dumps(r) + "\n")
         return

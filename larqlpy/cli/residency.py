@@ -48,8 +48,11 @@ def residency(
             t.add_column(col, justify="left" if col == "engine" else "right")
         for e in c["engines"]:
             name = e["engine"] + "".join(f" {k}={v}" for k, v in e["options"].items())
-            t.add_row(escape(name), "unbounded" if e["max_positions"] is None else f"{e['max_positions']:,}",
-                      fmt_bytes(e["bytes_at_max"]) if "bytes_at_max" in e else "")
+            n = e["max_positions"]
+            fits = "unbounded" if n is None else f"{n:,}"
+            if n is None or n > c["context"]:
+                fits += f" (past the {c['context']:,}-position context)"
+            t.add_row(escape(name), fits, fmt_bytes(e["bytes_at_max"]) if "bytes_at_max" in e else "")
         out.print(t)
         rec = next((e for e in c["engines"] if (e["engine"], tuple(sorted(e["options"].items()))) == RECOMMENDED), None)
         if rec is not None:

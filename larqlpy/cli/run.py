@@ -10,7 +10,7 @@ from typing import List, Optional
 import typer
 
 from larqlpy.cli.common import (CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, MONITOR, MONITOR_PLOT,
-                                WEIGHTS, check_paths, err, fmt_bytes, monitored, read_prompt)
+                                WEIGHTS, check_paths, cli_text, err, fmt_bytes, monitored, read_prompt)
 from larqlpy.config import GenerationConfig, SamplingConfig
 
 
@@ -69,6 +69,8 @@ def run(
     else:
         sys.stdout.write("\n")
     sys.stdout.flush()
+    for note in result.get("notes", []):
+        err.print(f"larqlpy: note: {cli_text(note)}", markup=False, soft_wrap=True)
     if stats:
         print_stats(result)
 

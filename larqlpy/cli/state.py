@@ -18,7 +18,7 @@ state_app = typer.Typer(no_args_is_help=True, help="Saved attention state files.
 def state_inspect(path: Path = typer.Argument(..., help="a state file written by --save-state"),
                   as_json: bool = typer.Option(False, "--json")):
     """Header, cells by state and layer, sizes. Verifies every checksum."""
-    from larqlpy.state.store import load_state, summarize
+    from larqlpy.state.format import load_state, summarize
 
     summary = summarize(load_state(path))
     if as_json:

@@ -9,9 +9,6 @@ the metadata and are Gemma 3 constants.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +18,8 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from larqlpy.errors import LarqlError
+from larqlpy.files import atomic_directory, check_output
+from larqlpy.model.files import check_finite
 
 NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
          "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
@@ -58,13 +57,21 @@ def _field(reader, key: str, default=None):
 
 
 def read_gguf(src: Path):
+    if src.is_dir():
+        raise LarqlError(f"{src}: is a directory, not a GGUF file")
     if not src.is_file():
         raise LarqlError(f"{src}: no such file")
+    with open(src, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise LarqlError(f"{src}: not a readable GGUF file (it does not start with the GGUF magic)")
     try:
         reader = gguf.GGUFReader(str(src))
-    except Exception as e:
-        raise LarqlError(f"{src}: not a readable GGUF file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    except Exception:  # gguf's reader fails on a short file with numpy's own words
+        raise LarqlError(f"{src}: not a readable GGUF file (truncated or damaged: {src.stat().st_size:,} bytes)") from None
     arch = _field(reader, "general.architecture")
+    if arch is None:
+        raise LarqlError(f"{src}: not a model GGUF (it has no general.architecture)")
     if arch != "gemma3":
         raise LarqlError(f"{src}: architecture {arch!r} is not supported (expected gemma3)")
     return reader
@@ -160,6 +167,7 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
     src, dest = Path(src), Path(dest)
     if dest.exists() and not force:
         raise LarqlError(f"{dest}: already exists (pass `force` to overwrite)")
+    check_output(dest, "DEST", inputs=[src], directory=True)
     reader = read_gguf(src)
     config = config_from_gguf(reader)
     step = progress or (lambda what, done, total: None)
@@ -175,26 +183,30 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
             raise LarqlError(f"{src}: cannot dequantize {t.name} ({t.tensor_type.name}: {e})") from None
         expected = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         w = w.reshape(expected)
+        check_finite(src, t.name, w)
         tensors[name] = w - 1.0 if is_norm else w  # llama.cpp stores Gemma norms as 1 + w
     step("tokenizer", len(ours), total)
     tokenizer, tok_config = build_tokenizer(reader)
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model directory is not
-    try:
+    with atomic_directory(dest, replace=True) as tmp:  # a crash leaves no half-written model directory
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": src.name})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
              "pad_token_id": config["pad_token_id"]}, indent=2) + "\n")
-        tokenizer.save(str(tmp / "tokenizer.json"))
+        save_tokenizer(tokenizer, tmp / "tokenizer.json")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     step("done", total, total)
     return dest
+
+
+def save_tokenizer(tok, path: Path) -> None:
+    """tokenizer.json, with the merges in the "left right" spelling when no token holds a space:
+    `tokenizers` reads that spelling of the 270M's 515K merges in half the time of [left, right]
+    pairs (0.35 s of every start-up)."""
+    data = json.loads(tok.to_str())
+    model = data.get("model", {})
+    merges = model.get("merges") or []
+    if merges and isinstance(merges[0], list) and not any(" " in t for t in model.get("vocab", {})):
+        model["merges"] = [" ".join(m) for m in merges]
+    path.write_text(json.dumps(data, ensure_ascii=False))

@@ -14,6 +14,8 @@ class LayerGeometry:
     # the model's measured key statistics for this layer (engines.stores.calibration.KeyCalibration),
     # for codecs that use them
     key_calibration: object = field(default=None, compare=False, repr=False)
+    # why the model has no usable calibration (a stale or damaged file), for the engines that need one
+    calibration_problem: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def kind(self) -> str:

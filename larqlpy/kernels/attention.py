@@ -15,7 +15,7 @@ from numba import njit, prange
 CHUNK = 128  # rows per parallel chunk: a chunk's K and V (2 x 128 KB at D = 256) stay in L2
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def _attend_one(q, k, v, scale, out):  # pragma: no cover - jitted
     h, d = q.shape
     hkv, n, _ = k.shape

@@ -16,7 +16,7 @@ from numba import njit, prange
 from larqlpy.kernels.qweight import PackedPart, PackedWeight
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def _gemv_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - jitted
     n, k = w.shape
     for i in prange(n):
@@ -26,7 +26,7 @@ def _gemv_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma:
         out[i] = acc
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, error_model="numpy")
 def _rms_norm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:  # pragma: no cover - jitted
     n, e = x.shape
     for i in range(n):

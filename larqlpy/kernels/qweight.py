@@ -32,6 +32,7 @@ TILE = 64
 GROUP = 32
 FORMATS = ("f32", "bf16", "int8", "int4")
 SLAB_BYTES = 16 << 20  # float32 scratch per dequantized slab in prefill
+PACK_VERSION = 1  # bump when packing changes what a format's codes are: cached packs are rebuilt
 GEMV_ROWS = 16  # up to this many rows run the decode kernel once per row: faster than a slab (measured on the 270M shapes)
 
 
@@ -43,7 +44,7 @@ def check_format(name: str) -> str:
 
 # --- quantization (load time, CPU) -------------------------------------------------------------
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _quant_int8(w, q, scale):  # pragma: no cover - jitted
     n, k = w.shape
     for i in prange(n):
@@ -59,7 +60,7 @@ def _quant_int8(w, q, scale):  # pragma: no cover - jitted
                 q[t, j, r] = np.int8(min(127.0, max(-127.0, np.rint(w[i, j] * inv))))
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _quant_int4(w, packed, scale, minimum):  # pragma: no cover - jitted
     n, k = w.shape
     levels = np.empty((n, GROUP), np.uint8)
@@ -96,7 +97,7 @@ def _quant_int4(w, packed, scale, minimum):  # pragma: no cover - jitted
 
 # --- decode: one activation row times the codes (CPU) -------------------------------------------
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def _gemv_int8(q, scale, x, out):  # pragma: no cover - jitted
     nt, k, tn = q.shape
     for t in prange(nt):
@@ -113,7 +114,7 @@ def _gemv_int8(q, scale, x, out):  # pragma: no cover - jitted
         out[t * tn:(t + 1) * tn] = acc
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def _gemv_int4(packed, scale, minimum, x, out):  # pragma: no cover - jitted
     nt, kh, tn = packed.shape
     ng = scale.shape[1]
@@ -140,7 +141,7 @@ def _gemv_int4(packed, scale, minimum, x, out):  # pragma: no cover - jitted
         out[t * tn:(t + 1) * tn] = acc
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def _gemv_bf16(w, x, out):  # pragma: no cover - jitted
     nt, k, tn = w.shape
     for t in prange(nt):
@@ -159,7 +160,7 @@ def _gemv_bf16(w, x, out):  # pragma: no cover - jitted
 # --- dequantization into float32 rows (prefill slabs, embedding lookups) -----------------------
 # No fastmath: q * scale + minimum must round as two operations, as torch computes it.
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _rows_int8(q, scale, idx, out):  # pragma: no cover - jitted
     tn = q.shape[2]
     for n in prange(idx.shape[0]):
@@ -168,7 +169,7 @@ def _rows_int8(q, scale, idx, out):  # pragma: no cover - jitted
             out[n, j] = np.float32(q[t, j, r]) * scale[t, j // GROUP, r]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _rows_int4(packed, scale, minimum, idx, out):  # pragma: no cover - jitted
     tn = packed.shape[2]
     for n in prange(idx.shape[0]):
@@ -180,7 +181,7 @@ def _rows_int4(packed, scale, minimum, idx, out):  # pragma: no cover - jitted
             out[n, 2 * p + 1] = np.float32(b >> 4) * scale[t, g, r] + minimum[t, g, r]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _rows_bf16(w, idx, out):  # pragma: no cover - jitted
     tn = w.shape[2]
     bits = out.view(np.uint32)
@@ -190,7 +191,7 @@ def _rows_bf16(w, idx, out):  # pragma: no cover - jitted
             bits[n, j] = np.uint32(w[t, j, r]) << np.uint32(16)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _slab_int8(q, scale, t0, t1, out):  # pragma: no cover - jitted
     tn = q.shape[2]
     for t in prange(t0, t1):
@@ -201,7 +202,7 @@ def _slab_int8(q, scale, t0, t1, out):  # pragma: no cover - jitted
                 out[j, c + r] = np.float32(q[t, j, r]) * scale[t, g, r]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _slab_int4(packed, scale, minimum, t0, t1, out):  # pragma: no cover - jitted
     tn = packed.shape[2]
     for t in prange(t0, t1):
@@ -215,7 +216,7 @@ def _slab_int4(packed, scale, minimum, t0, t1, out):  # pragma: no cover - jitte
                 out[2 * p + 1, c + r] = hi * scale[t, g, r] + minimum[t, g, r]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, error_model="numpy")
 def _slab_bf16(w, t0, t1, out):  # pragma: no cover - jitted
     tn = w.shape[2]
     bits = out.view(np.uint32)

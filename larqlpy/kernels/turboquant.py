@@ -40,7 +40,7 @@ def codebook(bits: int) -> tuple[np.ndarray, np.ndarray]:
     return c.astype(np.float32), ((c[1:] + c[:-1]) / 2).astype(np.float32)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, error_model="numpy", inline="always")
 def _fwht(v):  # pragma: no cover - jitted
     d = v.shape[0]
     for i in range(0, d, 4):  # stages h=1 and h=2 fused: the same adds in the same order, in registers
@@ -63,7 +63,7 @@ def _fwht(v):  # pragma: no cover - jitted
         h *= 2
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, error_model="numpy", inline="always")
 def _pack(idx, out, bits):  # pragma: no cover - jitted
     d = idx.shape[0]
     if bits == 4:
@@ -81,7 +81,7 @@ def _pack(idx, out, bits):  # pragma: no cover - jitted
                 out[bits * g + j] = np.uint8((word >> (8 * j)) & 0xFF)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, error_model="numpy", inline="always")
 def _unpack_values(code, centroids, bits, out):  # pragma: no cover - jitted
     d = out.shape[0]
     if bits == 4:
@@ -105,7 +105,7 @@ def _unpack_values(code, centroids, bits, out):  # pragma: no cover - jitted
 CHUNK = 64  # rows per parallel work item: per-row scratch is allocated once per chunk
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def encode(x, sgn, boundaries, bits, norms, codes):  # pragma: no cover - jitted
     """x (n, d) f32 -> norms (n,) f32, codes (n, d*bits/8) u8."""
     n, d = x.shape
@@ -131,7 +131,7 @@ def encode(x, sgn, boundaries, bits, norms, codes):  # pragma: no cover - jitted
             _pack(idx, codes[r], bits)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def decode(norms, codes, sgn, centroids, bits, out):  # pragma: no cover - jitted
     """norms (n,), codes (n, nbytes) -> out (n, d) f32."""
     n, d = out.shape
@@ -145,7 +145,7 @@ def decode(norms, codes, sgn, centroids, bits, out):  # pragma: no cover - jitte
                 out[r, i] = v[i] * sgn[i] * scale
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def scores(qr, norms, codes, centroids, bits, out):  # pragma: no cover - jitted
     """qr (G, d) rotated queries; rows' codes -> out (G, n) = norm/d * (qr . centroids[idx])."""
     g_count, d = qr.shape
@@ -162,7 +162,7 @@ def scores(qr, norms, codes, centroids, bits, out):  # pragma: no cover - jitted
                 out[g, r] = acc * scale
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def accumulate(p, norms, codes, centroids, bits, out):  # pragma: no cover - jitted
     """p (G, n) attention weights -> out (G, d) = sum_j p_j norm_j/d centroids[idx_j] (rotated domain)."""
     g_count, n = p.shape
@@ -187,7 +187,7 @@ def accumulate(p, norms, codes, centroids, bits, out):  # pragma: no cover - jit
             out[g, i] = acc
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def rotate(x, sgn, out):  # pragma: no cover - jitted
     """out = H(s * x) row by row (the forward rotation without the 1/sqrt(d))."""
     n, d = x.shape
@@ -200,7 +200,7 @@ def rotate(x, sgn, out):  # pragma: no cover - jitted
             out[r, i] = v[i]
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def unrotate(y, sgn, out):  # pragma: no cover - jitted
     """out = s * H(y) row by row (the inverse of `rotate` up to a factor d)."""
     n, d = y.shape

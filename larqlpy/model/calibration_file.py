@@ -1,62 +1,59 @@
-"""`kv_calibration.safetensors` beside the weights: the model's key calibration (one
-engines.stores.calibration.KeyCalibration per layer), its metadata, and every check on reading it."""
+"""`kv_calibration.safetensors` beside the weights: the model's key calibration (per layer, the keys'
+mean and per-channel scale, each (Hkv, D) float32), its metadata, and every check on reading it.
+
+A problem with the file (stale: measured on other weights; damaged) is reported, not raised: only
+the engines that read the calibration refuse to run without it (engines/stores/calibration.py).
+Plain numpy: `info` reads it without torch.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+import numpy as np
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.numpy import save as to_bytes
 
-from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
+from larqlpy.files import atomic_write
 
 FILE = "kv_calibration.safetensors"
 FORMAT = "larqlpy-kv-calibration/1"
+Pair = tuple[np.ndarray, np.ndarray]  # (mean, scale)
 
 
-def save(model_dir: str | Path, cals: list[KeyCalibration], meta: dict) -> Path:
-    """Write the calibration into the model directory (atomically)."""
+def save(model_dir: str | Path, layers: list, meta: dict) -> Path:
+    """Write the calibration into the model directory (atomically); `layers` are (mean, scale) pairs
+    or objects with .mean and .scale (a KeyCalibration), array-like on the CPU."""
     path = Path(model_dir) / FILE
-    tmp = path.with_name(f".{FILE}.tmp")
     tensors = {}
-    for i, c in enumerate(cals):
-        tensors[f"layers.{i}.key_mean"] = c.mean
-        tensors[f"layers.{i}.key_scale"] = c.scale
-    try:
-        save_file(tensors, str(tmp), metadata={k: str(v) for k, v in meta.items()})
-        tmp.replace(path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise LarqlError(f"{path}: cannot write the calibration ({e.strerror or e})") from None
+    for i, layer in enumerate(layers):
+        mean, scale = (layer.mean, layer.scale) if hasattr(layer, "mean") else layer
+        tensors[f"layers.{i}.key_mean"] = np.ascontiguousarray(mean, dtype=np.float32)
+        tensors[f"layers.{i}.key_scale"] = np.ascontiguousarray(scale, dtype=np.float32)
+    with atomic_write(path, "`calibrate`") as f:
+        f.write(to_bytes(tensors, metadata={k: str(v) for k, v in meta.items()}))
     return path
 
 
-def summary(model_dir: str | Path) -> str:
-    """One line for `info`: what the directory's calibration file says (nothing is validated)."""
-    path = Path(model_dir) / FILE
-    if not path.exists():
-        return "none (`calibrate` writes one; codec calib=on needs it)"
+def read(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int,
+         fingerprint: str | None = None) -> tuple[list[Pair] | None, str | None]:
+    """(the layers' (mean, scale), None) when the directory holds a calibration that fits this model
+    (and, given one, the fingerprint of the weights it was measured on); (None, None) when it holds
+    none; (None, what is wrong) when the file is stale or damaged."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except Exception:
-        return f"{FILE}: unreadable (rerun `calibrate`)"
-    shares = [float(x) for x in meta.get("mean_share", "").split(",") if x]
-    share = f", mean share of key energy {min(shares):.2f}-{max(shares):.2f}" if shares else ""
-    return f"{FILE} ({meta.get('tokens', '?')} tokens{share})"
+        return _read(Path(model_dir) / FILE, n_layers, n_kv_heads, head_dim, fingerprint), None
+    except FileNotFoundError:
+        return None, None
+    except LarqlError as e:
+        return None, str(e)
 
 
-def load(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int,
-         fingerprint: str | None = None) -> list[KeyCalibration] | None:
-    """The model directory's calibration, checked against the model's shape (and, given one, the
-    fingerprint of the weights it was measured on); None when there is none."""
-    path = Path(model_dir) / FILE
+def _read(path: Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint: str | None) -> list[Pair]:
     if not path.exists():
-        return None
+        raise FileNotFoundError(path)
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="numpy") as f:
             meta = f.metadata() or {}
             names = set(f.keys())
             if meta.get("format") != FORMAT:
@@ -73,13 +70,13 @@ def load(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int,
                     if name not in names:
                         raise LarqlError(f"{path}: missing tensor {name}; rerun `calibrate`")
                     t = f.get_tensor(name)
-                    if tuple(t.shape) != (n_kv_heads, head_dim) or t.dtype != torch.float32:
+                    if tuple(t.shape) != (n_kv_heads, head_dim) or t.dtype != np.float32:
                         raise LarqlError(f"{path}: tensor {name} is {t.dtype} {list(t.shape)}, expected float32 "
                                          f"{[n_kv_heads, head_dim]}; rerun `calibrate`")
                     pair.append(t)
-                if not (torch.isfinite(pair[0]).all() and torch.isfinite(pair[1]).all() and (pair[1] > 0).all()):
+                if not (np.isfinite(pair[0]).all() and np.isfinite(pair[1]).all() and (pair[1] > 0).all()):
                     raise LarqlError(f"{path}: layer {i} holds non-finite or non-positive values; rerun `calibrate`")
-                out.append(KeyCalibration.of(*pair))
+                out.append((pair[0], pair[1]))
             if any(n.startswith(f"layers.{n_layers}.") for n in names):
                 raise LarqlError(f"{path}: calibrated for more than {n_layers} layers; rerun `calibrate`")
     except LarqlError:
@@ -87,3 +84,18 @@ def load(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int,
     except Exception as e:  # safetensors reports bad headers and truncation as its own error types
         raise LarqlError(f"{path}: not a readable calibration file ({str(e).splitlines()[0]})") from None
     return out
+
+
+def summary(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint: str) -> str:
+    """One line for `info`: the calibration's tokens and key-energy shares, or what is wrong with it."""
+    path = Path(model_dir) / FILE
+    pairs, problem = read(model_dir, n_layers, n_kv_heads, head_dim, fingerprint)
+    if problem is not None:
+        return f"unusable: {problem} (engines that read it refuse to run; the others are not affected)"
+    if pairs is None:
+        return "none (`calibrate` writes one; codec calib=on needs it)"
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata() or {}
+    shares = [float(x) for x in meta.get("mean_share", "").split(",") if x]
+    share = f", mean share of key energy {min(shares):.2f}-{max(shares):.2f}" if shares else ""
+    return f"{FILE} ({meta.get('tokens', '?')} tokens{share})"

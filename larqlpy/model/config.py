@@ -155,6 +155,8 @@ def _rope(spec: dict[str, Any], theta: float) -> RopeConfig:
 def read_config(path: Path) -> Gemma3Config:
     """The directory's config.json, checked (no weights read)."""
     cfg_path = path / "config.json"
+    if path.is_file():
+        raise LarqlError(f"{path}: is a file, not a model directory")
     if not path.is_dir():
         raise LarqlError(f"{path}: no such model directory")
     if not cfg_path.is_file():

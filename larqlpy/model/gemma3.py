@@ -93,6 +93,7 @@ class Gemma3(nn.Module):
         super().__init__()
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.key_calibration = None  # per-layer KeyCalibration (engines/stores/calibration.py), when the model has one
+        self.calibration_problem: str | None = None  # why it has none, when its file is stale or damaged
         self.embed_tokens = _weight(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = _weight(cfg.hidden_size)
@@ -104,7 +105,7 @@ class Gemma3(nn.Module):
     def geometries(self) -> list[LayerGeometry]:
         c = self.cfg
         cal = self.key_calibration or [None] * c.num_hidden_layers
-        return [LayerGeometry(i, c.window(i), c.num_key_value_heads, c.head_dim, cal[i])
+        return [LayerGeometry(i, c.window(i), c.num_key_value_heads, c.head_dim, cal[i], self.calibration_problem)
                 for i in range(c.num_hidden_layers)]
 
     @torch.inference_mode()

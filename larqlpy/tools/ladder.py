@@ -21,6 +21,7 @@ import torch
 from larqlpy.engines import EngineSpec, build_provider, preset_spec
 from larqlpy.engines.presets import LADDER
 from larqlpy.errors import LarqlError
+from larqlpy.files import atomic_write
 from larqlpy.generate import prefill
 from larqlpy.tools.quality import kl
 
@@ -120,7 +121,8 @@ def plot(result: dict, path: str | Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    with atomic_write(path, "`plot`") as f:
+        fig.savefig(f, format="png")
     plt.close(fig)
 
 

@@ -1,21 +1,24 @@
 """Resource curves: sample the process's memory at a fixed interval, beside the current position.
 
 RSS comes from psutil (this process plus its children, so `batch --workers` counts its workers),
-CUDA memory from torch.cuda when a GPU is in use. Written as CSV or JSON by the file's suffix.
+CUDA memory from torch.cuda when the run has loaded torch and uses a GPU (the monitor itself does not
+load torch). Written atomically, as CSV or JSON by the file's suffix.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
+import sys
 import threading
 import time
 from pathlib import Path
 
 import psutil
-import torch
 
 from larqlpy.errors import LarqlError
+from larqlpy.files import atomic_write, check_output
 
 FIELDS = ("t_s", "position", "rss_bytes", "cuda_allocated_bytes")
 
@@ -28,6 +31,10 @@ def check_paths(data: Path | None, plot: Path | None) -> None:
         raise LarqlError("`monitor_plot` needs `monitor`")
     if plot is not None and plot.suffix.lower() != ".png":
         raise LarqlError(f"`monitor_plot`: expected a .png path, got {plot}")
+    if data is not None:
+        check_output(data, "`monitor`")
+    if plot is not None:
+        check_output(plot, "`monitor_plot`")
 
 
 class Monitor:
@@ -38,7 +45,6 @@ class Monitor:
         self.samples: list[dict] = []
         self._stop = threading.Event()
         self._proc = psutil.Process()
-        self._cuda = torch.cuda.is_available()
 
     def sample(self) -> None:
         rss = self._proc.memory_info().rss
@@ -48,8 +54,7 @@ class Monitor:
             except psutil.Error:
                 pass
         self.samples.append({"t_s": round(time.perf_counter() - self._t0, 4), "position": self.position,
-                             "rss_bytes": rss,
-                             "cuda_allocated_bytes": torch.cuda.memory_allocated() if self._cuda else 0})
+                             "rss_bytes": rss, "cuda_allocated_bytes": _cuda_allocated()})
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -69,14 +74,15 @@ class Monitor:
         self.write()
 
     def write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.suffix.lower() == ".json":
-            self.path.write_text(json.dumps({"interval_s": self.interval, "samples": self.samples}) + "\n")
-        else:
-            with open(self.path, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=FIELDS)
+        with atomic_write(self.path, "`monitor`") as f:
+            if self.path.suffix.lower() == ".json":
+                f.write((json.dumps({"interval_s": self.interval, "samples": self.samples}) + "\n").encode())
+            else:
+                text = io.StringIO(newline="")
+                w = csv.DictWriter(text, fieldnames=FIELDS)
                 w.writeheader()
                 w.writerows(self.samples)
+                f.write(text.getvalue().encode())
         if self.plot_path is not None:
             self.plot(self.plot_path)
 
@@ -89,7 +95,7 @@ class Monitor:
         t = [s["t_s"] for s in self.samples]
         fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
         ax.plot(t, [s["rss_bytes"] / 2**20 for s in self.samples], color="tab:blue", label="RSS")
-        if self._cuda:
+        if any(s["cuda_allocated_bytes"] for s in self.samples):
             ax.plot(t, [s["cuda_allocated_bytes"] / 2**20 for s in self.samples], color="tab:green", label="CUDA")
         ax.set_xlabel("seconds")
         ax.set_ylabel("MiB")
@@ -99,5 +105,11 @@ class Monitor:
         fig.legend(loc="upper left", fontsize=8)
         ax.set_title("memory over time")
         fig.tight_layout()
-        fig.savefig(path)
+        with atomic_write(path, "`monitor_plot`") as f:
+            fig.savefig(f, format="png")
         plt.close(fig)
+
+
+def _cuda_allocated() -> int:
+    torch = sys.modules.get("torch")  # only a run that loaded torch can have CUDA memory to count
+    return torch.cuda.memory_allocated() if torch is not None and torch.cuda.is_initialized() else 0

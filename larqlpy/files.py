@@ -1,0 +1,191 @@
+"""Files the library writes: output paths checked before any work starts, and atomic writes that
+never leave a half-written target and clean up after writers that died.
+
+A write goes to `.NAME.<pid>.<random>.tmp` beside the target (a file, or a directory for a model),
+held under an exclusive lock (flock) while it is written, then fsynced and renamed over the target.
+A temp file of the same target whose lock nobody holds belongs to a writer that died (kill -9, a
+power cut): the next write of that target removes it. Two live writers never remove each other's.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Iterator, Sequence
+
+from larqlpy.errors import LarqlError
+
+LOCK = ".lock"  # inside a temp directory: the file its writer holds locked
+
+
+def check_output(path: str | os.PathLike, what: str, inputs: Sequence[str | os.PathLike] = (),
+                 directory: bool = False) -> Path:
+    """Refuse, before any work, an output path that cannot be written: an existing directory (or,
+    with `directory`, an existing file), a parent that is missing or not writable, or one of the
+    `inputs`. `what` names the path in the refusal (a parameter in backticks, or a file)."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() and not directory:
+        raise LarqlError(f"{what} {path}: is a directory")
+    if path.exists() and directory and not path.is_dir():
+        raise LarqlError(f"{what} {path}: is a file, not a directory")
+    if not parent.is_dir():
+        raise LarqlError(f"{what} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise LarqlError(f"{what} {path}: directory {parent} is not writable")
+    if path.exists() and not directory and not os.access(path, os.W_OK):
+        raise LarqlError(f"{what} {path}: not writable")
+    for given in inputs:
+        if given is not None and _same(path, Path(given)):
+            raise LarqlError(f"{what} {path}: is also an input; writing it would destroy what is read")
+    return path
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return a.resolve() == b.resolve()
+
+
+def temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def _lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+def remove_stale(path: Path) -> list[Path]:
+    """Remove the temp files (and temp directories) of `path` that no live writer holds."""
+    removed = []
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        lock_path = tmp / LOCK if tmp.is_dir() else tmp
+        try:
+            fd = os.open(lock_path, os.O_RDONLY)
+        except OSError:
+            if tmp.is_dir():  # died before it made its lock file
+                shutil.rmtree(tmp, ignore_errors=True)
+                removed.append(tmp)
+            continue
+        try:
+            if _lock(fd):  # nobody holds it: its writer is gone
+                if tmp.is_dir():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    tmp.unlink(missing_ok=True)
+                removed.append(tmp)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, what: str = "") -> Iterator[Path]:
+    """A temp path to write `path` through (for writers that take a file name): it replaces `path`
+    only once the block has finished (fsynced, renamed, the directory fsynced); if the block fails,
+    `path` is as it was."""
+    path = Path(path)
+    remove_stale(path)
+    tmp = temp_name(path)
+    try:
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    except OSError as e:
+        raise LarqlError(f"{what or path}: cannot write {path} ({e.strerror or e})") from None
+    try:
+        if not _lock(fd):
+            raise LarqlError(f"{path}: cannot lock its temp file {tmp.name}")
+        yield tmp
+        os.fsync(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)  # the lock goes with it
+    _fsync_dir(path.parent)
+
+
+@contextmanager
+def atomic_write(path: str | os.PathLike, what: str = "") -> Iterator[BinaryIO]:
+    """A binary file to write `path` through, as `atomic_path`."""
+    with atomic_path(path, what) as tmp, open(tmp, "wb") as f:
+        yield f
+        f.flush()
+
+
+@contextmanager
+def atomic_directory(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
+    """A temp directory to fill; renamed to `path` when the block finishes (an existing `path` is
+    replaced only with `replace`)."""
+    path = Path(path)
+    remove_stale(path)
+    tmp = temp_name(path)
+    tmp.mkdir(mode=0o755)
+    fd = os.open(tmp / LOCK, os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        _lock(fd)
+        yield tmp
+        os.unlink(tmp / LOCK)
+        if path.exists() and replace:
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def utf8(data: bytes | str, where: str) -> str:
+    """Text that must be UTF-8, or a one-line refusal naming where the first bad byte is. A str
+    from argv carries undecodable bytes as surrogate escapes; they are refused the same way."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+            return data
+        except UnicodeEncodeError:
+            data = data.encode("utf-8", "surrogateescape")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        at = f"line {line}, " if b"\n" in data[:e.start] else ""
+        raise LarqlError(f"{where}: not valid UTF-8 (byte 0x{data[e.start]:02x} at {at}byte offset {e.start})") from None
+
+
+def read_bytes(path: str | os.PathLike, what: str = "") -> bytes:
+    """A file the user named, or a one-line refusal (missing, a directory, unreadable) that names
+    it (after `what`, the flag or argument it came in, when given)."""
+    path = Path(path)
+    name = f"{what} {path}" if what else str(path)
+    if path.is_dir():
+        raise LarqlError(f"{name}: is a directory")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise LarqlError(f"{name}: {e.strerror or e}") from None
+
+
+def read_text(path: str | os.PathLike, what: str) -> str:
+    """A UTF-8 text file the user named, or a one-line refusal (as read_bytes, or not UTF-8)."""
+    return utf8(read_bytes(path, what), f"{what} {path}")

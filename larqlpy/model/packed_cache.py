@@ -1,0 +1,112 @@
+"""The packed-weight cache: low-bit matrices (`weights` bf16 / int8 / int4) packed once and kept
+beside the model (MODEL/.larqlpy-cache/, or ~/.cache/larqlpy/ when the model directory is not
+writable), then memory-mapped at every later load instead of packed again.
+
+One safetensors file per model fingerprint, format and packing version, written atomically. A file
+of another fingerprint or packing version is stale: it is removed and rebuilt. A file whose header
+or checksums do not hold is damaged: it is refused, naming the file to delete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from larqlpy.errors import LarqlError
+from larqlpy.files import atomic_path
+from larqlpy.kernels.qweight import PACK_VERSION, PackedWeight
+from larqlpy.model.files import MappedSafetensors
+
+FORMAT = "larqlpy-packed/1"
+DIR = ".larqlpy-cache"
+FIELDS = ("codes", "scale", "minimum")
+
+
+def cache_dir(model_dir: Path) -> Path:
+    """MODEL/.larqlpy-cache, or a directory of this model's own under ~/.cache/larqlpy."""
+    here = model_dir / DIR
+    if (here.is_dir() and os.access(here, os.W_OK)) or (not here.exists() and os.access(model_dir, os.W_OK)):
+        return here
+    home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "larqlpy"
+    return home / hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
+
+
+def cache_path(model_dir: Path, fmt: str, fingerprint: str) -> Path:
+    return cache_dir(model_dir) / f"packed-{fmt}-{fingerprint}-v{PACK_VERSION}.safetensors"
+
+
+def load_or_build(model_dir: Path, fmt: str, fingerprint: str,
+                  build: Callable[[], dict[str, PackedWeight]]) -> tuple[dict[str, PackedWeight], str]:
+    """The packed matrices by name, from the cache when it holds them (else built and cached), and
+    where they came from: "cache", "built" or "built, not cached (...)"."""
+    path = cache_path(model_dir, fmt, fingerprint)
+    if path.is_file():
+        return read(path, fmt, fingerprint), "cache"
+    packed = build()
+    try:
+        write(path, packed, fmt, fingerprint)
+    except (OSError, LarqlError) as e:  # a read-only disk costs the cache, not the run
+        return packed, f"built, not cached ({e})"
+    for old in path.parent.glob(f"packed-{fmt}-*.safetensors"):
+        if old != path:
+            old.unlink(missing_ok=True)  # stale: another fingerprint or packing version of this model
+    return packed, "built"
+
+
+def write(path: Path, packed: dict[str, PackedWeight], fmt: str, fingerprint: str) -> None:
+    tensors, matrices = {}, {}
+    for name, w in packed.items():
+        matrices[name] = list(w.shape)
+        for field in FIELDS:
+            t = getattr(w, field)
+            if t is not None:
+                tensors[f"{name}.{field}"] = t.contiguous().cpu().numpy()
+    crcs = {k: zlib.crc32(a) for k, a in tensors.items()}
+    meta = {"format": FORMAT, "weights": fmt, "fingerprint": fingerprint, "pack_version": str(PACK_VERSION),
+            "matrices": json.dumps(matrices), "crc32": json.dumps(crcs)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
+
+
+def read(path: Path, fmt: str, fingerprint: str) -> dict[str, PackedWeight]:
+    def damaged(why: str) -> LarqlError:
+        return LarqlError(f"{path}: damaged packed-weight cache ({why}); delete it and the next load rebuilds it")
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+        if (meta.get("format"), meta.get("weights"), meta.get("fingerprint"), meta.get("pack_version")) != \
+                (FORMAT, fmt, fingerprint, str(PACK_VERSION)):
+            raise damaged("its header names other weights")
+        matrices, crcs = json.loads(meta["matrices"]), json.loads(meta["crc32"])
+        mapped = MappedSafetensors(path)
+    except LarqlError:
+        raise
+    except Exception as e:  # a truncated or garbled file: safetensors and json say so their own way
+        raise damaged(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    out = {}
+    for name, shape in matrices.items():
+        fields = {}
+        for field in FIELDS:
+            key = f"{name}.{field}"
+            if key in crcs:
+                try:
+                    a = mapped.array(key)
+                except (KeyError, LarqlError) as e:
+                    raise damaged(f"tensor {key}: {e}") from None
+                if zlib.crc32(a) != crcs[key]:
+                    raise damaged(f"checksum mismatch in {key}")
+                fields[field] = torch.from_numpy(a)
+        if "codes" not in fields:
+            raise damaged(f"no codes for {name}")
+        out[name] = PackedWeight(fmt, tuple(shape), fields["codes"], fields.get("scale"), fields.get("minimum"))
+    return out
