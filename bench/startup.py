@@ -36,7 +36,7 @@ def mark(n): marks.append((n, time.perf_counter() - t0))
 import torch; mark("import torch")
 import numba; mark("import numba")
 import larqlpy.cli.main, larqlpy.runner, larqlpy.model.loader as L; mark("import larqlpy (cli, runner, loader)")
-from pathlib import Path; from larqlpy.model.config import read_config; from larqlpy.model.tokenizer import Tokenizer
+from pathlib import Path; from larqlpy.model.families import read_config; from larqlpy.model.tokenizer import Tokenizer
 p = Path(MODEL); cfg = read_config(p); Tokenizer.from_dir(p, cfg); mark("tokenizer.json (262K vocab, 515K merges)")
 m = L.load(p, device="cpu", weights=WEIGHTS); mark("load: the tokenizer again + weights + calibration")
 from larqlpy.request import Request; from larqlpy.runner import execute

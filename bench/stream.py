@@ -61,7 +61,7 @@ def full_redecode_times(tokenizer, ids: list[int]) -> list[float]:
 
 
 def main() -> None:
-    from larqlpy.model.config import read_config
+    from larqlpy.model.families import read_config
     from larqlpy.model.tokenizer import Tokenizer
 
     ap = argparse.ArgumentParser()

@@ -14,12 +14,15 @@ from larqlpy.engines import EngineSpec, parse_engine_spec
 from larqlpy.engines.options import parse_size
 from larqlpy.errors import LarqlError
 from larqlpy.files import check_output, utf8
+from larqlpy.model.chat_template import check_messages
 
 
 @dataclass(frozen=True)
 class Request:
-    prompt: str
+    prompt: str  # "" with `messages`
     id: Any = None
+    messages: tuple[dict, ...] | None = None  # a conversation, rendered with the model's chat template
+    chat_template: str | None = None  # a template file instead of the model's
     engine: str | None = None
     continuation: str | None = None
     options: tuple[str, ...] = ()  # "key=value" strings
@@ -33,6 +36,14 @@ class Request:
     def from_dict(cls, raw: dict[str, Any]) -> "Request":
         if not isinstance(raw, dict):
             raise LarqlError(f"expected a JSON object, got {_json_type(raw)}")
+        messages = raw.get("messages")
+        if messages is not None:
+            if raw.get("prompt") not in (None, ""):
+                raise LarqlError("give 'prompt' or 'messages', not both")
+            check_messages(messages)
+            for m in messages:
+                utf8(m["content"], "'messages'")
+            raw = {**raw, "prompt": "", "messages": tuple(dict(m) for m in messages)}
         prompt = raw.get("prompt")
         if not isinstance(prompt, str):
             raise LarqlError("'prompt' must be a string")
@@ -44,7 +55,7 @@ class Request:
             opts = tuple(opts)
         else:
             raise LarqlError("'options' must be an object or a list of 'key=value' strings")
-        for key in ("engine", "continuation", "kv_budget", "resume", "save_state"):
+        for key in ("engine", "continuation", "kv_budget", "resume", "save_state", "chat_template"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 raise LarqlError(f"'{key}' must be a string")
         for key in ("max_tokens", "top_k", "seed", "prefill_chunk"):

@@ -10,6 +10,7 @@ from larqlpy.config import GenerationConfig
 from larqlpy.engines import build_provider
 from larqlpy.errors import LarqlError
 from larqlpy.generate import Token, stream_generate
+from larqlpy.model.chat_template import ChatTemplate
 from larqlpy.request import Request
 from larqlpy.session import resume, save
 
@@ -18,13 +19,13 @@ def execute(loaded, req: Request, on_token: Callable[[Token], None] | None = Non
     """Run `req` and return its result record (text, token ids, engine, stats, session)."""
     spec = req.spec()
     session: dict = {}
+    prompt_ids = request_ids(loaded, req)
     if req.resume is not None:
-        prompt_ids = None if req.prompt == "" else loaded.tokenizer.encode(req.prompt)
         plan, ids = resume(loaded, req.resume, prompt_ids, spec, req.reprefill)
         spec, state, logits = plan.spec, plan.state, plan.logits
         session = {"resumed_from": req.resume, "reused_tokens": plan.reused, "trimmed_from": plan.trimmed_from}
     else:
-        ids = loaded.tokenizer.encode(req.prompt)
+        ids = prompt_ids
         state = None if spec.replay else build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
         logits = None
     gen, notes = fit_context(req.gen, len(ids), loaded.config.max_position_embeddings)
@@ -49,6 +50,17 @@ def execute(loaded, req: Request, on_token: Callable[[Token], None] | None = Non
     if session:
         result["session"] = session
     return result
+
+
+def request_ids(loaded, req: Request) -> list[int] | None:
+    """The request's prompt as ids: its conversation rendered with the chat template (which writes
+    BOS itself), or its prompt; None for an empty prompt that continues a resumed state."""
+    if req.messages is not None:
+        text = ChatTemplate.for_tokenizer(loaded.tokenizer, req.chat_template).render(list(req.messages))
+        return loaded.tokenizer.encode(text, add_bos=False)
+    if req.prompt == "" and req.resume is not None:
+        return None
+    return loaded.tokenizer.encode(req.prompt)
 
 
 def fit_context(gen: GenerationConfig, prompt_tokens: int, context: int) -> tuple[GenerationConfig, list[str]]:

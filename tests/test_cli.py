@@ -88,12 +88,12 @@ def test_missing_and_incomplete_model_dirs(cli, tmp_path, tiny_dir):
 
 
 def test_unsupported_model_type(cli, tmp_path, tiny_dir):
-    d = tmp_path / "llama"
+    d = tmp_path / "falcon"  # llama, qwen2, ... are families now (tests/test_families.py); falcon is not
     shutil.copytree(tiny_dir, d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["model_type"] = "llama"
+    cfg["model_type"] = "falcon"
     (d / "config.json").write_text(json.dumps(cfg))
-    assert_refused(cli("run", d, "hi"), "unsupported model_type 'llama'")
+    assert_refused(cli("run", d, "hi"), "unsupported model_type 'falcon'")
 
 
 def test_shape_mismatch(cli, tmp_path, tiny_dir):

@@ -132,3 +132,21 @@ def test_capacity_under_a_budget_is_the_inverse_of_residency(real_dir):
             e["options"].items())))], within_context=False)["engines"][0]["bytes"] > 2 * 2**30 >= e["bytes_at_max"]
     d = capacity(str(real_dir), 64 * 2**20, [parse_engine_spec(continuation="window/v1")])
     assert d["engines"][0]["max_positions"] == (64 * 2**20 - 15 * 512 * 2048) // (3 * 2048)
+
+
+def test_named_geometries_of_every_family():
+    from larqlpy.tools.residency import NAMED_GEOMETRIES
+
+    assert {"llama3.2-1b", "llama3.2-3b", "llama3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b",
+            "mistral-7b-v0.1", "gemma2-2b", "gemma2-9b"} <= set(NAMED_GEOMETRIES)
+    by = {e["engine"]: e for e in residency("llama3.1-8b", 4096)["engines"]}
+    assert by["canonical/v1"]["bytes"] == 32 * 4096 * 8 * 128 * 2 * 4 == 2**30  # 32 layers, 8 KV heads of 128, f32
+    assert by["window/v1"]["rows"] == by["canonical/v1"]["rows"]  # no sliding layers: window keeps every row
+    r = residency("llama3.1-8b", 4096)
+    assert r["note"] and "no sliding layers" in r["note"]
+    mistral = {e["engine"]: e for e in residency("mistral-7b-v0.1", 8192)["engines"]}
+    assert mistral["window/v1"]["rows"] == 32 * 4096 and mistral["canonical/v1"]["rows"] == 32 * 8192
+    gemma2 = residency("gemma2-9b", 8192)
+    assert gemma2["kinds"] == {"sliding": 21, "global": 21} and gemma2["note"] is None
+    with pytest.raises(LarqlError, match="past qwen3-0.6b's context of 40,960"):
+        residency("qwen3-0.6b", 50000)

@@ -56,3 +56,44 @@ def make_tiny(path: Path, seed: int = 0, **overrides):
                 p.normal_(0.0, 0.08)
     model.save_pretrained(str(path), safe_serialization=True)
     return model
+
+
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=2, eos_token_id=1,
+              pad_token_id=0, attn_implementation="eager")
+# Each family's tiny config: transformers' own classes, sized to run in milliseconds, with sliding
+# windows short enough that a 40-token prompt crosses them.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0, tie_word_embeddings=False)),
+    "llama-llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=True, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 16})),
+    "llama-bias": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen2-sliding": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8,
+                                                              max_window_layers=2, tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(query_pre_attn_scalar=16, sliding_window=8,
+                                                         attn_logit_softcapping=1.5, final_logit_softcapping=3.0)),  # caps that bite
+}
+
+
+def make_tiny_family(path: Path, family: str, seed: int = 0, **overrides):
+    """A random tiny model of `family` (FAMILIES) in the HF layout; returns the transformers model."""
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(path)
+    cfg = getattr(transformers, config_cls)(**{**COMMON, "vocab_size": vocab, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # norms and biases start at constants in HF; give them values so they matter
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3 if "norm" in name or "bias" in name else 0.08)
+            if "norm" in name and not family.startswith("gemma"):
+                p.add_(1.0)  # a gain near one, as trained Llama-style norms are
+    model.save_pretrained(str(path), safe_serialization=True)
+    return model

@@ -65,7 +65,7 @@ def batch(
     A line: {"prompt": ..., "id": ..., "max_tokens": ..., "temperature"/"top_k"/"top_p"/"seed": ...,
     "engine" or "continuation" + "options": {...}, "kv_budget", "resume", "save_state"}. A bad line
     yields a record with "error" and the rest go on; the exit code is 1 when any line failed."""
-    from larqlpy.model.config import read_config
+    from larqlpy.model.families import read_config
 
     if workers < 1:
         raise LarqlError(f"--workers must be >= 1, got {workers}")

@@ -30,6 +30,7 @@ WEIGHTS = typer.Option("f32", "--weights", help="f32 | bf16 | int8 | int4: weigh
 ENGINE = typer.Option(None, "--engine", help="V2 spelling: standard | no-cache | name:k=v,...")
 CONTINUATION = typer.Option(None, "--continuation", help="provider identity, e.g. canonical/v1")
 CONTINUATION_OPTION = typer.Option([], "--continuation-option", help="key=value (repeatable)")
+CHAT_TEMPLATE = typer.Option(None, "--chat-template", help="a jinja chat template file instead of the model's")
 
 # Library parameter -> how a CLI user gives it. The library names parameters in backticks
 # (larqlpy.errors); only here do they become flags.
@@ -40,6 +41,7 @@ FLAGS = {
     "save_state": "--save-state", "reprefill": "--reprefill", "weights": "--weights", "device": "--device",
     "dtype": "--dtype", "monitor": "--monitor", "monitor_plot": "--monitor-plot", "force": "--force",
     "positions": "--positions", "budget": "--budget", "plot": "--plot", "calibrate": "`larqlpy calibrate MODEL_DIR`",
+    "chat_template": "--chat-template",
 }
 
 

@@ -34,10 +34,10 @@ def info(model: Path = typer.Argument(..., help="model directory"),
     out.print(t)
 
 
-def convert_gguf(src: Path = typer.Argument(..., help="a Gemma 3 .gguf file"),
+def convert_gguf(src: Path = typer.Argument(..., help="a .gguf file (gemma3, llama, qwen2)"),
                  dest: Path = typer.Argument(..., help="output directory (HF layout)"),
                  force: bool = typer.Option(False, "--force", help="overwrite DEST if it exists")):
-    """Dequantize a Gemma 3 GGUF into safetensors + config.json + tokenizer.json."""
+    """Dequantize a GGUF into safetensors + config.json + tokenizer.json (+ its chat template)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from larqlpy.convert.gguf import convert_gguf as convert
@@ -56,12 +56,24 @@ def convert_gguf(src: Path = typer.Argument(..., help="a Gemma 3 .gguf file"),
 def calibrate(
     model: Path = typer.Argument(..., help="model directory"),
     text: Optional[Path] = typer.Option(None, "--text", help="calibration text (default: the packaged one)"),
+    if_needed: bool = typer.Option(False, "--if-needed", help="do nothing when MODEL has a usable calibration"),
     device: str = DEVICE,
 ):
     """Measure the keys' mean and per-channel scale (what codec calib=on quantizes with) and write
     MODEL/kv_calibration.safetensors."""
     from larqlpy.model import calibration_file
-    from larqlpy.model.config import read_config
+    from larqlpy.model.families import read_config
+    from larqlpy.model.files import Checkpoint
+
+    if if_needed:
+        cfg = read_config(model)
+        pairs, problem = calibration_file.read(model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                               Checkpoint(model, cfg).fingerprint)
+        if pairs is not None:
+            err.print(f"{model}: already calibrated", markup=False)
+            return
+        if problem:
+            err.print(f"{model}: calibrating again: {cli_text(problem)}", markup=False, soft_wrap=True)
 
     if text is not None and not text.exists():
         raise LarqlError(f"--text {text}: no such file")

@@ -27,7 +27,7 @@ def kv_stats(
     weights: str = WEIGHTS,
 ):
     """Per layer, K and V: range, quantiles, outlier channels, and the per-row cosine each codec reaches."""
-    from larqlpy.model.config import read_config
+    from larqlpy.model.families import read_config
     from larqlpy.model.loader import load
     from larqlpy.tools.observe import QUANTILES, QUERIES, WIDER
     from larqlpy.tools.observe import kv_stats as measure
@@ -41,7 +41,7 @@ def kv_stats(
         raise LarqlError(f"--max-positions {max_positions:,} is past the model's context of {context:,} positions")
     if rules_out is not None:
         check_output(rules_out, "--rules-out")
-    text = read_text(prompt, "PROMPT_OR_FILE") if prompt != "-" and Path(prompt).is_file() else read_prompt(prompt)
+    text = read_text(prompt, "PROMPT_OR_FILE") if prompt != "-" and _names_a_file(prompt) else read_prompt(prompt)
     loaded = load(model, device=device, weights=weights)
     ids = loaded.tokenizer.encode(text)[:max_positions]
     r = measure(loaded, ids, min_cosine)
@@ -76,3 +76,11 @@ def kv_stats(
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measurements on a real model.")
+
+
+def _names_a_file(text: str) -> bool:
+    """Whether PROMPT_OR_FILE is a file's path (a long text or one with a NUL byte is not)."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):
+        return False

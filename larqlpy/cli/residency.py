@@ -16,7 +16,7 @@ from larqlpy.errors import LarqlError
 
 
 def residency(
-    model: str = typer.Argument(..., help="model directory or named geometry (gemma3-270m, -1b, -4b, -12b, -27b)"),
+    model: str = typer.Argument(..., help="model directory or named geometry (gemma3-270m ... qwen3-8b: see --help)"),
     positions: Optional[int] = typer.Option(None, "--positions", help="sequence length to account for"),
     budget: Optional[str] = typer.Option(None, "--budget", help="instead: the longest context each engine fits in this, e.g. 2GiB"),
     engine: Optional[str] = typer.Option(None, "--engine", help="V2 spelling of one engine"),
@@ -25,7 +25,9 @@ def residency(
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Rows and bytes per layer kind each engine keeps after N positions (no weights needed);
-    with --budget, the longest context each engine fits in that many bytes."""
+    with --budget, the longest context each engine fits in that many bytes. Named geometries:
+    gemma3-270m/1b/4b/12b/27b, gemma2-2b/9b, llama3.2-1b/3b, llama3.1-8b, qwen2.5-0.5b/1.5b/3b/7b,
+    qwen3-0.6b/1.7b/4b/8b, mistral-7b-v0.1, smollm2-135m."""
     from larqlpy.engines.options import parse_size
     from larqlpy.engines.presets import RECOMMENDED
     from larqlpy.tools.residency import capacity
@@ -73,3 +75,5 @@ def residency(
         t.add_row(name, f"{sl.get('rows', 0):,}", fmt_bytes(sl.get("bytes", 0)), f"{gl.get('rows', 0):,}",
                   fmt_bytes(gl.get("bytes", 0)), f"{e['rows']:,}", fmt_bytes(e["bytes"]))
     out.print(t)
+    if r["note"]:
+        out.print(r["note"], markup=False)

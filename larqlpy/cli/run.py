@@ -9,14 +9,17 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import (CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, MONITOR, MONITOR_PLOT,
-                                WEIGHTS, check_paths, cli_text, err, fmt_bytes, monitored, read_prompt)
+from larqlpy.cli.common import (CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, MONITOR,
+                                MONITOR_PLOT, WEIGHTS, check_paths, cli_text, err, fmt_bytes, monitored, read_prompt)
+from larqlpy.errors import LarqlError
+from larqlpy.files import utf8
 from larqlpy.config import GenerationConfig, SamplingConfig
 
 
 def run(
     model: Path = typer.Argument(..., help="model directory (HF layout)"),
-    prompt: str = typer.Argument(..., help="prompt text, or - to read stdin ('' with --resume: continue)"),
+    prompt: str = typer.Argument(..., help="prompt text, or - to read stdin ('' with --resume: continue); "
+                                          "with --chat, the user's message"),
     max_tokens: int = typer.Option(GenerationConfig.max_tokens, "-n", "--max-tokens", help="tokens to generate at most"),
     engine: Optional[str] = ENGINE,
     continuation: Optional[str] = CONTINUATION,
@@ -30,6 +33,9 @@ def run(
     top_p: float = typer.Option(SamplingConfig.top_p, "--top-p", help="1 = off"),
     seed: Optional[int] = typer.Option(None, "--seed"),
     prefill_chunk: int = typer.Option(GenerationConfig.prefill_chunk, "--prefill-chunk", help="tokens per prefill block"),
+    chat: bool = typer.Option(False, "--chat", help="PROMPT is a user message, rendered with the model's chat template"),
+    system: Optional[str] = typer.Option(None, "--system", help="with --chat: a system message first"),
+    chat_template: Optional[Path] = CHAT_TEMPLATE,
     stats: bool = typer.Option(False, "--stats", help="print engine, speeds and KV bytes to stderr"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
     monitor: Optional[Path] = MONITOR,
@@ -41,8 +47,16 @@ def run(
     """Generate a continuation of PROMPT."""
     from larqlpy.request import Request
 
+    if (system is not None or chat_template is not None) and not chat:
+        raise LarqlError("--system and --chat-template need --chat")
+    text = read_prompt(prompt)
+    messages = None
+    if chat:
+        messages = ([{"role": "system", "content": utf8(system, "--system")}] if system is not None else []) + \
+            [{"role": "user", "content": text}]
     req = Request.from_dict(dict(
-        prompt=read_prompt(prompt), engine=engine, continuation=continuation, options=list(continuation_option),
+        prompt="" if chat else text, messages=messages, chat_template=str(chat_template) if chat_template else None,
+        engine=engine, continuation=continuation, options=list(continuation_option),
         kv_budget=kv_budget, resume=str(resume_from) if resume_from else None,
         save_state=str(save_state) if save_state else None, reprefill=reprefill, max_tokens=max_tokens,
         prefill_chunk=prefill_chunk, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))

@@ -16,7 +16,7 @@ CHUNK = 128  # rows per parallel chunk: a chunk's K and V (2 x 128 KB at D = 256
 
 
 @njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
-def _attend_one(q, k, v, scale, out):  # pragma: no cover - jitted
+def _attend_one(q, k, v, scale, softcap, out):  # pragma: no cover - jitted
     h, d = q.shape
     hkv, n, _ = k.shape
     group = h // hkv
@@ -35,6 +35,8 @@ def _attend_one(q, k, v, scale, out):  # pragma: no cover - jitted
                 for j in range(d):
                     dot += q[hh, j] * k[kv, i, j]
                 dot *= scale
+                if softcap > 0:  # Gemma 2's attention softcapping
+                    dot = softcap * np.tanh(dot / softcap)
                 s[i - lo] = dot
                 top = max(top, dot)
             tot = np.float32(0.0)
@@ -60,9 +62,10 @@ def _attend_one(q, k, v, scale, out):  # pragma: no cover - jitted
                 out[hh, j] += w * acc[c, hh, j]
 
 
-def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q (H, 1, D) over every row of k, v (Hkv, N, D), all float32 on the CPU -> (H, 1, D)."""
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """q (H, 1, D) over every row of k, v (Hkv, N, D), all float32 on the CPU -> (H, 1, D); softcap > 0
+    caps the scaled scores as tanh(s / cap) * cap."""
     out = torch.empty(q.shape[0], q.shape[2])
     _attend_one(q[:, 0].contiguous().numpy(), k.contiguous().numpy(), v.contiguous().numpy(), np.float32(scale),
-                out.numpy())
+                np.float32(softcap), out.numpy())
     return out.unsqueeze(1)

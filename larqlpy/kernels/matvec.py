@@ -27,7 +27,7 @@ def _gemv_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma:
 
 
 @njit(fastmath=True, cache=True, error_model="numpy")
-def _rms_norm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:  # pragma: no cover - jitted
+def _rms_norm_rows(x: np.ndarray, w: np.ndarray, eps: float, offset: float, out: np.ndarray) -> None:  # pragma: no cover - jitted
     n, e = x.shape
     for i in range(n):
         ss = np.float32(0.0)
@@ -35,23 +35,24 @@ def _rms_norm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) ->
             ss += x[i, j] * x[i, j]
         r = np.float32(1.0) / np.sqrt(ss / np.float32(e) + np.float32(eps))
         for j in range(e):
-            out[i, j] = (x[i, j] * r) * (np.float32(1.0) + w[j])
+            out[i, j] = (x[i, j] * r) * (np.float32(offset) + w[j])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * (1 + weight) over the last dim, in float32.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * (offset + weight) over the last dim, in float32.
 
-    Gemma stores the gain as an offset from 1 (so a zero-initialised weight is the identity). On the
-    CPU in float32 one jitted loop replaces torch's five ops: decode runs ~110 norms per token on a
-    few hundred values each, where per-op overhead, not arithmetic, is the cost."""
+    Gemma stores the gain as an offset from 1 (offset 1: a zero-initialised weight is the identity);
+    the other families store the gain itself (offset 0). On the CPU in float32 one jitted loop
+    replaces torch's five ops: decode runs ~110 norms per token on a few hundred values each, where
+    per-op overhead, not arithmetic, is the cost."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.empty_like(rows)
-        _rms_norm_rows(rows.numpy(), weight.numpy(), eps, out.numpy())
+        _rms_norm_rows(rows.numpy(), weight.numpy(), eps, offset, out.numpy())
         return out.view(x.shape)
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * (1.0 + weight.float())).type_as(x)
+    return (out * (offset + weight.float())).type_as(x)
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:

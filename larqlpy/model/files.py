@@ -9,30 +9,44 @@ import json
 import mmap
 import struct
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from safetensors import safe_open
 
 from larqlpy.errors import LarqlError
 from larqlpy.model import calibration_file
-from larqlpy.model.config import Gemma3Config, read_config
+from larqlpy.model.config import ModelConfig
+from larqlpy.model.families import read_config, read_raw_config
 
-BLOCK_WEIGHTS = {
-    # ours: (HF name under model.layers.{i}., shape as a function of the config)
-    "q_proj": ("self_attn.q_proj.weight", lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size)),
-    "k_proj": ("self_attn.k_proj.weight", lambda c: (c.kv_dim, c.hidden_size)),
-    "v_proj": ("self_attn.v_proj.weight", lambda c: (c.kv_dim, c.hidden_size)),
-    "o_proj": ("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim)),
-    "q_norm": ("self_attn.q_norm.weight", lambda c: (c.head_dim,)),
-    "k_norm": ("self_attn.k_norm.weight", lambda c: (c.head_dim,)),
-    "gate_proj": ("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-    "up_proj": ("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-    "down_proj": ("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),
-    "input_layernorm": ("input_layernorm.weight", lambda c: (c.hidden_size,)),
-    "post_attention_layernorm": ("post_attention_layernorm.weight", lambda c: (c.hidden_size,)),
-    "pre_feedforward_layernorm": ("pre_feedforward_layernorm.weight", lambda c: (c.hidden_size,)),
-    "post_feedforward_layernorm": ("post_feedforward_layernorm.weight", lambda c: (c.hidden_size,)),
-}
+def block_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[ModelConfig], tuple[int, ...]]]]:
+    """A block's tensors as the family declares them: ours -> (HF name under model.layers.{i}., shape)."""
+    e, f = (lambda c: (c.hidden_size,)), (lambda c: (c.head_dim,))
+    out = {
+        "q_proj": ("self_attn.q_proj.weight", lambda c: (c.q_dim, c.hidden_size)),
+        "k_proj": ("self_attn.k_proj.weight", lambda c: (c.kv_dim, c.hidden_size)),
+        "v_proj": ("self_attn.v_proj.weight", lambda c: (c.kv_dim, c.hidden_size)),
+        "o_proj": ("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.q_dim)),
+        "gate_proj": ("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
+        "up_proj": ("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
+        "down_proj": ("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),
+        "input_layernorm": ("input_layernorm.weight", e),
+        "post_attention_layernorm": ("post_attention_layernorm.weight", e),
+    }
+    if cfg.qkv_bias:
+        out.update(q_proj_bias=("self_attn.q_proj.bias", lambda c: (c.q_dim,)),
+                   k_proj_bias=("self_attn.k_proj.bias", lambda c: (c.kv_dim,)),
+                   v_proj_bias=("self_attn.v_proj.bias", lambda c: (c.kv_dim,)))
+    if cfg.o_bias:
+        out["o_proj_bias"] = ("self_attn.o_proj.bias", e)
+    if cfg.qk_norm:
+        out.update(q_norm=("self_attn.q_norm.weight", f), k_norm=("self_attn.k_norm.weight", f))
+    if cfg.sandwich_norms:
+        out.update(pre_feedforward_layernorm=("pre_feedforward_layernorm.weight", e),
+                   post_feedforward_layernorm=("post_feedforward_layernorm.weight", e))
+    return out
+
+
 # Where the text decoder lives: text-only checkpoints, the original multimodal one, transformers >= 4.52's.
 PREFIXES = ("model.", "language_model.model.", "model.language_model.")
 
@@ -65,7 +79,7 @@ def weight_files(path: Path) -> dict[str, Path]:
     raise LarqlError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def wanted_tensors(path: Path, cfg: Gemma3Config, files: dict[str, Path]) -> Wanted:
+def wanted_tensors(path: Path, cfg: ModelConfig, files: dict[str, Path]) -> Wanted:
     """The tensors the decoder takes, by our names; refuses a checkpoint that lacks one."""
     prefix = next((p for p in PREFIXES if p + "embed_tokens.weight" in files), None)
     if prefix is None:
@@ -74,8 +88,10 @@ def wanted_tensors(path: Path, cfg: Gemma3Config, files: dict[str, Path]) -> Wan
         "embed_tokens": (prefix + "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)),
         "norm": (prefix + "norm.weight", (cfg.hidden_size,)),
     }
+    if not cfg.tie_word_embeddings:  # the head sits beside the decoder: lm_head.weight
+        wanted["lm_head"] = (prefix.removesuffix("model.") + "lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
     for i in range(cfg.num_hidden_layers):
-        for ours, (hf, shape) in BLOCK_WEIGHTS.items():
+        for ours, (hf, shape) in block_weights(cfg).items():
             wanted[f"layers.{i}.{ours}"] = (f"{prefix}layers.{i}.{hf}", shape(cfg))
     missing = [hf for hf, _ in wanted.values() if hf not in files]
     if missing:
@@ -89,12 +105,12 @@ class Checkpoint:
     fingerprint of config + headers + a sample of each file's bytes (what a saved state, a key
     calibration and a packed-weight cache must match)."""
 
-    def __init__(self, path: Path, cfg: Gemma3Config):
+    def __init__(self, path: Path, cfg: ModelConfig):
         self.path, self.cfg = path, cfg
         self.files = weight_files(path)
         self.wanted = wanted_tensors(path, cfg, self.files)
         self.handles = {f: open_safetensors(f) for f in sorted(set(self.files[hf] for hf, _ in self.wanted.values()))}
-        hasher = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode())
+        hasher = hashlib.sha256(json.dumps(read_raw_config(path), sort_keys=True).encode())
         self.dtypes: dict[str, str] = {}
         for ours, (hf, shape) in self.wanted.items():
             info = self.handles[self.files[hf]].get_slice(hf)
@@ -167,17 +183,26 @@ def describe(path: str | Path) -> dict:
             s = h.get_slice(name)
             params += int(np.prod(s.get_shape(), dtype=np.int64))
             dtypes.add(s.get_dtype())
-    g, l = cfg.rope_global, cfg.rope_local
-    scaling = "" if g.rope_type == "default" else f" ({g.rope_type} x{g.factor:g})"
+    windows = sorted({w for w in cfg.windows if w is not None})
     return {
-        "model_type": "gemma3_text" if cfg.weight_prefix == "model." else "gemma3 (text part)",
+        "model_type": cfg.model_type + (" (text part)" if cfg.weight_prefix != "model." else ""),
         "parameters": params, "dtypes": ",".join(sorted(dtypes)), "layers": cfg.num_hidden_layers,
         "layer_kinds": ["sliding" if cfg.is_sliding(i) else "global" for i in range(cfg.num_hidden_layers)],
         "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "sliding_window": cfg.sliding_window, "vocab_size": cfg.vocab_size,
-        "rope": f"global {g.theta:g}{scaling}, local {l.theta:g}",
-        "final_logit_softcapping": cfg.final_logit_softcapping, "max_position_embeddings": cfg.max_position_embeddings,
+        "head_dim": cfg.head_dim, "sliding_window": windows[0] if len(windows) == 1 else (windows or None),
+        "vocab_size": cfg.vocab_size, "rope": _rope_text(cfg), "tied_embeddings": cfg.tie_word_embeddings,
+        "attention_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.final_softcap,
+        "max_position_embeddings": cfg.max_position_embeddings,
         "fingerprint": ckpt.fingerprint,
         "key_calibration": calibration_file.summary(path, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                                     cfg.head_dim, ckpt.fingerprint),
     }
+
+
+def _rope_text(cfg: ModelConfig) -> str:
+    def one(r) -> str:
+        return f"{r.theta:g}" + ("" if r.rope_type == "default" else f" ({r.rope_type} x{r.factor:g})")
+
+    if cfg.rope_local == cfg.rope_global or not any(cfg.windows):
+        return one(cfg.rope_global)
+    return f"global {one(cfg.rope_global)}, local {one(cfg.rope_local)}"

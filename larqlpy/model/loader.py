@@ -1,4 +1,5 @@
-"""Load a Hugging Face-layout Gemma 3 directory: config.json, safetensors (single or sharded), tokenizer,
+"""Load a Hugging Face-layout model directory of any supported family: config.json, safetensors (single
+or sharded), tokenizer,
 the key calibration; low-bit weight formats come packed from the packed-weight cache."""
 
 from __future__ import annotations
@@ -13,17 +14,18 @@ from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.qweight import PackedPart, PackedWeight, check_format, stack
 from larqlpy.model import calibration_file, packed_cache
-from larqlpy.model.config import Gemma3Config, read_config
-from larqlpy.model.files import BLOCK_WEIGHTS, Checkpoint, check_finite
-from larqlpy.model.gemma3 import Block, Gemma3
+from larqlpy.model.config import ModelConfig
+from larqlpy.model.decoder import Block, Decoder
+from larqlpy.model.families import read_config
+from larqlpy.model.files import Checkpoint, block_weights, check_finite
 from larqlpy.model.tokenizer import Tokenizer
 
 
 @dataclass
 class LoadedModel:
     path: Path
-    config: Gemma3Config
-    model: Gemma3
+    config: ModelConfig
+    model: Decoder
     tokenizer: Tokenizer
     fingerprint: str  # config + weight file headers: what a saved state must match
     weights: str = "f32"  # f32 | bf16 | int8 | int4: the precision the matrices run at
@@ -33,7 +35,7 @@ class LoadedModel:
         """Every weight as the model holds it: float tensors, packed matrices (not nn.Parameters), and
         the stacked matrix behind packed q|k|v and gate|up once."""
         m = self.model
-        held = [m.embed_tokens, m.norm] + [getattr(b, n) for b in m.layers for n in BLOCK_WEIGHTS]
+        held = [m.embed_tokens, m.norm, m.head] + [getattr(b, n) for b in m.layers for n in block_weights(m.cfg)]
         return list({id(w): w for w in (w.whole if isinstance(w, PackedPart) else w for w in held)}.values())
 
     @property
@@ -60,7 +62,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     cfg = read_config(path)
     tokenizer = Tokenizer.from_dir(path, cfg)
     ckpt = Checkpoint(path, cfg)
-    model = Gemma3(cfg, device=dev, dtype=tdtype)
+    model = Decoder(cfg, device=dev, dtype=tdtype)
     matrices = {ours for ours, (_, shape) in ckpt.wanted.items() if len(shape) == 2} if weights != "f32" else set()
     packed_from = None
     handles: dict[Path, object] = {}
@@ -106,10 +108,11 @@ def _float32(ckpt: Checkpoint, handles: dict, ours: str) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def _pack(ckpt: Checkpoint, handles: dict, cfg: Gemma3Config, fmt: str) -> dict[str, PackedWeight]:
+def _pack(ckpt: Checkpoint, handles: dict, cfg: ModelConfig, fmt: str) -> dict[str, PackedWeight]:
     """Every matrix packed from float32 on the CPU (the same codes on every device): q|k|v and
     gate|up stacked into one matrix each, so decode calls one kernel per group."""
-    out = {"embed_tokens": PackedWeight.quantize(_float32(ckpt, handles, "embed_tokens"), fmt, "embed_tokens")}
+    out = {name: PackedWeight.quantize(_float32(ckpt, handles, name), fmt, name)
+           for name in ("embed_tokens", "lm_head") if name in ckpt.wanted}
     for i in range(cfg.num_hidden_layers):
         for names in Block.SHARED_INPUT:
             key = f"layers.{i}.{'|'.join(names)}"
@@ -120,9 +123,11 @@ def _pack(ckpt: Checkpoint, handles: dict, cfg: Gemma3Config, fmt: str) -> dict[
     return out
 
 
-def _install_packed(model: Gemma3, packed: dict[str, PackedWeight], dev: torch.device) -> None:
-    model._parameters.pop("embed_tokens")
-    model.embed_tokens = packed["embed_tokens"].to(dev)
+def _install_packed(model: Decoder, packed: dict[str, PackedWeight], dev: torch.device) -> None:
+    for name in ("embed_tokens", "lm_head"):
+        if name in packed:
+            model._parameters.pop(name)
+            setattr(model, name, packed[name].to(dev))
     for i, block in enumerate(model.layers):
         for names in Block.SHARED_INPUT:  # parts of one stacked matrix: each a row range of the whole
             whole = packed[f"layers.{i}.{'|'.join(names)}"].to(dev)

@@ -1,4 +1,6 @@
-"""Text <-> token ids through the `tokenizers` library, BOS as tokenizer_config.json says."""
+"""Text <-> token ids through the `tokenizers` library: BOS as tokenizer_config.json says (or, without
+the key, as tokenizer.json's post-processor does), the special tokens the chat template names, and
+the ids that end a turn."""
 
 from __future__ import annotations
 
@@ -11,10 +13,29 @@ from tokenizers import Tokenizer as HFTokenizer
 from larqlpy.errors import LarqlError
 
 
+# The tokens that end a turn in the chat templates of the supported families (a run stops at them as
+# at EOS): Gemma, ChatML (Qwen, SmolLM), Llama 3, and Phi-style.
+END_OF_TURN = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
 class Tokenizer:
-    def __init__(self, inner: HFTokenizer, bos_id: int, add_bos: bool, stop_ids: set[int], fingerprint: str):
+    def __init__(self, inner: HFTokenizer, bos_id: int | None, add_bos: bool, stop_ids: set[int], fingerprint: str,
+                 config: dict | None = None):
         self.inner, self.bos_id, self.stop_ids, self.fingerprint = inner, bos_id, stop_ids, fingerprint
-        self.add_bos = add_bos  # tokenizer_config.json's add_bos_token (Gemma: true)
+        self.add_bos = add_bos and bos_id is not None  # Gemma, Llama: yes; Qwen, SmolLM2: no
+        self.config = config or {}  # tokenizer_config.json: special tokens, the chat template
+
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, ... as text, for chat templates (as transformers passes them)."""
+        out = {}
+        for name in SPECIAL_NAMES:
+            value = self.config.get(name)
+            if isinstance(value, dict):  # the AddedToken spelling
+                value = value.get("content")
+            if isinstance(value, str):
+                out[name] = value
+        return out
 
     @classmethod
     def from_dir(cls, path: Path, cfg) -> "Tokenizer":
@@ -33,19 +54,26 @@ class Tokenizer:
                 tcfg = json.loads(tcfg_path.read_text())
             except json.JSONDecodeError as e:
                 raise LarqlError(f"{tcfg_path}: not valid JSON ({e})") from None
-        add_bos = bool(tcfg.get("add_bos_token", True))
-        # The tokenizer.json may already add BOS in its post-processor: never add it twice.
+        template_file = path / "chat_template.jinja"  # newer HF directories keep the template beside
+        if "chat_template" not in tcfg and template_file.is_file():
+            tcfg["chat_template"] = template_file.read_text()
+        bos = tcfg.get("bos_token")
+        bos = bos.get("content") if isinstance(bos, dict) else bos
+        bos_id = inner.token_to_id(bos) if isinstance(bos, str) else None
+        bos_id = cfg.bos_token_id if bos_id is None else bos_id
+        add_bos = tcfg["add_bos_token"] if "add_bos_token" in tcfg else _post_processor_adds(inner, bos_id)
         stop = set(cfg.eos_token_ids)
-        turn_end = inner.token_to_id("<end_of_turn>")
-        if turn_end is not None:
-            stop.add(turn_end)
-        return cls(inner, cfg.bos_token_id, add_bos, stop, hashlib.sha256(raw).hexdigest()[:16])
+        for name in END_OF_TURN:
+            if (i := inner.token_to_id(name)) is not None:
+                stop.add(i)
+        return cls(inner, bos_id, bool(add_bos), stop, hashlib.sha256(raw).hexdigest()[:16], tcfg)
 
-    def encode(self, text: str) -> list[int]:
-        # BOS is added here rather than by tokenizer.json's post-processor, so a prompt that already
-        # starts with "<bos>" never gets it twice.
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Ids of `text`; BOS first when the model wants one (`add_bos`: override; a rendered chat
+        template brings its own). BOS is added here rather than by tokenizer.json's post-processor, so
+        a prompt that already starts with it never gets it twice."""
         ids = self.inner.encode(text, add_special_tokens=False).ids
-        if self.add_bos and (not ids or ids[0] != self.bos_id):
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
 
@@ -59,6 +87,13 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.inner.get_vocab_size()
+
+
+def _post_processor_adds(inner: HFTokenizer, bos_id: int | None) -> bool:
+    """Without tokenizer_config.json's add_bos_token: whether tokenizer.json itself would add BOS."""
+    if bos_id is None:
+        return False
+    return inner.encode("a", add_special_tokens=True).ids[:1] == [bos_id] != inner.encode("a", add_special_tokens=False).ids[:1]
 
 
 class Detokenizer:

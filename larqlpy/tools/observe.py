@@ -9,7 +9,7 @@ import torch
 
 from larqlpy.engines import EngineSpec, build_provider
 from larqlpy.engines.lifecycle import default_rules_path
-from larqlpy.engines.stores.base import QueryTap
+from larqlpy.engines.stores.base import AttentionParams, QueryTap
 from larqlpy.errors import LarqlError
 from larqlpy.generate import prefill
 from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
@@ -46,18 +46,18 @@ WIDER = 2.0  # a layer whose attention KL is this many times the median layer's 
 
 
 class _LastQueries:
-    """The newest QUERIES queries a layer was asked (H, n, D), and the attention scale."""
+    """The newest QUERIES queries a layer was asked (H, n, D), and its attention parameters."""
 
     def __init__(self):
-        self.q, self.scale = None, 1.0
+        self.q, self.params = None, AttentionParams(1.0)
 
     def __call__(self, store, q, p):
         q = q.float()
         self.q = q[:, -QUERIES:] if self.q is None else torch.cat((self.q, q), 1)[:, -QUERIES:]
-        self.scale = p.scale
+        self.params = p
 
 
-def attention_kl(store, q: torch.Tensor, scale: float, codec) -> float:
+def attention_kl(store, q: torch.Tensor, params: AttentionParams, codec) -> float:
     """Mean KL(exact || quantized keys) of the attention weights of the newest queries q (H, n, D),
     each over the rows it may see, with the keys through `codec` (under the model's key calibration
     when it has one, as codec calib=on stores them)."""
@@ -77,8 +77,8 @@ def attention_kl(store, q: torch.Tensor, scale: float, codec) -> float:
         a, b = g.read_start(pos) - lo, pos + 1 - lo
         for h in range(hkv):
             qh = q[h * group:(h + 1) * group, j]
-            p = torch.log_softmax(qh @ k[h, a:b].T * scale, -1)
-            r = torch.log_softmax(qh @ kq[h, a:b].T * scale, -1)
+            p = torch.log_softmax(params.logits(qh @ k[h, a:b].T), -1)
+            r = torch.log_softmax(params.logits(qh @ kq[h, a:b].T), -1)
             total += (p.exp() * (p - r)).sum().item()
             count += group
     return total / count
@@ -97,7 +97,7 @@ def kv_stats(loaded, ids: list[int], min_cosine: float = 0.995, codec: str = "tq
         codecs = codecs_for(g.head_dim)
         entry = {"layer": g.index, "kind": g.kind, "K": tensor_stats(k.reshape(-1, g.head_dim), codecs),
                  "V": tensor_stats(v.reshape(-1, g.head_dim), codecs),
-                 "attention_kl": {name: attention_kl(store, rec.q, rec.scale, codecs[name]) for name in ("tq4", "tq3")}}
+                 "attention_kl": {name: attention_kl(store, rec.q, rec.params, codecs[name]) for name in ("tq4", "tq3")}}
         worst = min(entry[t]["cosine"][codec]["mean"] for t in ("K", "V"))
         entry["quantizes_badly"] = worst < min_cosine
         layers.append(entry)

@@ -3,33 +3,63 @@ from the same `retained_rows` / `row_bytes` the engines use. Works without weigh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from larqlpy.engines import EngineSpec, LayerGeometry, Provider, build_provider, preset_spec
 from larqlpy.engines.presets import RESIDENCY
 from larqlpy.errors import LarqlError
-from larqlpy.model.config import read_config
+from larqlpy.model.families import read_config
 
-# Gemma 3 text geometries (layers, sliding window, KV heads, head_dim, trained context); every 6th
-# layer is global.
+@dataclass(frozen=True)
+class Named:
+    """A published model's KV geometry (from its config.json): no weights needed to account for it."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    context: int  # max_position_embeddings
+    window: int | None = None  # the sliding window of its sliding layers
+    sliding: Callable[[int], bool] = lambda i: False  # which layers slide
+
+    def geometries(self) -> list[LayerGeometry]:
+        return [LayerGeometry(i, self.window if self.sliding(i) else None, self.kv_heads, self.head_dim)
+                for i in range(self.layers)]
+
+
+def _gemma3(layers: int, window: int, kv: int, d: int, context: int) -> Named:
+    return Named(layers, kv, d, context, window, lambda i: (i + 1) % 6 != 0)  # five sliding layers, one global
+
+
+def _gemma2(layers: int, kv: int, d: int) -> Named:
+    return Named(layers, kv, d, 8192, 4096, lambda i: i % 2 == 0)  # sliding and global layers alternate
+
+
 NAMED_GEOMETRIES = {
-    "gemma3-270m": (18, 512, 1, 256, 32768),
-    "gemma3-1b": (26, 512, 1, 256, 32768),
-    "gemma3-4b": (34, 1024, 4, 256, 131072),
-    "gemma3-12b": (48, 1024, 8, 256, 131072),
-    "gemma3-27b": (62, 1024, 16, 128, 131072),
+    "gemma3-270m": _gemma3(18, 512, 1, 256, 32768), "gemma3-1b": _gemma3(26, 512, 1, 256, 32768),
+    "gemma3-4b": _gemma3(34, 1024, 4, 256, 131072), "gemma3-12b": _gemma3(48, 1024, 8, 256, 131072),
+    "gemma3-27b": _gemma3(62, 1024, 16, 128, 131072),
+    "gemma2-2b": _gemma2(26, 4, 256), "gemma2-9b": _gemma2(42, 8, 256),
+    "llama3.2-1b": Named(16, 8, 64, 131072), "llama3.2-3b": Named(28, 8, 128, 131072),
+    "llama3.1-8b": Named(32, 8, 128, 131072),
+    "qwen2.5-0.5b": Named(24, 2, 64, 32768), "qwen2.5-1.5b": Named(28, 2, 128, 32768),
+    "qwen2.5-3b": Named(36, 2, 128, 32768), "qwen2.5-7b": Named(28, 4, 128, 32768),
+    "qwen3-0.6b": Named(28, 8, 128, 40960), "qwen3-1.7b": Named(28, 8, 128, 40960),
+    "qwen3-4b": Named(36, 8, 128, 40960), "qwen3-8b": Named(36, 8, 128, 40960),
+    "mistral-7b-v0.1": Named(32, 8, 128, 32768, 4096, lambda i: True),  # every layer slides
+    "smollm2-135m": Named(30, 3, 64, 8192),
 }
 
 
 def named_geometry(name: str) -> list[LayerGeometry]:
-    layers, window, n_kv, head_dim, _ = NAMED_GEOMETRIES[name]
-    return [LayerGeometry(i, None if (i + 1) % 6 == 0 else window, n_kv, head_dim) for i in range(layers)]
+    return NAMED_GEOMETRIES[name].geometries()
 
 
 def resolve_geometry(model_or_name: str) -> tuple[str, list[LayerGeometry], int]:
     """(name, the layers' geometries, the trained context) of a named geometry or a model directory."""
     if model_or_name in NAMED_GEOMETRIES:
-        return model_or_name, named_geometry(model_or_name), NAMED_GEOMETRIES[model_or_name][-1]
+        return model_or_name, named_geometry(model_or_name), NAMED_GEOMETRIES[model_or_name].context
     path = Path(model_or_name)
     if not path.exists():
         raise LarqlError(f"{model_or_name}: neither a model directory nor a named geometry "
@@ -75,7 +105,9 @@ def residency(model_or_name: str, positions: int, specs: list[EngineSpec] | None
     if within_context and positions > context:
         raise LarqlError(f"`positions` {positions:,} is past {name}'s context of {context:,} positions")
     rows = [account(build_provider(s), geometries, positions) for s in (specs or default_specs())]
-    return {"geometry": name, "positions": positions, "context": context, "layers": len(geometries),
+    note = None if any(g.window for g in geometries) else \
+        "no sliding layers: window/v1 (and codec/v1's retention) keep every row, as canonical/v1 does"
+    return {"geometry": name, "positions": positions, "context": context, "layers": len(geometries), "note": note,
             "kinds": {kind: sum(1 for g in geometries if g.kind == kind) for kind in ("sliding", "global")},
             "engines": rows}
 

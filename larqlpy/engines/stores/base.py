@@ -25,7 +25,13 @@ QUERY_TILE = 256  # prefill queries attended per tile
 
 @dataclass(frozen=True)
 class AttentionParams:
-    scale: float  # query_pre_attn_scalar ** -0.5
+    scale: float  # the queries' scale (query_pre_attn_scalar ** -0.5 on Gemma, head_dim ** -0.5 elsewhere)
+    softcap: float | None = None  # Gemma 2: scores -> tanh(scores / cap) * cap before the softmax
+
+    def logits(self, scores: torch.Tensor) -> torch.Tensor:
+        """Raw q.k scores -> what the softmax takes."""
+        s = scores * self.scale
+        return s if self.softcap is None else torch.tanh(s / self.softcap) * self.softcap
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int,
@@ -37,7 +43,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k
     n_heads, t, d = q.shape
     n_kv, n = k.shape[0], k.shape[1]
     if t == 1 and k_start + n - 1 == q_start and q.device.type == "cpu" and q.dtype == torch.float32:
-        return attend_one(q, k, v, p.scale)  # a decode step over exactly its visible rows: no mask
+        return attend_one(q, k, v, p.scale, p.softcap or 0.0)  # a decode step over exactly its visible rows
     group = n_heads // n_kv
     qg = q.reshape(1, n_kv, group * t, d)  # one matmul per KV head; 4-D lets torch pick its flash kernel
     mask = None
@@ -50,6 +56,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k
             allowed &= rel < window
         mask = torch.zeros(t, n, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
         mask = mask.repeat(group, 1)  # (G*T, N)
+    if p.softcap is not None:  # SDPA has no softcapping: the scores in full
+        s = p.logits(qg[0] @ k.transpose(1, 2))  # (Hkv, G*T, N)
+        if mask is not None:
+            s = s + mask
+        out = torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+        return out.reshape(n_heads, t, d)
     out = F.scaled_dot_product_attention(qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=p.scale)
     return out.reshape(n_heads, t, d)
 

@@ -111,7 +111,7 @@ class CodecStore(RowStore):
             s = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
             if sinks is not None:
                 s[:, :ns] = qh @ sinks["k"][h].T
-            probs = torch.softmax(s * p.scale, dim=-1)
+            probs = torch.softmax(p.logits(s), dim=-1)
             if sinks is not None:
                 head = probs[:, :ns].clone()
                 probs[:, :ns] = 0.0

@@ -1,0 +1,147 @@
+"""`larqlpy chat MODEL`: a conversation in the terminal or through a pipe, one message per line.
+
+Each reply streams; Ctrl-C stops the reply, not the session. The attention state lives across the
+turns: a turn prefills only its own tokens. Commands: /save FILE, /load FILE, /stats, /reset,
+/help, /quit. With --json every turn (and /stats, /save) is one JSON line, for scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from larqlpy.cli.common import (CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, WEIGHTS,
+                                err, error_line, fmt_bytes)
+from larqlpy.config import GenerationConfig, SamplingConfig
+from larqlpy.errors import LarqlError
+
+HELP = "/save FILE  /load FILE  /stats  /reset  /help  /quit  (anything else is a message)"
+
+
+def chat(
+    model: Path = typer.Argument(..., help="model directory (with a chat template, or give --chat-template)"),
+    system: Optional[str] = typer.Option(None, "--system", help="a system message first"),
+    chat_template: Optional[Path] = CHAT_TEMPLATE,
+    resume_from: Optional[Path] = typer.Option(None, "--resume", help="continue a conversation saved with /save"),
+    max_tokens: int = typer.Option(512, "-n", "--max-tokens", help="tokens per reply at most"),
+    engine: Optional[str] = ENGINE,
+    continuation: Optional[str] = CONTINUATION,
+    continuation_option: List[str] = CONTINUATION_OPTION,
+    kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="resident KV budget, e.g. 64MiB (cells/v1)"),
+    temperature: float = typer.Option(SamplingConfig.temperature, "--temperature", help="0 = greedy"),
+    top_k: int = typer.Option(SamplingConfig.top_k, "--top-k", help="0 = off"),
+    top_p: float = typer.Option(SamplingConfig.top_p, "--top-p", help="1 = off"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON line per turn instead of streamed text"),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    weights: str = WEIGHTS,
+):
+    """Talk to MODEL, keeping the conversation's attention state between turns."""
+    from larqlpy.request import Request
+
+    req = Request.from_dict(dict(prompt="", engine=engine, continuation=continuation, options=list(continuation_option),
+                                 kv_budget=kv_budget, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, seed=seed, prefill_chunk=GenerationConfig.prefill_chunk))
+    chosen = engine is not None or continuation is not None or continuation_option or kv_budget is not None
+    spec = req.spec() if chosen else None  # every refusal before the weights load
+
+    from larqlpy.chat import ChatSession
+    from larqlpy.model.chat_template import ChatTemplate
+    from larqlpy.model.loader import load
+
+    loaded = load(model, device=device, dtype=dtype, weights=weights)
+    session = ChatSession(loaded, spec, req.gen, ChatTemplate.for_tokenizer(loaded.tokenizer, chat_template), system)
+    if resume_from is not None:
+        session.load(resume_from)
+    Repl(session, as_json).run()
+
+
+class Repl:
+    def __init__(self, session, as_json: bool):
+        self.session, self.as_json = session, as_json
+        self.tty = sys.stdin.isatty()
+        self.failed = False
+
+    def say(self, record: dict, text: str) -> None:
+        sys.stdout.write((json.dumps(record) if self.as_json else text) + "\n")
+        sys.stdout.flush()
+
+    def run(self) -> None:
+        if self.tty and not self.as_json:
+            err.print(f"larqlpy chat ({self.session.spec.describe()}); {HELP}", markup=False)
+        while True:
+            try:
+                line = input("> ") if self.tty else sys.stdin.readline()
+            except EOFError:
+                break
+            except KeyboardInterrupt:  # at the prompt: a fresh line, like a shell
+                sys.stdout.write("\n")
+                continue
+            if not self.tty and line == "":
+                break
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            try:
+                if line.startswith("/"):
+                    if not self.command(line):
+                        break
+                else:
+                    self.turn(line)
+            except LarqlError as e:
+                self.failed = True
+                err.print(f"larqlpy: error: {error_line(e)}", markup=False, soft_wrap=True)
+        raise typer.Exit(1 if self.failed and not self.tty else 0)
+
+    def turn(self, text: str) -> None:
+        s = self.session
+        pieces, ids = [], []
+        try:
+            for tok in s.send(text):
+                ids.append(tok.id)
+                pieces.append(tok.text)
+                if not self.as_json:
+                    sys.stdout.write(tok.text)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:  # stops this reply; the conversation goes on from what it said
+            err.print("[reply stopped]", markup=False)
+        t = s.turns[-1]
+        self.say({"turn": len(s.turns), "text": "".join(pieces), "tokens": ids, "prompt_tokens": t.prompt_tokens,
+                  "prefilled_tokens": t.prefilled_tokens, "finish_reason": t.finish_reason}, "")
+
+    def command(self, line: str) -> bool:
+        """Run a /command; False to end the session."""
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        s = self.session
+        if name in ("/quit", "/exit"):
+            return False
+        if name == "/help":
+            self.say({"help": HELP}, HELP)
+        elif name == "/stats":
+            st = s.stats()
+            turns = ", ".join(f"{i + 1}: prefilled {t['prefilled_tokens']} of {t['prompt_tokens']}"
+                              for i, t in enumerate(st["turns"]))
+            self.say(st, f"engine {st['engine']} | position {st['position']} | resident KV "
+                         f"{fmt_bytes(st['resident_kv_bytes'])} | turns: {turns or 'none'}")
+        elif name in ("/save", "/load"):
+            if not arg:
+                raise LarqlError(f"{name} needs a FILE")
+            if name == "/save":
+                n = s.save(arg)
+                self.say({"saved": arg, "bytes": n}, f"saved {fmt_bytes(n)} to {arg}")
+            else:
+                s.load(arg)
+                self.say({"loaded": arg, "messages": len(s.messages)}, f"loaded {arg} ({len(s.messages)} messages)")
+        elif name == "/reset":
+            s.messages = [m for m in s.messages if m["role"] == "system"]
+            s.state, s.tokens, s.turns = None, [], []
+            self.say({"reset": True}, "conversation cleared")
+        else:
+            raise LarqlError(f"unknown command {name!r} ({HELP})")
+        return True

@@ -1,0 +1,149 @@
+"""What each GGUF architecture needs to come back to the Hugging Face layout: its config.json from
+the metadata, its tensor names, and the conventions llama.cpp's converter applied on the way in.
+
+- gemma3: every norm stored as 1 + w (HF stores w); the layer pattern, the local RoPE base and
+  query_pre_attn_scalar are not in the metadata and are Gemma 3 constants.
+- llama: the rows of attn_q and attn_k permuted into llama.cpp's RoPE order (undone here as
+  transformers' GGUF loader undoes it); norms stored as they are; no output.weight means a tied head.
+- qwen2: the llama layout with q/k/v biases, and no permutation (llama.cpp runs Qwen's RoPE as is).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from larqlpy.errors import LarqlError
+
+LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+           "ffn_down": "mlp.down_proj"}
+GEMMA_NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+LLAMA_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str  # general.architecture
+    norms: dict[str, str]  # GGUF block norm -> HF name under model.layers.{i}.
+    norm_plus_one: bool  # llama.cpp stores norm gains as 1 + w
+    permuted_qk: bool  # llama.cpp permuted attn_q / attn_k rows for its RoPE
+    config: Callable[["Meta"], dict]
+
+    def hf_name(self, gguf_name: str) -> tuple[str, bool] | None:
+        """HF tensor name for a GGUF one, and whether it is a norm stored as 1 + w. None: not ours."""
+        if gguf_name == "token_embd.weight":
+            return "model.embed_tokens.weight", False
+        if gguf_name == "output_norm.weight":
+            return "model.norm.weight", self.norm_plus_one
+        if gguf_name == "output.weight":
+            return "lm_head.weight", False
+        parts = gguf_name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[3] in ("weight", "bias"):
+            layer, kind, what = parts[1], parts[2], parts[3]
+            if kind in self.norms and what == "weight":
+                return f"model.layers.{layer}.{self.norms[kind]}.weight", self.norm_plus_one
+            if kind in LINEARS:
+                return f"model.layers.{layer}.{LINEARS[kind]}.{what}", False
+        return None
+
+    def restore(self, gguf_name: str, w: np.ndarray, config: dict) -> np.ndarray:
+        """Undo the converter's permutation of q and k rows (weights and biases alike)."""
+        kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+        if not self.permuted_qk or kind not in ("attn_q", "attn_k"):
+            return w
+        heads = config["num_attention_heads"] if kind == "attn_q" else config["num_key_value_heads"]
+        half = w.shape[0] // heads // 2
+        return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class Meta:
+    """The GGUF's metadata under its architecture's prefix."""
+
+    def __init__(self, reader, arch: str):
+        self.reader, self.arch = reader, arch
+
+    def get(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def arch_key(self, key: str, default=None):
+        return self.get(f"{self.arch}.{key}", default)
+
+    def has_tensor(self, name: str) -> bool:
+        return any(t.name == name for t in self.reader.tensors)
+
+    def common(self, model_type: str, architecture: str, default_theta: float) -> dict:
+        """The config.json fields every architecture reads the same way."""
+        tokens = self.get("tokenizer.ggml.tokens")
+        hidden = int(self.arch_key("embedding_length"))
+        heads = int(self.arch_key("attention.head_count"))
+        eos = self.get("tokenizer.ggml.eos_token_id")
+        out = {
+            "architectures": [architecture], "model_type": model_type,
+            "vocab_size": int(self.arch_key("vocab_size", len(tokens))), "hidden_size": hidden,
+            "intermediate_size": int(self.arch_key("feed_forward_length")),
+            "num_hidden_layers": int(self.arch_key("block_count")), "num_attention_heads": heads,
+            "num_key_value_heads": int(self.arch_key("attention.head_count_kv", heads)),
+            "head_dim": int(self.arch_key("attention.key_length", hidden // heads)),
+            "rope_theta": float(self.arch_key("rope.freq_base", default_theta)),
+            "rms_norm_eps": float(self.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+            "max_position_embeddings": int(self.arch_key("context_length", 2048)),
+            "bos_token_id": self.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": None if eos is None else int(eos),
+            "pad_token_id": self.get("tokenizer.ggml.padding_token_id"),
+            "tie_word_embeddings": not self.has_tensor("output.weight"),
+            "torch_dtype": "float32",
+        }
+        kind, factor = self.arch_key("rope.scaling.type"), self.arch_key("rope.scaling.factor")
+        if kind not in (None, "none") and factor:
+            if kind != "linear":
+                raise LarqlError(f"rope scaling {kind!r} in a GGUF is not supported by convert-gguf")
+            out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+        return out
+
+
+def gemma3_config(m: Meta) -> dict:
+    c = m.common("gemma3_text", "Gemma3ForCausalLM", 1e6)
+    tokens = m.get("tokenizer.ggml.tokens")
+    eot = tokens.index("<end_of_turn>") if "<end_of_turn>" in tokens else None
+    eos = c["eos_token_id"] if c["eos_token_id"] is not None else 1
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    c.update({
+        "vocab_size": len(tokens), "sliding_window": int(m.arch_key("attention.sliding_window")),
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"  # five sliding, one global
+                        for i in range(c["num_hidden_layers"])],
+        "rope_local_base_freq": 10_000.0,
+        # Gemma 3 scales queries by head_dim ** -0.5, except 27B which uses hidden/heads (168).
+        "query_pre_attn_scalar": hidden // heads if hidden == 5376 else c["head_dim"],
+        "final_logit_softcapping": m.arch_key("final_logit_softcapping"), "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": int(m.arch_key("context_length", 32768)),
+        "bos_token_id": int(c["bos_token_id"] if c["bos_token_id"] is not None else 2),
+        "eos_token_id": [eos] + ([eot] if eot is not None and eot != eos else []),
+        "pad_token_id": int(c["pad_token_id"] if c["pad_token_id"] is not None else 0), "tie_word_embeddings": True,
+        "rope_scaling": c.get("rope_scaling"),
+    })
+    return c
+
+
+def llama_config(m: Meta) -> dict:
+    if m.has_tensor("rope_freqs.weight"):
+        raise LarqlError("llama3-style RoPE scaling stored as rope_freqs.weight is not supported by convert-gguf")
+    return {**m.common("llama", "LlamaForCausalLM", 10000.0), "hidden_act": "silu", "attention_bias": False,
+            "mlp_bias": False}
+
+
+def qwen2_config(m: Meta) -> dict:
+    return {**m.common("qwen2", "Qwen2ForCausalLM", 1e6), "hidden_act": "silu", "use_sliding_window": False}
+
+
+ARCHS = {a.name: a for a in (
+    Arch("gemma3", GEMMA_NORMS, norm_plus_one=True, permuted_qk=False, config=gemma3_config),
+    Arch("llama", LLAMA_NORMS, norm_plus_one=False, permuted_qk=True, config=llama_config),
+    Arch("qwen2", LLAMA_NORMS, norm_plus_one=False, permuted_qk=False, config=qwen2_config),
+)}

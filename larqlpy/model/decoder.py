@@ -1,0 +1,155 @@
+"""The decoder every family shares: one sequence, no batch dimension, attention state held by a KV
+engine. What a family changes is declared on its ModelConfig (model/families/), never tested by name.
+
+Shapes: T = tokens in the block, E = hidden size, H / Hkv = query / KV heads, D = head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.stores.base import AttentionParams, EngineState
+from larqlpy.kernels.matvec import embedding, linear, linears, rms_norm
+from larqlpy.model.config import ModelConfig, RopeConfig
+from larqlpy.model.files import block_weights
+
+
+def inv_freq(cfg: RopeConfig, head_dim: int) -> torch.Tensor:
+    """RoPE's inverse frequencies, scaled as the config says (transformers' formulas)."""
+    freq = 1.0 / (cfg.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if cfg.rope_type == "linear":
+        return freq / cfg.factor  # linear scaling stretches positions
+    if cfg.rope_type == "llama3":  # long wavelengths divided by factor, short ones kept, a ramp between
+        low_wavelen = cfg.original_max_position_embeddings / cfg.low_freq_factor
+        high_wavelen = cfg.original_max_position_embeddings / cfg.high_freq_factor
+        wavelen = 2 * math.pi / freq
+        scaled = torch.where(wavelen > low_wavelen, freq / cfg.factor, freq)
+        smooth = (cfg.original_max_position_embeddings / wavelen - cfg.low_freq_factor) / \
+            (cfg.high_freq_factor - cfg.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / cfg.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return freq
+
+
+class Rope:
+    """cos/sin tables for one RoPE, grown on demand. rotate-half layout (HF), not interleaved."""
+
+    def __init__(self, cfg: RopeConfig, head_dim: int, device: torch.device):
+        self.inv_freq = inv_freq(cfg, head_dim).to(device)
+        self.cos = self.sin = torch.empty(0, head_dim, device=device)
+
+    def tables(self, start: int, t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if start + t > self.cos.shape[0]:
+            n = max(2 * self.cos.shape[0], start + t, 1024)
+            freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos, self.sin = emb.cos(), emb.sin()
+        return self.cos[start:start + t].to(dtype), self.sin[start:start + t].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (heads, T, D); cos/sin: (T, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _weight(*shape: int) -> nn.Parameter:
+    """A placeholder filled by the loader (meta: no memory until real weights arrive)."""
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+
+
+class Block(nn.Module):
+    SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # packed weights stack these
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps, self.offset = cfg.rms_norm_eps, 1.0 if cfg.norm_offset else 0.0
+        self.cfg = cfg
+        for ours, (_, shape) in block_weights(cfg).items():  # HF names: q_proj, ..., input_layernorm, ...
+            setattr(self, ours, _weight(*shape(cfg)))
+        self.attn = AttentionParams(scale=cfg.attention_scale, softcap=cfg.attn_softcap)
+        self.act = (lambda g: F.gelu(g, approximate="tanh")) if cfg.activation == "gelu_tanh" else F.silu
+
+    def norm(self, x: torch.Tensor, weight) -> torch.Tensor:
+        return rms_norm(x, weight, self.eps, self.offset)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store) -> torch.Tensor:
+        c, t = self.cfg, x.shape[0]
+        h = self.norm(x, self.input_layernorm)  # (T, E)
+        q, k, v = linears(h, self.q_proj, self.k_proj, self.v_proj)
+        if c.qkv_bias:
+            q, k, v = q + self.q_proj_bias, k + self.k_proj_bias, v + self.v_proj_bias
+        q = q.view(t, self.n_heads, self.head_dim).transpose(0, 1)  # (H, T, D)
+        k = k.view(t, self.n_kv, self.head_dim).transpose(0, 1)  # (Hkv, T, D)
+        v = v.view(t, self.n_kv, self.head_dim).transpose(0, 1)
+        if c.qk_norm:
+            q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        a = store.attend(q, k, v, self.attn)  # (H, T, D): the single dispatch point to the KV engine
+        a = linear(a.transpose(0, 1).reshape(t, -1), self.o_proj)
+        if c.o_bias:
+            a = a + self.o_proj_bias
+        if c.sandwich_norms:  # Gemma: normed after attention, then before and after the MLP
+            x = x + self.norm(a, self.post_attention_layernorm)
+            h = self.norm(x, self.pre_feedforward_layernorm)
+        else:  # Llama: post_attention_layernorm is the MLP's pre-norm
+            x = x + a
+            h = self.norm(x, self.post_attention_layernorm)
+        gate, up = linears(h, self.gate_proj, self.up_proj)
+        m = linear(self.act(gate) * up, self.down_proj)
+        return x + (self.norm(m, self.post_feedforward_layernorm) if c.sandwich_norms else m)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.key_calibration = None  # per-layer KeyCalibration (engines/stores/calibration.py), when the model has one
+        self.calibration_problem: str | None = None  # why it has none, when its file is stale or damaged
+        self.embed_tokens = _weight(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = _weight(cfg.hidden_size)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _weight(cfg.vocab_size, cfg.hidden_size)
+        # HF rounds the scale to the weights' dtype before multiplying; so do we (matters in bf16).
+        self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size) if cfg.embed_scale else 1.0, dtype=dtype)
+        tables = {r: Rope(r, cfg.head_dim, self.device) for r in {cfg.rope_global, cfg.rope_local}}
+        self.ropes = {"global": tables[cfg.rope_global], "sliding": tables[cfg.rope_local]}
+
+    @property
+    def head(self):
+        """The LM head's matrix: the embeddings when tied."""
+        return self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
+
+    def geometries(self) -> list[LayerGeometry]:
+        c = self.cfg
+        cal = self.key_calibration or [None] * c.num_hidden_layers
+        return [LayerGeometry(i, c.window(i), c.num_key_value_heads, c.head_dim, cal[i], self.calibration_problem)
+                for i in range(c.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, state: EngineState, all_logits: bool = False) -> torch.Tensor:
+        """Run a block of token ids (T,) at the state's next positions; returns logits (T or 1, V)."""
+        start, t = state.position, tokens.shape[0]
+        x = embedding(tokens.to(self.device), self.embed_tokens).to(self.dtype)
+        if self.cfg.embed_scale:
+            x = x * self.embed_scale.to(self.device)
+        tables = {kind: rope.tables(start, t, self.dtype) for kind, rope in self.ropes.items()}  # one RoPE: the same tables
+        for block, store in zip(self.layers, state.layers):
+            x = block(x, *tables[store.geometry.kind], store)
+        state.end_block()
+        if not all_logits:
+            x = x[-1:]
+        logits = linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps, 1.0 if self.cfg.norm_offset else 0.0), self.head)
+        if self.cfg.final_softcap:
+            cap = self.cfg.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
