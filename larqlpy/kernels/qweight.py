@@ -1,22 +1,25 @@
-"""Weight-only low-bit matrices: bf16, int8 and int4, and the kernels that multiply by them.
+"""Packed weight matrices: bf16, and 8- or 4-bit integer codes in groups, with the kernels that use them.
 
-Formats (value of one weight; groups are GROUP consecutive inputs of one output row):
-  bf16  the top 16 bits of the float32 (round to nearest even, held as int16); 16 bits
-  int8  q * scale, q in [-127, 127], one float32 scale per group;      9 bits per weight
-  int4  q * scale + minimum, q in [0, 15], float32 scale and minimum;  6 bits per weight
-int4 is affine, not symmetric: the GGUF this project converts stores most of its 4-bit tensors
-(Q4_K) as affine groups of 32, so this grid can hold those values again.
+A code u of one output row stands for  scale * (u - zero)  (+ minimum in affine formats), with one
+float32 scale (and minimum) per group of `group` consecutive inputs:
+  int8 (ours)  u in 1..255, zero 128, group 32: symmetric, scale = max|w| / 127 (Q8_0's grid);  8.5 bits
+  int4 (ours)  u in 0..15, zero 0, affine, group 32 (Q4_1's grid);                               5 bits
+  native       what the GGUF held, exactly (model/native.py): Q8_0, Q5_0 and Q6_K as 8-bit codes
+               (Q6_K in groups of 16), Q4_K, Q4_1 and Q4_0 as 4-bit codes
+  bf16         the top 16 bits of the float32 (round to nearest even);              16 bits per weight
+Both formulas round once per operation in float32, as gguf-py's dequantization does, so a GGUF's
+codes come back as the values it dequantizes to, bit for bit. Scales and minimums are float16
+(2 bytes per group) where every value of a matrix is a float16 exactly, as a GGUF's d and m are and
+our int8 and int4 make theirs; float32 where not (Q4_K's and Q6_K's d * sc).
 
-Layout: output rows in tiles of TILE; inside a tile the codes are input-major, (tiles, inputs, TILE),
-so a tile's rows sit side by side. Decode multiplies one activation row by every matrix; a
-per-row dot product over a 32-value group is too short for the compiler to vectorise, but this
-layout makes every inner loop run across TILE rows (8 lanes per AVX2 instruction) and reads each
-packed byte exactly once per token. int4 keeps inputs 2i and 2i+1 in one byte (low, high nibble).
+Layout: output rows in tiles of TILE. Integer codes are stored per tile input-quad-major,
+(tiles, k/4, TILE, 4) for 8-bit and (tiles, k/8, TILE, 4) for 4-bit (byte i of a row's word: inputs
+8o+i in the low nibble, 8o+4+i in the high): the four inputs one integer dot-product instruction
+sums sit side by side for each row (qdot.py, simd.py). bf16: (tiles, k, TILE).
 
-Decode (one row on the CPU) runs the numba GEMV kernels on the codes. Everything else (prefill,
-CUDA) dequantizes a slab of tiles at a time and calls torch's GEMM: numba on the CPU, torch on
-other devices, both computing q * scale (+ minimum) in float32 without fused multiply-adds, so both
-produce the same float32 weights bit for bit.
+On the CPU integer codes run the qdot kernels (int8 activations, integer dot products) for any number
+of activation rows. bf16, the float path and CUDA dequantize a slab of tiles at a time into float32
+for torch's GEMM beyond a few rows.
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ import torch.nn.functional as F
 from numba import njit, prange
 
 from larqlpy.errors import LarqlError
+from larqlpy.kernels import cpu, qdot
+from larqlpy.kernels.qdot import as_float
+from larqlpy.kernels.simd import ROWS as TILE
 
-TILE = 64
 GROUP = 32
-FORMATS = ("f32", "bf16", "int8", "int4")
+FORMATS = ("f32", "bf16", "int8", "int4", "native")
 SLAB_BYTES = 16 << 20  # float32 scratch per dequantized slab in prefill
-PACK_VERSION = 1  # bump when packing changes what a format's codes are: cached packs are rebuilt
-GEMV_ROWS = 16  # up to this many rows run the decode kernel once per row: faster than a slab (measured on the 270M shapes)
+PACK_VERSION = 3  # bump when packing changes what a format's codes are: cached packs are rebuilt
+GEMV_ROWS = 16  # bf16 / float path: up to this many rows run a GEMV, faster than a slab (measured on the 270M shapes)
+NO_MINIMUM = np.zeros((0, 1, TILE), np.float32)
 
 
 def check_format(name: str) -> str:
@@ -42,31 +48,12 @@ def check_format(name: str) -> str:
     return name
 
 
-# --- quantization (load time, CPU) -------------------------------------------------------------
+# --- quantization from float32 (load time): row-major codes, tiled afterwards ------------------
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _quant_int8(w, q, scale):  # pragma: no cover - jitted
+def _search_int4(w, scale, minimum):  # pragma: no cover - jitted
     n, k = w.shape
     for i in prange(n):
-        t, r = i // q.shape[2], i % q.shape[2]
-        for g in range(k // GROUP):
-            amax = np.float32(0.0)
-            for j in range(g * GROUP, (g + 1) * GROUP):
-                amax = max(amax, abs(w[i, j]))
-            s = amax / np.float32(127.0)
-            scale[t, g, r] = s
-            inv = np.float32(1.0) / s if s > 0 else np.float32(0.0)
-            for j in range(g * GROUP, (g + 1) * GROUP):
-                q[t, j, r] = np.int8(min(127.0, max(-127.0, np.rint(w[i, j] * inv))))
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _quant_int4(w, packed, scale, minimum):  # pragma: no cover - jitted
-    n, k = w.shape
-    levels = np.empty((n, GROUP), np.uint8)
-    for i in prange(n):
-        t, r = i // packed.shape[2], i % packed.shape[2]
-        qs = levels[i]
         for g in range(k // GROUP):
             lo, hi = w[i, g * GROUP], w[i, g * GROUP]
             for j in range(g * GROUP, (g + 1) * GROUP):
@@ -74,7 +61,7 @@ def _quant_int4(w, packed, scale, minimum):  # pragma: no cover - jitted
                 hi = max(hi, w[i, j])
             # Round to nearest on the min..max grid, trying a few step counts: a group whose values
             # came from an affine 4-bit grid that never used its top level (common in Q4_K data)
-            # is reproduced exactly by the step count it was written with.
+            # is best held by the step count it was written with.
             best_err, best_s = np.inf, np.float32(0.0)
             for steps in range(15, 10, -1):
                 s = np.float32((hi - lo) / np.float32(steps))
@@ -86,59 +73,79 @@ def _quant_int4(w, packed, scale, minimum):  # pragma: no cover - jitted
                     err += d * d
                 if err < best_err:
                     best_err, best_s = err, s
-            scale[t, g, r] = best_s
-            minimum[t, g, r] = lo
-            inv = np.float32(1.0) / best_s if best_s > 0 else np.float32(0.0)
-            for j in range(GROUP):
-                qs[j] = np.uint8(min(15.0, np.rint((w[i, g * GROUP + j] - lo) * inv)))
-            for j in range(GROUP // 2):
-                packed[t, (g * GROUP) // 2 + j, r] = qs[2 * j] | (qs[2 * j + 1] << 4)
+            scale[i, g], minimum[i, g] = best_s, lo
 
 
-# --- decode: one activation row times the codes (CPU) -------------------------------------------
-
-@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
-def _gemv_int8(q, scale, x, out):  # pragma: no cover - jitted
-    nt, k, tn = q.shape
-    for t in prange(nt):
-        acc = np.zeros(tn, np.float32)
-        s = np.empty(tn, np.float32)
+@njit(parallel=True, cache=True, error_model="numpy")
+def _codes(w, scale, minimum, zero, top, u):  # pragma: no cover - jitted
+    """u = rint((w - minimum) / scale) + zero, clipped to [1 or 0, top] (minimum empty: symmetric)."""
+    n, k = w.shape
+    bottom = 1 if minimum.shape[0] == 0 and zero > 0 else 0  # symmetric codes keep -127..127
+    for i in prange(n):
         for g in range(k // GROUP):
-            s[:] = 0.0
+            s = scale[i, g]
+            inv = np.float32(1.0) / s if s > 0 else np.float32(0.0)
+            m = minimum[i, g] if minimum.shape[0] else np.float32(0.0)
             for j in range(g * GROUP, (g + 1) * GROUP):
-                xj = x[j]
-                for r in range(tn):
-                    s[r] += np.float32(q[t, j, r]) * xj
-            for r in range(tn):
-                acc[r] += scale[t, g, r] * s[r]
-        out[t * tn:(t + 1) * tn] = acc
+                q = np.rint((w[i, j] - m) * inv) + zero
+                u[i, j] = np.uint8(min(np.float32(top), max(np.float32(bottom), q)))
 
 
-@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
-def _gemv_int4(packed, scale, minimum, x, out):  # pragma: no cover - jitted
-    nt, kh, tn = packed.shape
-    ng = scale.shape[1]
-    xsum = np.zeros(ng, np.float32)
-    for g in range(ng):
-        for j in range(g * GROUP, (g + 1) * GROUP):
-            xsum[g] += x[j]
-    for t in prange(nt):
-        acc = np.zeros(tn, np.float32)
-        s = np.empty(tn, np.float32)
-        for g in range(ng):
-            s[:] = 0.0
-            for p in range(g * GROUP // 2, (g + 1) * GROUP // 2):
-                # b = lo + 16 hi, so lo*x0 + hi*x1 = b*x0 + hi*(x1 - 16 x0). The float -> int32 -> float
-                # round trip extracts hi in 32-bit lanes (integer ops would widen to 64-bit lanes).
-                x0 = x[2 * p]
-                xd = x[2 * p + 1] - np.float32(16.0) * x0
-                for r in range(tn):
-                    b = np.float32(packed[t, p, r])
-                    hi = np.float32(np.int32(b * np.float32(0.0625)))
-                    s[r] += b * x0 + hi * xd
-            for r in range(tn):
-                acc[r] += scale[t, g, r] * s[r] + minimum[t, g, r] * xsum[g]
-        out[t * tn:(t + 1) * tn] = acc
+def _to_half(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to float16 (kept as float32) where that costs under 2^-10 of each,
+    as a GGUF's Q8_0 / Q4_1 scales are; else the values as they are."""
+    h = a.astype(np.float16).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        close = np.all(np.isfinite(h) & (np.abs(h - a) <= np.float32(2.0 ** -10) * np.abs(a)))
+    return h if close else a
+
+
+def tile_codes(u: np.ndarray, bits: int) -> np.ndarray:
+    """Row-major codes (n, k), n a multiple of TILE -> the tiled layout above."""
+    n, k = u.shape
+    if bits == 8:
+        return np.ascontiguousarray(u.reshape(n // TILE, TILE, k // 4, 4).transpose(0, 2, 1, 3))
+    v = u.reshape(n // TILE, TILE, k // 8, 2, 4)
+    return np.ascontiguousarray((v[:, :, :, 0] | (v[:, :, :, 1] << 4)).transpose(0, 2, 1, 3))
+
+
+def tile_groups(a: np.ndarray) -> np.ndarray:
+    """Per-group values (n, groups) -> (tiles, groups, TILE)."""
+    n, ng = a.shape
+    return np.ascontiguousarray(a.reshape(n // TILE, TILE, ng).transpose(0, 2, 1))
+
+
+# --- dequantization into float32 (embedding rows, prefill slabs) ---------------------------------
+# No fastmath: scale * (u - zero) + minimum must round as two operations, as torch and gguf-py compute it.
+
+@njit(inline="always", cache=True)
+def _code(codes, bits, t, j, r):  # pragma: no cover - jitted
+    if bits == 8:
+        return np.int32(codes[t, j // 4, r, j % 4])
+    b = codes[t, j // 8, r, j % 4]
+    return np.int32(b >> 4) if j % 8 >= 4 else np.int32(b & 15)
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _rows_int(codes, scale, minimum, zero, bits, idx, out):  # pragma: no cover - jitted
+    group, affine = out.shape[1] // scale.shape[1], minimum.shape[0] > 0
+    for n in prange(idx.shape[0]):
+        t, r = idx[n] // TILE, idx[n] % TILE
+        for j in range(out.shape[1]):
+            v = as_float(scale[t, j // group, r]) * np.float32(_code(codes, bits, t, j, r) - zero)
+            out[n, j] = v + as_float(minimum[t, j // group, r]) if affine else v
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _slab_int(codes, scale, minimum, zero, bits, t0, t1, out):  # pragma: no cover - jitted
+    group, affine = out.shape[0] // scale.shape[1], minimum.shape[0] > 0
+    for t in prange(t0, t1):
+        c = (t - t0) * TILE
+        for j in range(out.shape[0]):
+            g = j // group
+            for r in range(TILE):
+                v = as_float(scale[t, g, r]) * np.float32(_code(codes, bits, t, j, r) - zero)
+                out[j, c + r] = v + as_float(minimum[t, g, r]) if affine else v
 
 
 @njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
@@ -157,30 +164,6 @@ def _gemv_bf16(w, x, out):  # pragma: no cover - jitted
         out[t * tn:(t + 1) * tn] = acc
 
 
-# --- dequantization into float32 rows (prefill slabs, embedding lookups) -----------------------
-# No fastmath: q * scale + minimum must round as two operations, as torch computes it.
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _rows_int8(q, scale, idx, out):  # pragma: no cover - jitted
-    tn = q.shape[2]
-    for n in prange(idx.shape[0]):
-        t, r = idx[n] // tn, idx[n] % tn
-        for j in range(q.shape[1]):
-            out[n, j] = np.float32(q[t, j, r]) * scale[t, j // GROUP, r]
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _rows_int4(packed, scale, minimum, idx, out):  # pragma: no cover - jitted
-    tn = packed.shape[2]
-    for n in prange(idx.shape[0]):
-        t, r = idx[n] // tn, idx[n] % tn
-        for p in range(packed.shape[1]):
-            b = packed[t, p, r]
-            g = (2 * p) // GROUP
-            out[n, 2 * p] = np.float32(b & 15) * scale[t, g, r] + minimum[t, g, r]
-            out[n, 2 * p + 1] = np.float32(b >> 4) * scale[t, g, r] + minimum[t, g, r]
-
-
 @njit(parallel=True, cache=True, error_model="numpy")
 def _rows_bf16(w, idx, out):  # pragma: no cover - jitted
     tn = w.shape[2]
@@ -189,31 +172,6 @@ def _rows_bf16(w, idx, out):  # pragma: no cover - jitted
         t, r = idx[n] // tn, idx[n] % tn
         for j in range(w.shape[1]):
             bits[n, j] = np.uint32(w[t, j, r]) << np.uint32(16)
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _slab_int8(q, scale, t0, t1, out):  # pragma: no cover - jitted
-    tn = q.shape[2]
-    for t in prange(t0, t1):
-        c = (t - t0) * tn
-        for j in range(q.shape[1]):
-            g = j // GROUP
-            for r in range(tn):
-                out[j, c + r] = np.float32(q[t, j, r]) * scale[t, g, r]
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _slab_int4(packed, scale, minimum, t0, t1, out):  # pragma: no cover - jitted
-    tn = packed.shape[2]
-    for t in prange(t0, t1):
-        c = (t - t0) * tn
-        for p in range(packed.shape[1]):
-            g = (2 * p) // GROUP
-            for r in range(tn):
-                b = np.float32(packed[t, p, r])
-                hi = np.float32(np.int32(b * np.float32(0.0625)))  # exact: b is an integer below 256
-                out[2 * p, c + r] = (b - np.float32(16.0) * hi) * scale[t, g, r] + minimum[t, g, r]
-                out[2 * p + 1, c + r] = hi * scale[t, g, r] + minimum[t, g, r]
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
@@ -227,21 +185,58 @@ def _slab_bf16(w, t0, t1, out):  # pragma: no cover - jitted
                 bits[j, c + r] = np.uint32(np.uint16(w[t, j, r])) << np.uint32(16)
 
 
-GEMV = {"int4": _gemv_int4, "int8": _gemv_int8, "bf16": _gemv_bf16}
-ROWS = {"int4": _rows_int4, "int8": _rows_int8, "bf16": _rows_bf16}
-SLAB = {"int4": _slab_int4, "int8": _slab_int8, "bf16": _slab_bf16}
+def _halves_if_exact(scale: np.ndarray, minimum: np.ndarray | None):
+    """Scales (and minimums) as float16 bits (uint16) when every value is a float16 exactly (a GGUF's
+    own d and m; our int8 / int4 round theirs to float16 when packing), else float32 as they are."""
+    parts = [scale] + ([] if minimum is None else [minimum])
+    if all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in parts):
+        parts = [a.astype(np.float16).view(np.uint16) for a in parts]
+    return parts[0], (None if minimum is None else parts[1])
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a.view(np.int16) if a.dtype == np.uint16 else a)  # float16 bits, held as int16
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.numpy().view(np.uint16) if t.dtype == torch.int16 else t.numpy()  # the kernels read uint16 as float16
 
 
 class PackedWeight:
-    """A (out, in) weight matrix held as low-bit codes in the tiled layout above."""
+    """An (out, in) weight matrix held as bf16 or integer codes in the tiled layout above.
 
-    def __init__(self, fmt: str, shape: tuple[int, int], codes: torch.Tensor, scale: torch.Tensor | None = None,
-                 minimum: torch.Tensor | None = None):
-        self.fmt, self.shape = fmt, shape
+    kind: "bf16", "u8" or "u4"; zero, group: the code's zero point and the inputs per scale;
+    lowest, highest: the range of codes present (which kernel paths may take it)."""
+
+    def __init__(self, kind: str, shape: tuple[int, int], codes: torch.Tensor, scale: torch.Tensor | None = None,
+                 minimum: torch.Tensor | None = None, zero: int = 0, group: int = GROUP,
+                 lowest: int = 0, highest: int = 255):
+        self.kind, self.shape, self.zero, self.group = kind, tuple(shape), int(zero), int(group)
         self.codes, self.scale, self.minimum = codes, scale, minimum
+        self.lowest, self.highest = int(lowest), int(highest)
+        self.bits = {"u8": 8, "u4": 4}.get(kind, 16)
+        self.path = "float" if kind == "bf16" else cpu.int_path(self.bits, self.lowest, self.highest)
         # numpy views for the numba kernels, made once: decode calls them ~130 times per token
-        arrays = [t for t in (codes, scale, minimum) if t is not None]
-        self.arrays = tuple(t.numpy() for t in arrays) if codes.device.type == "cpu" else ()
+        self.arrays = () if codes.device.type != "cpu" else (codes.numpy(),) if kind == "bf16" else \
+            (codes.numpy(), _numpy(scale), NO_MINIMUM if minimum is None else _numpy(minimum))
+
+    @classmethod
+    def from_codes(cls, u: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, zero: int,
+                   bits: int) -> "PackedWeight":
+        """Row-major codes u (out, in) uint8 and per-group scale (and minimum) (out, groups), tiled."""
+        n, k = u.shape
+        group = k // scale.shape[1]
+        nt = -(-n // TILE)
+        pad = nt * TILE - n  # whole tiles: zero rows (code = zero, scale 0), cut back from outputs
+        lowest, highest = (int(u.min()), int(u.max())) if u.size else (0, 0)
+        scale, minimum = _halves_if_exact(scale, minimum)
+        if pad:
+            u = np.concatenate([u, np.full((pad, k), zero, np.uint8)])
+            scale = np.concatenate([scale, np.zeros((pad, scale.shape[1]), scale.dtype)])
+            minimum = None if minimum is None else np.concatenate([minimum, np.zeros((pad, minimum.shape[1]), minimum.dtype)])
+        return cls("u8" if bits == 8 else "u4", (n, k), torch.from_numpy(tile_codes(u, bits)),
+                   _tensor(tile_groups(scale)), None if minimum is None else _tensor(tile_groups(minimum)),
+                   zero, group, lowest, highest)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, fmt: str, name: str = "weight") -> "PackedWeight":
@@ -249,22 +244,23 @@ class PackedWeight:
         if fmt in ("int8", "int4") and k % GROUP:
             raise LarqlError(f"`weights` {fmt}: {name} has {k} inputs, not a multiple of the group size {GROUP}")
         w = w.detach().to("cpu", torch.float32).contiguous()
-        nt = -(-n // TILE)
-        if nt * TILE != n:  # pad to whole tiles with zero rows; outputs are cut back to n
-            w = torch.cat([w, w.new_zeros(nt * TILE - n, k)])
-        wn = w.numpy()
         if fmt == "bf16":
+            nt = -(-n // TILE)
+            if nt * TILE != n:
+                w = torch.cat([w, w.new_zeros(nt * TILE - n, k)])
             top = w.to(torch.bfloat16).view(torch.int16).view(nt, TILE, k)  # round to nearest even
-            return cls(fmt, (n, k), top.transpose(1, 2).contiguous())
-        scale = torch.empty(nt, k // GROUP, TILE)
-        if fmt == "int8":
-            codes = torch.empty(nt, k, TILE, dtype=torch.int8)
-            _quant_int8(wn, codes.numpy(), scale.numpy())
-            return cls(fmt, (n, k), codes, scale)
-        if fmt == "int4":
-            codes, minimum = torch.empty(nt, k // 2, TILE, dtype=torch.uint8), torch.empty(nt, k // GROUP, TILE)
-            _quant_int4(wn, codes.numpy(), scale.numpy(), minimum.numpy())
-            return cls(fmt, (n, k), codes, scale, minimum)
+            return cls("bf16", (n, k), top.transpose(1, 2).contiguous())
+        wn, u = w.numpy(), np.empty((n, k), np.uint8)
+        if fmt == "int8":  # Q8_0's grid: max|w| / 127 per group, held as float16
+            scale = _to_half(np.abs(wn.reshape(n, -1, GROUP)).max(-1) / np.float32(127.0))
+            _codes(wn, scale, np.zeros((0, 1), np.float32), 128, 255, u)
+            return cls.from_codes(u, scale, None, 128, 8)
+        if fmt == "int4":  # Q4_1's grid: affine, float16 scale and minimum
+            scale, minimum = np.empty((n, k // GROUP), np.float32), np.empty((n, k // GROUP), np.float32)
+            _search_int4(wn, scale, minimum)
+            scale, minimum = _to_half(scale), _to_half(minimum)
+            _codes(wn, scale, minimum, 0, 15, u)
+            return cls.from_codes(u, scale, minimum, 0, 4)
         raise LarqlError(f"`weights`: cannot pack into {fmt!r}")
 
     @property
@@ -275,9 +271,15 @@ class PackedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minimum) if t is not None)
 
+    def meta(self) -> dict:
+        """What describes the codes beside the tensors (the packed-weight cache's header)."""
+        return {"kind": self.kind, "shape": list(self.shape), "zero": self.zero, "group": self.group,
+                "lowest": self.lowest, "highest": self.highest}
+
     def to(self, device: torch.device) -> "PackedWeight":
         move = (lambda t: None if t is None else t.to(device))
-        return PackedWeight(self.fmt, self.shape, move(self.codes), move(self.scale), move(self.minimum))
+        return PackedWeight(self.kind, self.shape, move(self.codes), move(self.scale), move(self.minimum),
+                            self.zero, self.group, self.lowest, self.highest)
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """Float32 weight rows idx (any shape) -> idx.shape + (in,)."""
@@ -285,40 +287,66 @@ class PackedWeight:
         if not self.arrays:  # not on the CPU: torch ops
             return self._rows_torch(flat).view(*idx.shape, self.shape[1])
         out = np.empty((flat.numel(), self.shape[1]), np.float32)
-        ROWS[self.fmt](*self.arrays, flat.to(torch.int64).contiguous().numpy(), out)
+        ids = flat.to(torch.int64).contiguous().numpy()
+        if self.kind == "bf16":
+            _rows_bf16(self.arrays[0], ids, out)
+        else:
+            _rows_int(*self.arrays, self.zero, self.bits, ids, out)
         return torch.from_numpy(out).view(*idx.shape, self.shape[1])
 
     def _rows_torch(self, idx: torch.Tensor) -> torch.Tensor:
         """The same float32 rows through torch ops (CUDA, and the CPU twin the tests compare)."""
         t, r = idx // TILE, idx % TILE
-        codes = self.codes[t, :, r]  # (n, in) or (n, in/2)
-        if self.fmt == "bf16":
+        codes = self.codes[t, :, r]  # (n, k/4 or k/8, 4) or bf16 (n, k)
+        if self.kind == "bf16":
             return (codes.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
-        g = torch.arange(self.shape[1], device=idx.device) // GROUP
-        scale = self.scale[t[:, None], g[None, :], r[:, None]]
-        if self.fmt == "int8":
-            return codes.float() * scale
-        q = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(len(idx), -1).float()
-        return q * scale + self.minimum[t[:, None], g[None, :], r[:, None]]
+        if self.kind == "u4":
+            codes = torch.stack((codes & 15, codes >> 4), dim=2)  # (n, k/8, 2, 4): inputs 8o+i, 8o+4+i
+        u = codes.reshape(len(idx), -1).to(torch.int32)
+        g = torch.arange(self.shape[1], device=idx.device) // self.group
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, in) -> (T, out): the GEMV kernel per row for a few CPU rows, else GEMM over dequantized slabs."""
-        if x.shape[0] <= GEMV_ROWS and self.arrays:  # a few rows: re-reading the codes beats dequantizing
-            xs = x.float().contiguous().numpy()
-            out = np.empty((x.shape[0], self.codes.shape[0] * TILE), np.float32)
-            for i in range(x.shape[0]):
-                GEMV[self.fmt](*self.arrays, xs[i], out[i])
-            return torch.from_numpy(out[:, :self.shape[0]]).to(x.dtype)
+        def per_group(a: torch.Tensor) -> torch.Tensor:
+            a = a[t[:, None], g[None, :], r[:, None]]
+            return a.view(torch.float16).float() if a.dtype == torch.int16 else a
+
+        v = per_group(self.scale) * (u - self.zero).float()
+        return v if self.minimum is None else v + per_group(self.minimum)
+
+    def _slab(self, t0: int, t1: int) -> torch.Tensor:
+        """Tiles [t0, t1) dequantized input-major, (in, rows): the GEMM reads it transposed, no copy."""
+        slab = torch.empty(self.shape[1], (t1 - t0) * TILE)
+        if self.kind == "bf16":
+            _slab_bf16(self.arrays[0], t0, t1, slab.numpy())
+        else:
+            _slab_int(*self.arrays, self.zero, self.bits, t0, t1, slab.numpy())
+        return slab
+
+    def matmul(self, x: torch.Tensor, path: str | None = None) -> torch.Tensor:
+        """x (T, in) -> (T, out) on the CPU's integer kernels (`path`, default the fastest this CPU
+        runs for these codes) for any T: each row's numbers are the same whatever T, so a prefill
+        in chunks and decode one token at a time agree. bf16 and the float path run a GEMV for a
+        few rows and torch's GEMM over dequantized slabs beyond; so does every device but the CPU."""
+        path = path or self.path
+        rows = x.shape[0]
+        if self.arrays and (path != "float" or rows <= GEMV_ROWS):
+            f32 = x.dtype == torch.float32
+            xs = (x if f32 and x.is_contiguous() else x.float().contiguous()).numpy()
+            out = np.empty((rows, self.codes.shape[0] * TILE), np.float32)
+            if self.kind == "bf16":
+                for i in range(rows):
+                    _gemv_bf16(self.arrays[0], xs[i], out[i])
+            else:
+                qdot.gemm(*self.arrays, self.zero, self.bits, xs, path, out)
+            y = torch.from_numpy(out if out.shape[1] == self.shape[0] else out[:, :self.shape[0]])
+            return y if f32 else y.to(x.dtype)
         n, k = self.shape
         tiles = max(1, SLAB_BYTES // (4 * k * TILE))
-        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         for t0 in range(0, self.codes.shape[0], tiles):
             t1 = min(self.codes.shape[0], t0 + tiles)
             lo, hi = t0 * TILE, min(n, t1 * TILE)
-            if self.arrays:  # (in, rows) straight from the tiles: the GEMM reads it transposed, no copy
-                slab = torch.empty(k, (t1 - t0) * TILE)
-                SLAB[self.fmt](*self.arrays, t0, t1, slab.numpy())
-                out[:, lo:hi] = torch.mm(x, slab[:, :hi - lo].to(x.dtype))
+            if self.arrays:
+                out[:, lo:hi] = torch.mm(x, self._slab(t0, t1)[:, :hi - lo].to(x.dtype))
             else:
                 out[:, lo:hi] = F.linear(x, self.rows(torch.arange(lo, hi, device=self.device)).to(x.dtype))
         return out

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.stores.base import AttentionParams, EngineState
-from larqlpy.kernels.matvec import embedding, linear, linears, rms_norm
+from larqlpy.kernels.matvec import embedding, linear, linears, norm_rope, residual_norm, rms_norm
 from larqlpy.model.config import ModelConfig, RopeConfig
 from larqlpy.model.files import block_weights
 
@@ -53,13 +53,6 @@ class Rope:
         return self.cos[start:start + t].to(dtype), self.sin[start:start + t].to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (heads, T, D); cos/sin: (T, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def _weight(*shape: int) -> nn.Parameter:
     """A placeholder filled by the loader (meta: no memory until real weights arrive)."""
     return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
@@ -87,25 +80,23 @@ class Block(nn.Module):
         q, k, v = linears(h, self.q_proj, self.k_proj, self.v_proj)
         if c.qkv_bias:
             q, k, v = q + self.q_proj_bias, k + self.k_proj_bias, v + self.v_proj_bias
-        q = q.view(t, self.n_heads, self.head_dim).transpose(0, 1)  # (H, T, D)
-        k = k.view(t, self.n_kv, self.head_dim).transpose(0, 1)  # (Hkv, T, D)
+        # (H, T, D) and (Hkv, T, D): q and k normed per head (Gemma 3, Qwen 3) and rotated
+        q = norm_rope(q, self.n_heads, self.q_norm if c.qk_norm else None, self.eps, self.offset, cos, sin)
+        k = norm_rope(k, self.n_kv, self.k_norm if c.qk_norm else None, self.eps, self.offset, cos, sin)
         v = v.view(t, self.n_kv, self.head_dim).transpose(0, 1)
-        if c.qk_norm:
-            q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = store.attend(q, k, v, self.attn)  # (H, T, D): the single dispatch point to the KV engine
         a = linear(a.transpose(0, 1).reshape(t, -1), self.o_proj)
         if c.o_bias:
             a = a + self.o_proj_bias
-        if c.sandwich_norms:  # Gemma: normed after attention, then before and after the MLP
-            x = x + self.norm(a, self.post_attention_layernorm)
-            h = self.norm(x, self.pre_feedforward_layernorm)
-        else:  # Llama: post_attention_layernorm is the MLP's pre-norm
-            x = x + a
-            h = self.norm(x, self.post_attention_layernorm)
+        # Gemma: normed after attention, then before and after the MLP; Llama: post_attention_layernorm
+        # is the MLP's pre-norm
+        post = self.post_attention_layernorm if c.sandwich_norms else None
+        x, h = residual_norm(x, a, post, self.pre_feedforward_layernorm if c.sandwich_norms else
+                             self.post_attention_layernorm, self.eps, self.offset)
         gate, up = linears(h, self.gate_proj, self.up_proj)
         m = linear(self.act(gate) * up, self.down_proj)
-        return x + (self.norm(m, self.post_feedforward_layernorm) if c.sandwich_norms else m)
+        return residual_norm(x, m, self.post_feedforward_layernorm if c.sandwich_norms else None, None,
+                             self.eps, self.offset)[0]
 
 
 class Decoder(nn.Module):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -14,6 +15,7 @@ from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.qweight import PackedPart, PackedWeight, check_format, stack
 from larqlpy.model import calibration_file, packed_cache
+from larqlpy.model.native_file import NativeFile
 from larqlpy.model.config import ModelConfig
 from larqlpy.model.decoder import Block, Decoder
 from larqlpy.model.families import read_config
@@ -28,7 +30,7 @@ class LoadedModel:
     model: Decoder
     tokenizer: Tokenizer
     fingerprint: str  # config + weight file headers: what a saved state must match
-    weights: str = "f32"  # f32 | bf16 | int8 | int4: the precision the matrices run at
+    weights: str = "f32"  # f32 | bf16 | int8 | int4 | native: the precision the matrices run at
     packed_from: str | None = None  # low-bit formats: "cache" or "built" (model/packed_cache.py)
 
     def held_weights(self) -> list:
@@ -52,7 +54,8 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
          key_calibration: bool = True) -> LoadedModel:
     """Load a model directory. device: auto|cpu|cuda; dtype: float32|bfloat16 (activations);
     weights: f32|bf16|int8|int4 -- the matrices (embedding / tied LM head included) packed, from the
-    packed-weight cache after the first load; key_calibration: read kv_calibration.safetensors when
+    packed-weight cache after the first load; native -- each matrix as the GGUF held it
+    (native.safetensors, written by the converter); key_calibration: read kv_calibration.safetensors when
     the directory has one (a stale or damaged one is reported on the model, not raised).
     Every weight read is checked finite; a NaN or infinity is refused naming its tensor."""
     path = Path(path)
@@ -63,13 +66,13 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     tokenizer = Tokenizer.from_dir(path, cfg)
     ckpt = Checkpoint(path, cfg)
     model = Decoder(cfg, device=dev, dtype=tdtype)
-    matrices = {ours for ours, (_, shape) in ckpt.wanted.items() if len(shape) == 2} if weights != "f32" else set()
-    packed_from = None
+    packed_from, matrices = None, set()
     handles: dict[Path, object] = {}
-    if matrices:
-        packed, packed_from = packed_cache.load_or_build(path, weights, ckpt.fingerprint,
-                                                         lambda: _pack(ckpt, handles, cfg, weights))
-        _install_packed(model, packed, dev)
+    if weights != "f32":
+        build = (lambda: _pack_native(ckpt, NativeFile(path, ckpt.fingerprint), cfg)) if weights == "native" else \
+            (lambda: _pack(ckpt, handles, cfg, weights))
+        packed, packed_from = packed_cache.load_or_build(path, weights, ckpt.fingerprint, build)
+        matrices = _install_packed(model, packed, dev)
     for ours, (hf, _) in ckpt.wanted.items():
         if ours in matrices:
             continue
@@ -123,23 +126,47 @@ def _pack(ckpt: Checkpoint, handles: dict, cfg: ModelConfig, fmt: str) -> dict[s
     return out
 
 
-def _install_packed(model: Decoder, packed: dict[str, PackedWeight], dev: torch.device) -> None:
-    for name in ("embed_tokens", "lm_head"):
-        if name in packed:
-            model._parameters.pop(name)
-            setattr(model, name, packed[name].to(dev))
-    for i, block in enumerate(model.layers):
-        for names in Block.SHARED_INPUT:  # parts of one stacked matrix: each a row range of the whole
-            whole = packed[f"layers.{i}.{'|'.join(names)}"].to(dev)
-            lo = 0
-            for n in names:
-                rows = getattr(block, n).shape[0]
-                block._parameters.pop(n)
-                setattr(block, n, PackedPart(whole, lo, lo + rows))
-                lo += rows
-        for n in ("o_proj", "down_proj"):
-            block._parameters.pop(n)
-            setattr(block, n, packed[f"layers.{i}.{n}"].to(dev))
+def _pack_native(ckpt: Checkpoint, native: NativeFile, cfg: ModelConfig) -> dict[str, PackedWeight]:
+    """The GGUF's own codes, tiled; q|k|v and gate|up stacked where their codes share one format.
+    Matrices the file holds as float stay out (they load as float32)."""
+    def codes(ours: str):
+        hf = ckpt.wanted[ours][0]
+        return native.codes(hf) if hf in native.matrices else None
+
+    def kind(c):  # what must match for matrices to share one packed whole
+        return c[3], c[4], c[0].shape[1] // c[1].shape[1], c[2] is None
+
+    out = {}
+    for name in [n for n in ("embed_tokens", "lm_head") if n in ckpt.wanted] + \
+            [f"layers.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in ("o_proj", "down_proj")]:
+        if (c := codes(name)) is not None:
+            out[name] = PackedWeight.from_codes(*c)
+    for i in range(cfg.num_hidden_layers):
+        for names in Block.SHARED_INPUT:
+            parts = [codes(f"layers.{i}.{n}") for n in names]
+            if all(p is not None for p in parts) and len({kind(p) for p in parts}) == 1:
+                cat = [np.concatenate([p[f] for p in parts]) if parts[0][f] is not None else None for f in range(3)]
+                out[f"layers.{i}.{'|'.join(names)}"] = PackedWeight.from_codes(*cat, parts[0][3], parts[0][4])
+            else:
+                out.update({f"layers.{i}.{n}": PackedWeight.from_codes(*p) for n, p in zip(names, parts) if p is not None})
+    return out
+
+
+def _install_packed(model: Decoder, packed: dict[str, PackedWeight], dev: torch.device) -> set[str]:
+    """Put packed matrices in place of the float ones; returns the names (ours) they replace."""
+    done = set()
+    for key, w in packed.items():
+        owner, _, attr = key.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        whole, lo = w.to(dev), 0
+        names = attr.split("|")
+        for n in names:  # a stack: each part is a row range of the whole
+            rows = getattr(module, n).shape[0]
+            module._parameters.pop(n)
+            setattr(module, n, whole if len(names) == 1 else PackedPart(whole, lo, lo + rows))
+            lo += rows
+            done.add(f"{owner}.{n}" if owner else n)
+    return done
 
 
 def resolve_device(device: str) -> torch.device:

@@ -64,7 +64,7 @@ def load_or_build(model_dir: Path, fmt: str, fingerprint: str,
 def write(path: Path, packed: dict[str, PackedWeight], fmt: str, fingerprint: str) -> None:
     tensors, matrices = {}, {}
     for name, w in packed.items():
-        matrices[name] = list(w.shape)
+        matrices[name] = w.meta()
         for field in FIELDS:
             t = getattr(w, field)
             if t is not None:
@@ -94,7 +94,7 @@ def read(path: Path, fmt: str, fingerprint: str) -> dict[str, PackedWeight]:
     except Exception as e:  # a truncated or garbled file: safetensors and json say so their own way
         raise damaged(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
     out = {}
-    for name, shape in matrices.items():
+    for name, meta in matrices.items():
         fields = {}
         for field in FIELDS:
             key = f"{name}.{field}"
@@ -108,5 +108,9 @@ def read(path: Path, fmt: str, fingerprint: str) -> dict[str, PackedWeight]:
                 fields[field] = torch.from_numpy(a)
         if "codes" not in fields:
             raise damaged(f"no codes for {name}")
-        out[name] = PackedWeight(fmt, tuple(shape), fields["codes"], fields.get("scale"), fields.get("minimum"))
+        try:
+            out[name] = PackedWeight(meta["kind"], tuple(meta["shape"]), fields["codes"], fields.get("scale"),
+                                     fields.get("minimum"), meta["zero"], meta["group"], meta["lowest"], meta["highest"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise damaged(f"{name}: {type(e).__name__} {e}") from None
     return out

@@ -1,0 +1,185 @@
+"""Integer dot products over one weight group, written as LLVM IR for numba (`@intrinsic`).
+
+numba's loops do not reach the CPU's integer dot-product instructions: LLVM's vectoriser does not
+turn a loop over bytes into AVX-512 VNNI's `vpdpbusd` (four u8 x s8 products summed into each 32-bit
+lane) or AVX2's `vpmaddubsw` + `vpmaddwd`, and numba widens byte arithmetic to 64-bit lanes. These
+intrinsics emit exactly those instructions (checked with `inspect_asm`, tests/test_kernels.py).
+
+Each one computes, for the 64 output rows of one tile and a few activation rows, the exact int32 sums
+    dot[m, r] = sum over the group's inputs j of  u[r, j] * xq[m, j]
+with u the weight codes (unsigned bytes) and xq the int8 activations, and adds them, scaled, to the
+float32 outputs (see _make). Layout (qweight.py):
+    8-bit codes: per quad of inputs (4j..4j+3), 64 rows x 4 bytes (row r's four codes adjacent);
+    4-bit codes: per octet (8j..8j+7), 64 rows x 4 bytes, low nibbles inputs 8j..8j+3, high 8j+4..8j+7.
+Integer sums are exact, so every path that computes them gives the same numbers bit for bit.
+
+Arguments (flat arrays and offsets into them): acc float32 and the offset of row m0's outputs (rows
+64 apart); codes uint8 and the group's offset; x int32 (four int8 activations each), offset, row
+stride; scale float32 (or float16 bits as uint16) and offset (the group's 64 scales), minimum likewise; xs float32 and sxq int32
+(per activation row and group), offset, row stride; zc, the codes' zero point on this path; affine
+(whether minimum holds anything). `quads` (inputs / 4 in the group) and `rows` are fixed per intrinsic.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+ROWS = 64  # the tile: qweight.TILE
+
+
+def _fn(builder, name: str, ret, args):
+    module = builder.module
+    try:
+        return module.get_global(name)
+    except KeyError:
+        return ir.Function(module, ir.FunctionType(ret, args), name=name)
+
+
+def _ptr(context, builder, aty, arr, offset, vty):
+    data = context.make_array(aty)(context, builder, arr).data
+    return builder.bitcast(builder.gep(data, [offset]), vty.as_pointer())
+
+
+def _splat(builder, value, vty):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
+
+
+def _make(emit, quads: int, nibbles: bool, rows: int):
+    """An intrinsic that sums one group for `rows` activation rows (`emit`) and adds the scaled sums to
+    the float32 outputs, in registers:
+        acc[m, r] += scale[r] * (xs[m] * float(dot[m, r] - zc * sxq[m]))   (+ minimum[r] * (xs[m] * float(sxq[m])))
+    as separate float32 multiplies and adds (no fused multiply-add), the same on every path."""
+
+    @intrinsic
+    def dot(typingctx, acc, aoff, codes, coff, x, xoff, xstride, scale, soff, minimum, xs, sxq, qoff, qstride, zc,
+            affine):
+        sig = types.void(acc, types.intp, codes, types.intp, x, types.intp, types.intp, scale, types.intp,
+                         minimum, xs, sxq, types.intp, types.intp, types.int32, types.boolean)
+
+        def codegen(context, builder, signature, args):
+            acc_a, aoff_v, codes_a, coff_v, x_a, xoff_v, xstride_v, scale_a, soff_v, min_a, xs_a, sxq_a, qoff_v, \
+                qstride_v, zc_v, affine_v = args
+            ty = signature.args
+            idx = xoff_v.type
+
+            def at(k: int, arr, off, n, vty, align=4):  # load from flat array k at off + n
+                p = _ptr(context, builder, ty[k], arr, builder.add(off, ir.Constant(idx, n)), vty)
+                return p, builder.load(p, align=align)
+
+            def x_of(row: int, quad: int):  # four int8 activations as one int32
+                off = builder.add(xoff_v, builder.mul(xstride_v, ir.Constant(idx, row)))
+                return at(4, x_a, off, quad, I32)[1]
+
+            def codes_at(byte: int, vty):
+                return at(2, codes_a, coff_v, byte, vty, align=1)[1]
+
+            sums = emit(builder, codes_at, x_of, quads, nibbles, rows)  # sums[row][vector], int32 lanes
+            width = sums[0][0].type.count
+            fv = ir.VectorType(ir.FloatType(), width)
+
+            def floats(k: int, arr, n: int):  # a group's scales or minimums: float32, or float16 bits
+                if ty[k].dtype == types.uint16:
+                    h = at(k, arr, soff_v, n, ir.VectorType(I16, width), align=2)[1]
+                    return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), width)), fv)
+                return at(k, arr, soff_v, n, fv)[1]
+
+            def add_scaled(affine: bool):
+                for m, vectors in enumerate(sums):
+                    q = builder.add(qoff_v, builder.mul(qstride_v, ir.Constant(idx, m)))
+                    c = at(10, xs_a, q, 0, ir.FloatType())[1]
+                    s = at(11, sxq_a, q, 0, I32)[1]
+                    zs = _splat(builder, builder.mul(zc_v, s), vectors[0].type)
+                    cv = _splat(builder, c, fv)
+                    xsum = _splat(builder, builder.fmul(c, builder.sitofp(s, ir.FloatType())), fv)
+                    for v, a in enumerate(vectors):
+                        f = builder.fmul(cv, builder.sitofp(builder.sub(a, zs), fv))
+                        add = builder.fmul(floats(7, scale_a, v * width), f)
+                        p, old = at(0, acc_a, aoff_v, m * ROWS + v * width, fv)
+                        new = builder.fadd(old, add)
+                        if affine:
+                            new = builder.fadd(new, builder.fmul(floats(9, min_a, v * width), xsum))
+                        builder.store(new, p, align=4)
+
+            flag = builder.icmp_unsigned("!=", affine_v, ir.Constant(affine_v.type, 0))
+            with builder.if_else(flag) as (with_minimum, without):
+                with with_minimum:
+                    add_scaled(True)
+                with without:
+                    add_scaled(False)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot
+
+
+def _vnni512(builder, codes_at, x_of, quads, nibbles, rows):
+    """AVX-512 VNNI: 16 rows per zmm, one vpdpbusd per 16 rows x 4 inputs; each code vector loaded
+    once for all the activation rows."""
+    v16 = ir.VectorType(I32, 16)
+    dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
+    acc = [[ir.Constant(v16, None)] * 4 for _ in range(rows)]
+    mask = _splat(builder, ir.Constant(I32, 0x0F0F0F0F), v16)
+    four = _splat(builder, ir.Constant(I32, 4), v16)
+    step = 2 if nibbles else 1
+    for q in range(0, quads, step):
+        xs = [[_splat(builder, x_of(m, q + h), v16) for h in range(step)] for m in range(rows)]
+        for v in range(4):
+            raw = codes_at((q // step) * ROWS * 4 + v * 64, v16)
+            parts = [builder.and_(raw, mask), builder.and_(builder.lshr(raw, four), mask)] if nibbles else [raw]
+            for m in range(rows):
+                for part, xb in zip(parts, xs[m]):
+                    acc[m][v] = builder.call(dp, [acc[m][v], part, xb])
+    return acc
+
+
+def _avx2(signed: bool):
+    """AVX2: 8 rows per ymm; vpmaddubsw (u8 x s8 -> pairs of i16), vpmaddwd by ones (-> i32).
+
+    vpmaddubsw saturates a pair above 32,767: codes up to 127 never reach it (2 x 127 x 127), and
+    with `signed` the codes u in 1..255 are taken as u - 128 and the sign of the activation moved onto
+    them (llama.cpp's trick), so the unsigned side is |x| <= 127. The caller adds 128 * sum(xq) back."""
+
+    def emit(builder, codes_at, x_of, quads, nibbles, rows):
+        v8, b32, w16 = ir.VectorType(I32, 8), ir.VectorType(I8, 32), ir.VectorType(I16, 16)
+        maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [b32, b32])
+        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [w16, w16])
+        sign = _fn(builder, "llvm.x86.avx2.psign.b", b32, [b32, b32])
+        absb = _fn(builder, "llvm.abs.v32i8", b32, [b32, ir.IntType(1)])
+        ones = ir.Constant(w16, [1] * 16)
+        mask = _splat(builder, ir.Constant(I32, 0x0F0F0F0F), v8)
+        four = _splat(builder, ir.Constant(I32, 4), v8)
+        flip = ir.Constant(b32, [0x80] * 32)
+        acc = [[ir.Constant(v8, None)] * 8 for _ in range(rows)]
+        step = 2 if nibbles else 1
+        for q in range(0, quads, step):
+            xs = [[builder.bitcast(_splat(builder, x_of(m, q + h), v8), b32) for h in range(step)] for m in range(rows)]
+            ax = [[builder.call(absb, [xb, ir.Constant(ir.IntType(1), 0)]) for xb in row] for row in xs] if signed else None
+            for v in range(8):
+                raw = codes_at((q // step) * ROWS * 4 + v * 32, v8)
+                parts = [builder.and_(raw, mask), builder.and_(builder.lshr(raw, four), mask)] if nibbles else [raw]
+                for m in range(rows):
+                    for h, (part, xb) in enumerate(zip(parts, xs[m])):
+                        part = builder.bitcast(part, b32)
+                        if signed:
+                            pairs = builder.call(maddubs, [ax[m][h], builder.call(sign, [builder.xor(part, flip), xb])])
+                        else:
+                            pairs = builder.call(maddubs, [part, xb])
+                        acc[m][v] = builder.add(acc[m][v], builder.call(maddwd, [pairs, ones]))
+        return acc
+
+    return emit
+
+
+# (isa, bits, quads, rows) -> intrinsic; quads 8 = groups of 32 inputs, 4 = groups of 16 (8-bit codes
+# only: Q6_K). VNNI takes BLOCK activation rows per call (32 zmm hold their sums); AVX2's 16 ymm one row's.
+BLOCK = 4
+DOTS = {(isa, bits, quads, rows): _make(emit, quads, bits == 4, rows)
+        for isa, emit, blocks in (("vnni512", _vnni512, (1, BLOCK)), ("avx2", _avx2(False), (1,)),
+                                  ("avx2-signed", _avx2(True), (1,)))
+        for bits in (8, 4) for quads in ((8, 4) if bits == 8 else (8,)) for rows in blocks
+        if not (isa == "avx2-signed" and bits == 4)}

@@ -1,0 +1,70 @@
+"""MODEL/native.safetensors: a GGUF's quantized matrices as integer codes (convert/native.py), written
+by the converter beside the float32 checkpoint and read by `weights` native.
+
+Row-major and layout-free (codes (out, in) uint8, scale / minimum (out, groups) float32): the tiled
+layout the kernels read is built from it at load and kept in the packed-weight cache, so a change of
+layout never asks for a reconversion. The header records each matrix's GGUF type, zero point and code
+width, the matrices native runs as float32 and the checkpoint fingerprint the codes belong to.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from larqlpy.errors import LarqlError
+
+FILE = "native.safetensors"
+FORMAT = "larqlpy-native/1"
+
+
+def write(path: Path, codes: dict[str, tuple], floats: dict[str, str], fingerprint: str) -> None:
+    """codes: HF name -> (u, scale, minimum or None, zero, bits, GGUF type name); floats: HF name ->
+    GGUF type of the matrices kept as float32."""
+    tensors, matrices = {}, {}
+    for name, (u, scale, minimum, zero, bits, qtype) in codes.items():
+        tensors[f"{name}.codes"], tensors[f"{name}.scale"] = np.ascontiguousarray(u), np.ascontiguousarray(scale)
+        if minimum is not None:
+            tensors[f"{name}.minimum"] = np.ascontiguousarray(minimum)
+        matrices[name] = {"type": qtype, "zero": int(zero), "bits": int(bits)}
+    save_file(tensors, str(path), metadata={"format": FORMAT, "fingerprint": fingerprint,
+                                            "matrices": json.dumps(matrices), "floats": json.dumps(floats)})
+
+
+class NativeFile:
+    """The codes of one model directory, checked to belong to its checkpoint."""
+
+    def __init__(self, model_dir: Path, fingerprint: str):
+        self.path = model_dir / FILE
+        if not self.path.is_file():
+            raise LarqlError(f"{model_dir}: no native weights ({FILE}); convert the GGUF again (`convert_gguf`) "
+                             "to write them beside the checkpoint")
+        try:
+            self.handle = safe_open(str(self.path), framework="numpy")
+            meta = self.handle.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"format {meta.get('format')!r}, expected {FORMAT}")
+            self.matrices: dict[str, dict] = json.loads(meta["matrices"])
+            self.floats: dict[str, str] = json.loads(meta["floats"])
+        except Exception as e:  # truncated, garbled or foreign: safetensors and json say so their own way
+            raise LarqlError(f"{self.path}: not readable native weights ({str(e).splitlines()[0]}); "
+                             "convert the GGUF again (`convert_gguf`)") from None
+        if meta.get("fingerprint") != fingerprint:
+            raise LarqlError(f"{self.path}: written for other weights than this checkpoint's; "
+                             "convert the GGUF again (`convert_gguf`)")
+
+    def codes(self, name: str) -> tuple:
+        """(u, scale, minimum or None, zero, bits) of one matrix."""
+        m = self.matrices[name]
+        try:
+            u, scale = self.handle.get_tensor(f"{name}.codes"), self.handle.get_tensor(f"{name}.scale")
+            minimum = self.handle.get_tensor(f"{name}.minimum") if f"{name}.minimum" in self.handle.keys() else None
+        except Exception as e:
+            raise LarqlError(f"{self.path}: cannot read {name} ({str(e).splitlines()[0]})") from None
+        if u.dtype != np.uint8 or u.ndim != 2 or scale.shape[0] != u.shape[0] or u.shape[1] % scale.shape[1]:
+            raise LarqlError(f"{self.path}: {name} has codes {list(u.shape)} and scales {list(scale.shape)} that do not fit")
+        return u, scale.astype(np.float32, copy=False), minimum, m["zero"], m["bits"]

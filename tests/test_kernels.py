@@ -1,0 +1,164 @@
+"""The CPU kernel paths (kernels/qdot.py, simd.py): every path this CPU can run, forced, against a
+float64 reference of the same packed weights; the integer paths against each other; the activation
+rounding they share; and the instructions they compile to."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from numba import njit
+
+from larqlpy.kernels import choice, cpu, qdot
+from larqlpy.kernels.matvec import gemv_f32
+from larqlpy.kernels.qweight import TILE, PackedWeight
+
+HERE = cpu.runnable_paths()
+
+
+def rand_codes(bits, n=2 * TILE + 5, k=128, group=32, affine=False, zero=None, lo=None, hi=None, seed=0,
+               half=False):
+    rng = np.random.default_rng(seed)
+    lo = (0 if bits == 4 else 1) if lo is None else lo
+    hi = (15 if bits == 4 else 255) if hi is None else hi
+    u = rng.integers(lo, hi + 1, (n, k)).astype(np.uint8)
+    scale = (rng.random((n, k // group)) * 0.01).astype(np.float32)
+    minimum = ((rng.random((n, k // group)) - 0.5) * 0.1).astype(np.float32) if affine else None
+    zero = (0 if affine else 8 if bits == 4 else 128) if zero is None else zero
+    if half:  # float16 values: packed as float16 bits
+        scale = scale.astype(np.float16).astype(np.float32)
+        minimum = None if minimum is None else minimum.astype(np.float16).astype(np.float32)
+    p = PackedWeight.from_codes(u, scale, minimum, zero, bits)
+    assert (p.scale.dtype == torch.int16) == half
+    return u, scale, minimum, zero, p
+
+
+def weights64(u, scale, minimum, zero):
+    group = u.shape[1] // scale.shape[1]
+    w = np.repeat(scale.astype(np.float64), group, 1) * (u.astype(np.float64) - zero)
+    return w if minimum is None else w + np.repeat(minimum.astype(np.float64), group, 1)
+
+
+def rounded_activations(x: np.ndarray, group: int) -> np.ndarray:
+    """x^: each group of `group` values rounded to int8 steps of max|x| / 127, computed independently."""
+    g = x.reshape(x.shape[0], -1, group).astype(np.float32)
+    amax = np.abs(g).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        q = np.clip(np.rint(g * np.where(amax > 0, np.float32(127) / amax, 0)), -127, 127)
+    return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+
+
+def paths_for(p: PackedWeight) -> list[str]:
+    ok = ["float"]
+    if "vnni512" in HERE:
+        ok.append("vnni512")
+    if "avx2" in HERE:
+        if p.bits == 4 or p.highest <= 127:
+            ok.append("avx2")
+        if p.bits == 8 and p.lowest >= 1:
+            ok.append("avx2-signed")
+    return ok
+
+
+CASES = {  # name -> rand_codes arguments: every format the packers and the GGUF decomposition make
+    "int8, Q8_0 (float16 scales)": dict(bits=8, half=True),
+    "8-bit, float32 scales": dict(bits=8),
+    "Q5_0 as 8-bit": dict(bits=8, lo=112, hi=143),
+    "Q6_K, groups of 16": dict(bits=8, group=16, lo=96, hi=159),
+    "8-bit affine (Q5_1, Q5_K)": dict(bits=8, affine=True, lo=0, hi=31),
+    "codes below 128": dict(bits=8, lo=0, hi=127),
+    "int4, Q4_1 (float16 scales and minimums)": dict(bits=4, affine=True, half=True),
+    "Q4_K (float32)": dict(bits=4, affine=True),
+    "Q4_0": dict(bits=4, half=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("rows", [1, 3, 9, 40])
+def test_every_path_against_float64(case, rows):
+    u, scale, minimum, zero, p = rand_codes(**CASES[case])
+    w = weights64(u, scale, minimum, zero)
+    x = torch.randn(rows, u.shape[1], generator=torch.Generator().manual_seed(rows))
+    exact, rounded = x.double().numpy() @ w.T, rounded_activations(x.numpy(), p.group) @ w.T
+    results = {}
+    for path in paths_for(p):
+        got = p.matmul(x, path=path).double().numpy()
+        assert got.shape == (rows, u.shape[0])
+        want = exact if path == "float" else rounded  # integer paths multiply x^, float paths x itself
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), path
+        results[path] = got
+    ints = [r for path, r in results.items() if path != "float"]
+    for other in ints[1:]:  # exact int32 sums, the same float steps: bit for bit
+        assert np.array_equal(ints[0], other)
+
+
+def test_a_row_gives_the_same_numbers_alone_or_among_many():
+    """Prefill in chunks and decode token by token meet the same numbers on the integer paths."""
+    u, scale, minimum, zero, p = rand_codes(8)
+    x = torch.randn(23, u.shape[1])
+    for path in [q for q in paths_for(p) if q != "float"]:
+        many = p.matmul(x, path=path)
+        for i in (0, 5, 22):
+            assert torch.equal(p.matmul(x[i:i + 1], path=path)[0], many[i])
+
+
+def test_activation_rounding_is_within_half_a_step():
+    x = np.random.default_rng(1).standard_normal((5, 96)).astype(np.float32) * 3
+    x[2, :32] = 0.0  # an all-zero group: no NaN
+    xq, xs, sxq = np.empty((5, 96), np.int8), np.empty((5, 3), np.float32), np.empty((5, 3), np.int32)
+    qdot.quantize_activations(x, 32, xq, xs, sxq)
+    back = xq.astype(np.float64) * np.repeat(xs, 32, 1)
+    assert np.all(np.abs(back - x) <= np.repeat(xs, 32, 1) / 2 * (1 + 1e-6) + 1e-12)
+    assert np.array_equal(sxq, xq.reshape(5, 3, 32).astype(np.int32).sum(-1))
+    assert np.array_equal(back, rounded_activations(x, 32))
+    many = np.tile(x, (8, 1))  # past the threaded cut-over: the same rounding
+    mq, ms, msum = np.empty((40, 96), np.int8), np.empty((40, 3), np.float32), np.empty((40, 3), np.int32)
+    qdot.quantize_activations(many, 32, mq, ms, msum)
+    assert np.array_equal(mq[:5], xq) and np.array_equal(ms[:5], xs)
+
+
+def test_the_default_path_is_the_fastest_this_cpu_runs():
+    for bits, lo, hi in ((8, 1, 255), (8, 0, 255), (8, 0, 127), (4, 0, 15)):
+        path = cpu.int_path(bits, lo, hi)
+        assert path in HERE
+        if "vnni512" in HERE:
+            assert path == "vnni512"
+        elif "avx2" in HERE:
+            assert path == {(8, 1, 255): "avx2-signed", (8, 0, 255): "float"}.get((bits, lo, hi), "avx2")
+
+
+@pytest.mark.parametrize("path, instruction", [("vnni512", "vpdpbusd"), ("avx2", "vpmaddubsw"),
+                                               ("avx2-signed", "vpsignb")])
+def test_the_kernels_compile_to_the_integer_dot_instructions(path, instruction):
+    if path not in HERE:
+        pytest.skip(f"this CPU has no {path}")
+    kernel = njit(parallel=True, error_model="numpy")(qdot.INT[(path, 8)].py_func)  # fresh: cached code has no asm
+    u, scale, minimum, zero, p = rand_codes(8, lo=1, hi=127)
+    xq = np.zeros((1, u.shape[1] // 4), np.int32)
+    xs, sxq = np.zeros((1, u.shape[1] // 32), np.float32), np.zeros((1, u.shape[1] // 32), np.int32)
+    kernel(*p.arrays, np.int32(zero), xq, xs, sxq, np.empty((1, p.codes.shape[0] * TILE), np.float32))
+    asm = "\n".join(kernel.inspect_asm(sig) for sig in kernel.signatures)
+    assert instruction in asm
+
+
+@pytest.mark.parametrize("path", ["numba", "torch"])
+def test_both_f32_gemv_paths_against_float64(path):
+    w, x = torch.randn(300, 96), torch.randn(1, 96)
+    want = (x.double() @ w.double().T).float()
+    assert torch.allclose(gemv_f32(x, w, path), want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_f32_gemv_choice_is_measured_once_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(choice, "_memo", {})
+    calls = []
+    first = choice.choose("test shape", {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")})
+    assert first in ("a", "b") and calls.count("a") == calls.count("b") > 1
+    stored = json.loads((tmp_path / "larqlpy" / "kernel-choices.json").read_text())
+    assert list(stored.values()) == [first]
+    monkeypatch.setattr(choice, "_memo", {})  # a new process: read back, not measured again
+    calls.clear()
+    assert choice.choose("test shape", {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}) == first
+    assert calls == []
