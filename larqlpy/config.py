@@ -10,6 +10,12 @@ from typing import Any
 from larqlpy.errors import LarqlError
 
 
+def _own(cls, raw: dict[str, Any], skip: set[str] = frozenset()) -> dict[str, Any]:
+    """The entries of `raw` that are fields of `cls` (unknown keys and None ignored)."""
+    own = {f.name for f in fields(cls)} - skip
+    return {k: v for k, v in raw.items() if k in own and v is not None}
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.0  # 0: greedy
@@ -46,6 +52,72 @@ class GenerationConfig:
     def from_dict(cls, raw: dict[str, Any]) -> "GenerationConfig":
         """Build from a flat dict (CLI flags, JSON lines); unknown keys are ignored."""
         sampling_keys = {f.name for f in fields(SamplingConfig)}
-        own = {f.name for f in fields(cls)} - {"sampling"}
         sampling = SamplingConfig(**{k: v for k, v in raw.items() if k in sampling_keys and v is not None})
-        return cls(sampling=sampling, **{k: v for k, v in raw.items() if k in own and v is not None})
+        return cls(sampling=sampling, **_own(cls, raw, skip={"sampling"}))
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Continuous batching (scheduler.py): how many sequences share a step, and what they may hold."""
+
+    parallel: int | None = None  # live sequences per process; None: default_parallel()
+    kv_budget: int | None = None  # bytes of KV all live sequences may reserve together; None: no limit
+    step_tokens: int = 1024  # rows per step beyond the decode rows (prefill chunks); one chunk always runs
+
+    def __post_init__(self):
+        if self.parallel is not None and self.parallel < 1:
+            raise LarqlError(f"`parallel` must be >= 1, got {self.parallel}")
+        if self.kv_budget is not None and self.kv_budget < 1:
+            raise LarqlError(f"`kv_budget` must be positive, got {self.kv_budget}")
+        if self.step_tokens < 1:
+            raise LarqlError(f"`step_tokens` must be >= 1, got {self.step_tokens}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "BatchConfig":
+        return cls(**_own(cls, raw))
+
+
+PARALLEL_PER_CORE = 4  # decode at 8 rows costs ~1.5x one row on 2 cores: 4 sequences a core keep it near that
+PARALLEL_MAX = 16  # past here a step's attention and sampling, per sequence, outgrow the shared matrix work
+
+
+def default_parallel(cores: int, workers: int = 1, device: str = "cpu") -> int:
+    """Sequences per process when none is given: on the CPU four per core the process gets (cores /
+    workers), at most 16; on CUDA 16 (one step's kernels have room for many more rows than that)."""
+    if device == "cuda":
+        return PARALLEL_MAX
+    return max(1, min(PARALLEL_MAX, PARALLEL_PER_CORE * max(1, cores // max(1, workers))))
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`larqlpy serve`: where it listens and what it allows (sizes in bytes)."""
+
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = None  # when set, every /v1 and /metrics request needs `Authorization: Bearer KEY`
+    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 4096
+    queue_size: int = 64  # requests waiting beyond the live ones; more are answered 429
+    parallel: int | None = None  # live sequences; None: default_parallel()
+    kv_budget: int = 512 << 20  # kept states in memory, all together
+    disk_budget: int = 4 << 30  # kept states persisted to disk, all together
+    state_dir: str | None = None  # keep states across restarts here; None: a temporary directory
+    shutdown_grace_s: float = 10.0  # in-flight requests get this long to finish on shutdown
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise LarqlError(f"`port` must be in 1..65535, got {self.port}")
+        for name in ("max_body_bytes", "max_tokens_limit", "kv_budget", "disk_budget"):
+            if getattr(self, name) < 1:
+                raise LarqlError(f"`{name}` must be positive, got {getattr(self, name)}")
+        if self.queue_size < 0:
+            raise LarqlError(f"`queue_size` must be >= 0, got {self.queue_size}")
+        if self.parallel is not None and self.parallel < 1:
+            raise LarqlError(f"`parallel` must be >= 1, got {self.parallel}")
+        if self.api_key is not None and not self.api_key:
+            raise LarqlError("`api_key` must not be empty")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ServeConfig":
+        return cls(**_own(cls, raw))

@@ -115,6 +115,13 @@ CASES = [
     ("zero prefill chunk", lambda w: ["run", p(w, "tiny"), "hi", "--prefill-chunk", "0"], None,
      "--prefill-chunk must be >= 1"),
     ("reprefill alone", lambda w: ["run", p(w, "tiny"), "hi", "--reprefill"], None, "--reprefill only makes sense"),
+    # serve: refused before the model loads
+    ("serve kv budget", lambda w: ["serve", p(w, "tiny"), "--kv-budget", "lots"], None, "--kv-budget: expected a size"),
+    ("serve port", lambda w: ["serve", p(w, "tiny"), "--port", "0"], None, "--port must be in 1..65535"),
+    ("serve no-cache", lambda w: ["serve", p(w, "tiny"), "--engine", "no-cache"], None, "no-cache keeps no state"),
+    ("serve state dir a file", lambda w: ["serve", p(w, "tiny"), "--state-dir", p(w, "tiny", "config.json")], None,
+     "--state-dir"),
+    ("batch parallel", lambda w: ["batch", p(w, "tiny"), "-", "--parallel", "0"], None, "--parallel must be >= 1"),
     # prompts
     ("prompt not UTF-8", lambda w: ["run", p(w, "tiny"), BAD_UTF8], None, "PROMPT: not valid UTF-8 (byte 0xff"),
     ("stdin not UTF-8", lambda w: ["run", p(w, "tiny"), "-"], BAD_UTF8, "stdin: not valid UTF-8 (byte 0xff"),

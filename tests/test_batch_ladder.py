@@ -129,3 +129,29 @@ def test_python_api_with_engines(tiny_dir):
     assert [t.id for t in a] == [t.id for t in b] and a[-1].metrics.resident_kv_bytes > 0
     assert "cells/v1" in PROVIDERS and EngineSpec().identity == "canonical/v1"
     assert larqlpy.GenerationConfig().max_tokens == 64  # the default `larqlpy run -n` shows too
+
+
+def test_batch_parallel_keeps_input_order_and_equals_one_at_a_time(tiny_dir, tmp_path):
+    lines = [{"prompt": "the cat " * (i % 5 + 1), "id": i, "max_tokens": 3 + i % 4, "continuation":
+              ["canonical/v1", "window/v1"][i % 2]} for i in range(9)]
+    lines.insert(4, {"prompt": "big", "max_tokens": 400})  # more KV than the whole budget: an error record
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(l) for l in lines) + "\n")
+    one = batch(tiny_dir, str(src), "--parallel", "1", "--weights", "int8", stdin="")
+    many = batch(tiny_dir, str(src), "--parallel", "4", "--weights", "int8", "--kv-budget", "600KiB", stdin="")
+    two = batch(tiny_dir, str(src), "--parallel", "3", "--workers", "2", "--weights", "int8", stdin="")
+    a, b, c = ([json.loads(l) for l in r.stdout.splitlines()] for r in (one, many, two))
+    assert [x["line"] for x in b] == list(range(1, 11)) == [x["line"] for x in c]
+    assert "budget of 614,400 bytes" in b[4]["error"] and b[4]["error"].startswith("line 5: needs ")
+    assert many.returncode == 1 and one.returncode == two.returncode == 0
+    for i in (0, 1, 2, 3, 5, 6, 7, 8, 9):
+        assert a[i]["tokens"] == b[i]["tokens"] == c[i]["tokens"] and a[i]["id"] == b[i]["id"], i
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--parallel", "0"], "--parallel must be >= 1, got 0"),
+    (["--kv-budget", "lots"], "--kv-budget:"),
+])
+def test_batch_parallel_refusals(tiny_dir, args, message):
+    r = batch(tiny_dir, "-", *args)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1

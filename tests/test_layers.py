@@ -20,10 +20,10 @@ LAYERS = [
     ("larqlpy.engines",),
     ("larqlpy.state",),
     ("larqlpy.model", "larqlpy.convert"),
-    ("larqlpy.config", "larqlpy.request", "larqlpy.generate", "larqlpy.session", "larqlpy.runner", "larqlpy.api",
-     "larqlpy"),
+    ("larqlpy.config", "larqlpy.request", "larqlpy.generate", "larqlpy.scheduler", "larqlpy.session",
+     "larqlpy.prefix_cache", "larqlpy.runner", "larqlpy.batch_lines", "larqlpy.chat", "larqlpy.api", "larqlpy"),
     ("larqlpy.tools",),
-    ("larqlpy.cli",),
+    ("larqlpy.cli", "larqlpy.server"),
 ]
 # Imports inside functions outside cli/ (which defers all of them, for start-up): optional
 # heavy libraries, and the torch-side stores a torch-free provider builds when it makes a state.

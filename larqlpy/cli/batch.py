@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import os
 import sys
+import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
@@ -13,46 +16,26 @@ import typer
 
 from larqlpy.cli.common import DEVICE, DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, err, monitored
 from larqlpy.errors import LarqlError
-from larqlpy.files import atomic_write, check_output, read_bytes, utf8
-
-_WORKER: dict = {}
-
-
-def _worker_init(model: str, device: str, dtype: str, weights: str) -> None:
-    from larqlpy.model.loader import load
-
-    _WORKER["loaded"] = load(model, device=device, dtype=dtype, weights=weights)  # float32 on CPU maps the file: pages are shared
-
-
-def _run_line(item: tuple[int, bytes]) -> dict:
-    from larqlpy.request import Request
-    from larqlpy.runner import execute
-
-    lineno, line = item
-    rid = None
-    try:
-        raw = json.loads(utf8(line, "the line"))
-        if isinstance(raw, dict):
-            rid = raw.get("id", lineno)
-            raw = {**raw, "id": rid}
-        return {**execute(_WORKER["loaded"], Request.from_dict(raw)), "line": lineno}
-    except json.JSONDecodeError as e:
-        msg = f"line {lineno}: not valid JSON ({e.msg})"
-    except RecursionError:
-        msg = f"line {lineno}: not valid JSON (nested too deeply)"
-    except LarqlError as e:
-        msg = f"line {lineno}: {e}"  # batch lines speak the library's names (the JSON keys)
-    except Exception as e:  # one bad line must not take the others down
-        msg = f"line {lineno}: {type(e).__name__}: {e}"
-    return {"id": rid if rid is not None else lineno, "line": lineno, "text": None, "tokens": None,
-            "stats": None, "error": msg}
-
+from larqlpy.files import atomic_write, check_output, read_bytes
 
 def batch(
     model: Path = typer.Argument(..., help="model directory"),
     infile: str = typer.Argument(..., help="JSON lines of requests, or - for stdin"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write results here (default stdout)"),
-    workers: int = typer.Option(1, "--workers", help="processes, each mapping the same weights"),
+    parallel: Optional[int] = typer.Option(None, "--parallel", help="sequences decoded together in one process "
+                                           "(default: 4 per core a process gets, at most 16; 16 on CUDA)"),
+    workers: int = typer.Option(1, "--workers", help="processes, each mapping the same weights and batching its own lines"),
+    kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="KV all live sequences may hold together, "
+                                            "e.g. 256MiB (split between the workers); lines wait for room"),
+    resume_output: bool = typer.Option(False, "--resume-output", help="with -o: keep the records it already holds "
+                                       "for unchanged lines, run the rest, append as they finish"),
+    shard: Optional[str] = typer.Option(None, "--shard", help="I/N: only the lines whose number is I modulo N "
+                                        "(a job array's task; merge with batch-merge)"),
+    ray_address: Optional[str] = typer.Option(None, "--ray", help="run on Ray actors: local | auto | ADDRESS"),
+    actors: int = typer.Option(1, "--actors", help="with --ray: actors, each loading the model once"),
+    actor_cpus: int = typer.Option(1, "--actor-cpus", help="with --ray: CPUs per actor (its threads)"),
+    worker_model: Optional[str] = typer.Option(None, "--worker-model", help="with --ray: MODEL's path as the "
+                                               "workers see it (default: the same path)"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress bar"),
     monitor: Optional[Path] = MONITOR,
     monitor_plot: Optional[Path] = MONITOR_PLOT,
@@ -62,13 +45,32 @@ def batch(
 ):
     """Run one request per input line; one result per output line, in input order.
 
-    A line: {"prompt": ..., "id": ..., "max_tokens": ..., "temperature"/"top_k"/"top_p"/"seed": ...,
-    "engine" or "continuation" + "options": {...}, "kv_budget", "resume", "save_state"}. A bad line
-    yields a record with "error" and the rest go on; the exit code is 1 when any line failed."""
+    A line: {"prompt": ... or "messages": [...], "id": ..., "max_tokens": ..., "temperature"/"top_k"/
+    "top_p"/"seed": ..., "engine" or "continuation" + "options": {...}, "kv_budget" (that line's
+    cells/v1 budget), "resume", "save_state"}. Lines run continuously batched, --parallel at a
+    time per process. A bad line yields a record with "error" and the rest go on; the exit code is
+    1 when any line failed."""
+    from larqlpy.batch_lines import parse_shard, split_lines
+    from larqlpy.config import BatchConfig
+    from larqlpy.engines.options import parse_size
     from larqlpy.model.families import read_config
 
     if workers < 1:
         raise LarqlError(f"--workers must be >= 1, got {workers}")
+    if ray_address is None and (actors != 1 or actor_cpus != 1 or worker_model is not None):
+        raise LarqlError("--actors, --actor-cpus and --worker-model go with --ray")
+    if ray_address is not None and (workers != 1 or actors < 1 or actor_cpus < 1):
+        raise LarqlError("--ray runs actors instead of --workers; --actors and --actor-cpus must be >= 1")
+    if resume_output and output is None:
+        raise LarqlError("--resume-output needs -o: it continues that file")
+    budget = None
+    if kv_budget is not None:
+        try:
+            budget = parse_size(kv_budget)
+        except ValueError as e:
+            raise LarqlError(f"--kv-budget: {e}") from None
+    part = parse_shard(shard) if shard is not None else None
+    BatchConfig(parallel, budget)  # refusals before any weights load
     read_config(model)  # a bad model directory is one line, not one error per request
     check_paths(monitor, monitor_plot)
     if output is not None:
@@ -79,9 +81,17 @@ def batch(
     else:
         data = read_bytes(infile)
     # each line is decoded on its own: one that is not UTF-8 is an error record, the others run
-    items = [(i + 1, line) for i, line in enumerate(data.splitlines()) if line.strip()]
-    with atomic_text(output) if output else nullcontext(sys.stdout) as sink:
-        failed = _run(sink, items, str(model), workers, quiet, monitor, monitor_plot, device, dtype, weights)
+    items = split_lines(data)
+    if part is not None:
+        items = [(n, line) for n, line in items if n % part[1] == part[0]]
+    procs = actors if ray_address is not None else workers
+    run = _Run(str(model), device, dtype, weights, workers, parallel, budget // procs if budget else None,
+               ray_address, actors, actor_cpus, worker_model)
+    if resume_output:
+        failed = run.resumed(output, items, quiet, monitor, monitor_plot)
+    else:
+        with atomic_text(output) if output else nullcontext(sys.stdout) as sink:
+            failed = run.all(sink, items, {}, quiet, monitor, monitor_plot)
     if failed and not quiet:
         err.print(f"larqlpy: {failed} of {len(items)} lines failed", markup=False)
     raise typer.Exit(1 if failed else 0)
@@ -97,32 +107,85 @@ def atomic_text(path: Path):
         text.detach()  # the binary file is closed by atomic_write, after it is fsynced
 
 
-def _run(sink, items, model, workers, quiet, monitor, monitor_plot, device, dtype, weights) -> int:
-    """Every line's record into `sink`, in input order; returns how many failed."""
-    import multiprocessing as mp
+def write_sorted(path: Path, records: list[dict]) -> None:
+    with atomic_text(path) as f:
+        for r in sorted(records, key=lambda r: r["line"]):
+            f.write(json.dumps(r) + "\n")
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    failed = 0
-    with monitored(monitor, monitor_plot) as mon, \
-            Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                     console=err, disable=not (err.is_terminal and not quiet)) as bar:
-        task = bar.add_task("batch", total=len(items))
-        if workers == 1:
-            _worker_init(model, device, dtype, weights)
-            results, pool = map(_run_line, items), None
-        else:
-            pool = mp.get_context("spawn").Pool(workers, _worker_init, (model, device, dtype, weights))
-            results = pool.imap(_run_line, items)  # ordered: output follows the input
-        try:
-            for r in results:
+class _Run:
+    """Every line's record into the sink, from this process, worker processes or Ray actors."""
+
+    def __init__(self, model, device, dtype, weights, workers, parallel, kv_budget, ray_address=None, actors=1,
+                 actor_cpus=1, worker_model=None):
+        from larqlpy.tools.batch_run import Setup, cores
+
+        threads = max(1, cores() // workers) if workers > 1 else None
+        self.setup = Setup(model, device, dtype, weights, parallel, kv_budget, threads)
+        self.workers, self.ray_address, self.actors, self.actor_cpus = workers, ray_address, actors, actor_cpus
+        self.worker_model = worker_model
+
+    def resumed(self, output: Path, items, quiet, monitor, monitor_plot) -> int:
+        """--resume-output: keep OUT's records for unchanged lines (a record cut off mid-write and
+        records of edited lines are dropped), append the rest as they finish, and end with every
+        record in input order."""
+        from larqlpy.batch_lines import matching, read_records
+
+        kept = matching(read_records(output, strict=False)[0], items) if output.exists() else {}
+        write_sorted(output, list(kept.values()))  # what is kept, nothing half-written, before the work
+        todo = [(n, line) for n, line in items if n not in kept]
+        with open(output, "a", encoding="utf-8") as sink:
+            failed = self.all(sink, todo, {}, quiet, monitor, monitor_plot, ordered=False)
+            os.fsync(sink.fileno())
+        records, _ = read_records(output, strict=True)
+        write_sorted(output, list(matching(records, items).values()))
+        return failed + sum(r["error"] is not None for r in kept.values())
+
+    def all(self, sink, items, ready, quiet, monitor, monitor_plot, ordered: bool = True) -> int:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        failed, next_line = 0, iter([n for n, _ in items])
+        want = next(next_line, None)
+        t0 = time.perf_counter()
+        with monitored(monitor, monitor_plot) as mon, \
+                Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[speed]}"),
+                         TimeElapsedColumn(), console=err, disable=not (err.is_terminal and not quiet)) as bar:
+            task = bar.add_task("batch", total=len(items), speed="")
+            what = "actors" if self.ray_address else "processes"
+
+            def show(live: int, tokens: int, alive: int):
+                bar.update(task, speed=f"{tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s, {live} live"
+                                       + (f", {alive} {what}" if self.ray_address or self.workers > 1 else ""))
+
+            def put(r):
+                nonlocal failed
                 failed += r["error"] is not None
                 sink.write(json.dumps(r) + "\n")
                 sink.flush()
                 bar.advance(task)
                 mon.position += 1  # lines done
-        finally:
-            if pool is not None:
-                pool.close()
-                pool.join()
-    return failed
+
+            for lineno, rec in self.records(items, show):
+                if not ordered:  # appended as they finish; sorted at the end
+                    put(rec)
+                    continue
+                ready[lineno] = rec
+                while want in ready:  # output follows the input
+                    put(ready.pop(want))
+                    want = next(next_line, None)
+        return failed
+
+    def records(self, items, show):
+        from larqlpy.tools.batch_run import local_records, worker_records
+
+        if self.ray_address is not None:
+            from larqlpy.tools.ray_batch import ray_records
+
+            setup = dataclasses.replace(self.setup, model=self.worker_model or str(Path(self.setup.model).resolve()))
+            def replaced(name: str) -> None:
+                err.print(f"larqlpy: Ray actor {name} died: replaced; the lines it held run again", markup=False)
+
+            return ray_records(self.ray_address, setup, items, show, self.actors, self.actor_cpus, on_replace=replaced)
+        if self.workers == 1:
+            return local_records(self.setup, items, show)
+        return worker_records(self.setup, self.workers, items, show)

@@ -42,7 +42,9 @@ FLAGS = {
     "dtype": "--dtype", "monitor": "--monitor", "monitor_plot": "--monitor-plot", "force": "--force",
     "positions": "--positions", "budget": "--budget", "plot": "--plot", "calibrate": "`larqlpy calibrate MODEL_DIR`",
     "convert_gguf": "`larqlpy convert-gguf GGUF MODEL_DIR --force`",
-    "chat_template": "--chat-template",
+    "chat_template": "--chat-template", "parallel": "--parallel", "port": "--port", "api_key": "--api-key",
+    "queue_size": "--queue-size", "max_tokens_limit": "--max-tokens-limit", "max_body_bytes": "--max-body",
+    "disk_budget": "--disk-budget", "state_dir": "--state-dir", "shard": "--shard",
 }
 
 

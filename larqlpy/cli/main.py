@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from larqlpy.cli import batch, bench, chat, model, observe, residency, run, state
+from larqlpy.cli import batch, batch_merge, bench, chat, model, observe, residency, run, serve, state
 from larqlpy.cli.common import err, error_line
 from larqlpy.errors import LarqlError
 
@@ -20,7 +20,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="LLM inference with pluggable KV engines.")
 app.command()(run.run)
 app.command()(batch.batch)
+app.command("batch-merge")(batch_merge.batch_merge)
 app.command()(chat.chat)
+app.command()(serve.serve)
 app.command()(model.info)
 app.command("convert-gguf")(model.convert_gguf)
 app.command()(model.calibrate)

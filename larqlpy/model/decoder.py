@@ -1,12 +1,17 @@
-"""The decoder every family shares: one sequence, no batch dimension, attention state held by a KV
-engine. What a family changes is declared on its ModelConfig (model/families/), never tested by name.
+"""The decoder every family shares, attention state held by a KV engine. What a family changes is
+declared on its ModelConfig (model/families/), never tested by name.
 
-Shapes: T = tokens in the block, E = hidden size, H / Hkv = query / KV heads, D = head_dim.
+There is no batch dimension: a block is rows of one or several sequences laid end to end. Every
+matrix is multiplied once for all rows; RoPE takes each row's own position; attention hands each
+sequence's rows to that sequence's layer store.
+
+Shapes: T = rows in the block (all sequences), E = hidden size, H / Hkv = query / KV heads, D = head_dim.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -74,7 +79,18 @@ class Block(nn.Module):
     def norm(self, x: torch.Tensor, weight) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.offset)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: list, sizes: list[int]) -> torch.Tensor:
+        """Each sequence's rows to its own store: the single dispatch point to the KV engines."""
+        if len(stores) == 1:
+            return stores[0].attend(q, k, v, self.attn)  # (H, T, D)
+        outs, lo = [], 0
+        for store, n in zip(stores, sizes):
+            part = slice(lo, lo + n)
+            outs.append(store.attend(q[:, part].contiguous(), k[:, part].contiguous(), v[:, part].contiguous(), self.attn))
+            lo += n
+        return torch.cat(outs, dim=1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stores: list, sizes: list[int]) -> torch.Tensor:
         c, t = self.cfg, x.shape[0]
         h = self.norm(x, self.input_layernorm)  # (T, E)
         q, k, v = linears(h, self.q_proj, self.k_proj, self.v_proj)
@@ -84,7 +100,7 @@ class Block(nn.Module):
         q = norm_rope(q, self.n_heads, self.q_norm if c.qk_norm else None, self.eps, self.offset, cos, sin)
         k = norm_rope(k, self.n_kv, self.k_norm if c.qk_norm else None, self.eps, self.offset, cos, sin)
         v = v.view(t, self.n_kv, self.head_dim).transpose(0, 1)
-        a = store.attend(q, k, v, self.attn)  # (H, T, D): the single dispatch point to the KV engine
+        a = self.attend(q, k, v, stores, sizes)  # (H, T, D)
         a = linear(a.transpose(0, 1).reshape(t, -1), self.o_proj)
         if c.o_bias:
             a = a + self.o_proj_bias
@@ -126,21 +142,45 @@ class Decoder(nn.Module):
         return [LayerGeometry(i, c.window(i), c.num_key_value_heads, c.head_dim, cal[i], self.calibration_problem)
                 for i in range(c.num_hidden_layers)]
 
-    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, state: EngineState, all_logits: bool = False) -> torch.Tensor:
         """Run a block of token ids (T,) at the state's next positions; returns logits (T or 1, V)."""
-        start, t = state.position, tokens.shape[0]
+        return self.forward_many([(tokens, state, "all" if all_logits else "last")])[0]
+
+    @torch.inference_mode()
+    def forward_many(self, blocks: Sequence[tuple[torch.Tensor, EngineState, str]]) -> list[torch.Tensor | None]:
+        """Blocks of several sequences in one pass: [(ids (T_i,), its state, "last" | "all" | "none")]
+        -> each block's logits ((1 or T_i, V) float32, or None for "none"). Each block runs at its
+        state's next positions; the LM head runs once, on the rows whose logits are wanted."""
+        sizes = [b[0].shape[0] for b in blocks]
+        states = [b[1] for b in blocks]
+        tokens = blocks[0][0] if len(blocks) == 1 else torch.cat([b[0] for b in blocks])
         x = embedding(tokens.to(self.device), self.embed_tokens).to(self.dtype)
         if self.cfg.embed_scale:
             x = x * self.embed_scale.to(self.device)
-        tables = {kind: rope.tables(start, t, self.dtype) for kind, rope in self.ropes.items()}  # one RoPE: the same tables
-        for block, store in zip(self.layers, state.layers):
-            x = block(x, *tables[store.geometry.kind], store)
-        state.end_block()
-        if not all_logits:
-            x = x[-1:]
+        tables = {}  # kind -> cos, sin (T, D): each row at its own sequence's position
+        for kind, rope in self.ropes.items():  # one RoPE: the same tables under both kinds
+            parts = [rope.tables(s.position, n, self.dtype) for s, n in zip(states, sizes)]
+            tables[kind] = parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
+        for i, block in enumerate(self.layers):
+            stores = [s.layers[i] for s in states]
+            x = block(x, *tables[stores[0].geometry.kind], stores, sizes)
+        for s in states:
+            s.end_block()
+        rows, lo = [], 0  # (first row, count) of each block's wanted rows in x
+        for (_, _, want), n in zip(blocks, sizes):
+            rows.append((lo, n) if want == "all" else (lo + n - 1, 1) if want == "last" else (lo, 0))
+            lo += n
+        keep = [r for r in rows if r[1]]
+        if not keep:
+            return [None] * len(blocks)
+        x = x[keep[0][0]:keep[0][0] + keep[0][1]] if len(keep) == 1 else torch.cat([x[a:a + n] for a, n in keep])
         logits = linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps, 1.0 if self.cfg.norm_offset else 0.0), self.head)
         if self.cfg.final_softcap:
             cap = self.cfg.final_softcap
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        logits = logits.float()
+        out, at = [], 0
+        for _, n in rows:
+            out.append(logits[at:at + n] if n else None)
+            at += n
+        return out

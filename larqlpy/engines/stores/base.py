@@ -95,6 +95,10 @@ class LayerStore:
         """Bytes of the buffers this store holds now, counted from the allocations themselves."""
         raise NotImplementedError
 
+    def reserve(self, positions: int) -> None:
+        """Allocate now what the store will hold after `positions` positions (a batch reserves each
+        sequence's KV on admission). Stores that manage their own memory do nothing."""
+
     def release(self) -> None:
         """After a block: drop rows no later query can read. Exact engines that keep everything do nothing."""
 
@@ -168,6 +172,14 @@ class Shared:
         """Engine-specific figures (e.g. cell transitions) for the run's statistics."""
         return {}
 
+    def shrink(self, target: int) -> bool:
+        """Memory pressure from outside (a kept state over a server's budget): bring the state's
+        resident bytes toward `target` by the engine's own rules; whether anything moved."""
+        return False
+
+    def unshrink(self) -> None:
+        """The pressure is over (the state is in use again): back to the engine's own settings."""
+
 
 class Scratch(Shared):
     """One decode buffer for a whole engine state, reused by every layer (grows to the largest) and
@@ -205,6 +217,17 @@ class EngineState:
     @property
     def position(self) -> int:
         return self.layers[0].end if self.layers else 0
+
+    def reserve(self, positions: int) -> None:
+        for s in self.layers:
+            s.reserve(positions)
+
+    def shrink(self, target: int) -> bool:
+        return any([part.shrink(target) for part in self.shared])
+
+    def unshrink(self) -> None:
+        for part in self.shared:
+            part.unshrink()
 
     def end_block(self) -> None:
         """The model's hook after its layer loop: shared parts act once per block."""

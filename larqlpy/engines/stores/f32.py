@@ -22,7 +22,8 @@ class F32Store(RowStore):
 
     def read(self, start, dtype):
         r = self.rows.read(start, self.end)
-        return r["k"].to(dtype), r["v"].to(dtype)
+        k, v = r["k"], r["v"]
+        return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
 
     def release(self):
         self.rows.commit()

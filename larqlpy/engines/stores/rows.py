@@ -51,14 +51,15 @@ class Rows:
                 self.buf[name][:, n:n + t] = v
         self.end += t
 
-    def _reserve(self, rows: int) -> None:
-        """Grow the buffers (doubling) to hold `rows` rows; a ring grows this way up to `keep`, so
-        a short sequence costs what it holds, and wraps only once it is full."""
+    def _reserve(self, rows: int, exact: bool = False) -> None:
+        """Grow the buffers (doubling, or to exactly `rows` when the caller knows the final count) to
+        hold `rows` rows; a ring grows this way up to `keep`, so a short sequence costs what it holds,
+        and wraps only once it is full."""
         if self.keep is not None:
             rows = min(rows, self.keep)
         if rows <= self.capacity:
             return
-        cap = max(self.min_capacity, 2 * self.capacity, rows)
+        cap = rows if exact else max(self.min_capacity, 2 * self.capacity, rows)
         if self.keep is not None:
             cap = min(cap, self.keep)
         n = min(self.end - (self.pending_rows()), self.capacity)
@@ -66,6 +67,10 @@ class Rows:
             new = torch.zeros((self.n_kv, cap, *old.shape[2:]), dtype=old.dtype, device=self.device)
             new[:, :n] = old[:, :n]
             self.buf[name] = new
+
+    def reserve(self, rows: int) -> None:
+        """Allocate room for `rows` rows now, exactly: later appends up to there never reallocate."""
+        self._reserve(rows, exact=True)
 
     def pending_rows(self) -> int:
         return next(iter(self.pending.values())).shape[1] if self.pending else 0
@@ -176,6 +181,10 @@ class RowStore(LayerStore):
 
     def resident_bytes(self):
         return sum(s.rows.nbytes() for s in self.row_sets().values())
+
+    def reserve(self, positions):
+        for s in self.row_sets().values():
+            s.rows.reserve(s.end_at(positions))
 
     def export(self):
         out = []

@@ -1,0 +1,79 @@
+"""/metrics in Prometheus' text format (prometheus_client): request counters kept here, and the
+engine's figures -- live and waiting sequences, resident KV, the kept states by lifecycle state,
+their transitions and the prefix cache's hits -- read from the engine at each scrape."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class Metrics:
+    def __init__(self, engine):
+        self.engine = engine
+        disable_created_metrics()  # no *_created series beside each counter
+        self.registry = CollectorRegistry()
+        self.requests = Counter("larqlpy_requests", "requests answered, by HTTP status", ["status"],
+                                registry=self.registry)
+        self.tokens = Counter("larqlpy_tokens", "tokens of answered requests", ["kind"], registry=self.registry)
+        self.registry.register(_EngineCollector(engine))
+
+    def served(self, prompt: int, completion: int, cached: int) -> None:
+        self.requests.labels("200").inc()
+        self.tokens.labels("prompt").inc(prompt)
+        self.tokens.labels("completion").inc(completion)
+        self.tokens.labels("cached").inc(cached)
+
+    def failed(self, status: int) -> None:
+        self.requests.labels(str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        with e.lock:
+            live = [s.state for s in e.sched.live]
+            resident = sum(s.resident_bytes() for s in live)
+            by_kind: dict[str, int] = {}
+            for s in live:
+                for kind, n in s.resident_by_kind().items():
+                    by_kind[kind] = by_kind.get(kind, 0) + n
+            kept = e.cache.stats()
+            waiting = e.waiting()
+        yield GaugeMetricFamily("larqlpy_live_sequences", "sequences decoding or prefilling now", value=len(live))
+        yield GaugeMetricFamily("larqlpy_waiting_requests", "requests queued for a slot", value=waiting)
+        g = GaugeMetricFamily("larqlpy_live_kv_bytes", "resident KV of live sequences, by layer kind", labels=["kind"])
+        for kind, n in sorted(by_kind.items()):
+            g.add_metric([kind], n)
+        yield g
+        yield GaugeMetricFamily("larqlpy_live_kv_total_bytes", "resident KV of live sequences", value=resident)
+        b = GaugeMetricFamily("larqlpy_kept_bytes", "kept states' bytes by lifecycle state (PERSISTED: on disk)",
+                              labels=["state"])
+        c = GaugeMetricFamily("larqlpy_kept_states", "kept states by lifecycle state", labels=["state"])
+        for stage in kept["bytes"]:
+            b.add_metric([stage], kept["bytes"][stage])
+            c.add_metric([stage], kept["states"][stage])
+        yield b
+        yield c
+        cells = GaugeMetricFamily("larqlpy_kept_cells", "cells of kept cells/v1 states in memory, by cell state",
+                                  labels=["state"])
+        for stage, n in sorted(kept["cells"].items()):
+            cells.add_metric([stage], n)
+        yield cells
+        t = CounterMetricFamily("larqlpy_kept_transitions", "kept states' lifecycle transitions", labels=["from", "to"])
+        for move, n in sorted(kept["transitions"].items()):
+            src, dst = move.split("->")
+            t.add_metric([src, dst], n)
+        yield t
+        p = CounterMetricFamily("larqlpy_prefix_cache", "requests by what the prefix cache gave them", labels=["result"])
+        for result in ("hits", "misses", "refusals"):
+            p.add_metric([result], kept[result])
+        yield p
+        yield CounterMetricFamily("larqlpy_prefix_reused_tokens", "prompt tokens served from kept states",
+                                  value=kept["reused_tokens"])

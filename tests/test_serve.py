@@ -1,0 +1,273 @@
+"""`larqlpy serve` against a live server on 127.0.0.1: the official openai client, concurrency,
+prefix reuse, budgets, restarts and bad requests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from larqlpy.model.loader import load
+from larqlpy.request import Request
+from larqlpy.runner import execute
+from serving import ENV, EXE, Server
+
+NAME = "smollm2-135m-instruct"
+CHAT = [{"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smol8(smol_dir):
+    return load(smol_dir, device="cpu", weights="int8")
+
+
+@pytest.fixture(scope="module")
+def server(smol_dir, tmp_path_factory):
+    with Server(smol_dir, "--weights", "int8", "--parallel", "4", "--api-key", "sk-test") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
+
+
+def alone(smol8, **req) -> dict:
+    return execute(smol8, Request.from_dict(req))
+
+
+def test_completions_and_chat_through_the_openai_client_equal_larqlpy_run(client, smol_dir, smol8):
+    c = client.completions.create(model=NAME, prompt="The three primary colors are", max_tokens=12, temperature=0)
+    run = subprocess.run([*EXE, "run", str(smol_dir), "The three primary colors are", "-n", "12", "--weights", "int8",
+                          "--json"], capture_output=True, text=True, env=ENV, timeout=300)
+    want = json.loads(run.stdout)
+    assert c.choices[0].text == want["text"] and c.model_extra["larqlpy"]["tokens"] == want["tokens"]
+    assert c.usage.completion_tokens == 12 and c.choices[0].finish_reason == "length"
+    parts = client.completions.create(model=NAME, prompt="The three primary colors are", max_tokens=12,
+                                      temperature=0, stream=True)
+    assert "".join(p.choices[0].text for p in parts) == want["text"]
+
+    chat = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=20, temperature=0)
+    ref = alone(smol8, messages=CHAT, max_tokens=20)
+    assert chat.choices[0].message.content == ref["text"] and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].finish_reason == ref["finish_reason"]
+    other = [{"role": "user", "content": "Name two oceans."}]  # shares too little with CHAT to reuse its state
+    ref = alone(smol8, messages=other, max_tokens=20)
+    streamed = client.chat.completions.create(model=NAME, messages=other, max_tokens=20, temperature=0, stream=True,
+                                              stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref["text"]
+    assert chunks[-1].usage.completion_tokens == len(ref["tokens"])
+
+
+def test_stop_and_seed(client, smol8):
+    full = client.completions.create(model=NAME, prompt="Count: one, two, three,", max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    assert "," in text
+    stopped = client.completions.create(model=NAME, prompt="Count: one, two, three,", max_tokens=16, temperature=0,
+                                        stop=[","])
+    assert stopped.choices[0].text == text[:text.index(",")] and stopped.choices[0].finish_reason == "stop"
+    a, b = (client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=12, temperature=0.9,
+                                      seed=11) for _ in range(2))
+    ref = alone(smol8, prompt="Once upon a time", max_tokens=12, temperature=0.9, seed=11)
+    assert a.choices[0].text == b.choices[0].text == ref["text"]
+
+
+def test_eight_concurrent_clients_each_get_what_they_get_alone(server, smol8):
+    prompts = [f"Question {i}: name a {w}. Answer:" for i, w in
+               enumerate(["fruit", "river", "planet", "metal", "bird", "city", "color", "tree"])]
+    want = [alone(smol8, prompt=p, max_tokens=10 + i)["tokens"] for i, p in enumerate(prompts)]
+
+    def ask(i):
+        r = server.post("/v1/completions", {"model": NAME, "prompt": prompts[i], "max_tokens": 10 + i, "temperature": 0},
+                        headers={"Authorization": "Bearer sk-test"})
+        return r.json()["larqlpy"]["tokens"]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    assert got == want
+
+
+def test_a_second_turn_reuses_the_first_turns_state(client):
+    first = client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16, temperature=0)
+    turn = CHAT + [{"role": "assistant", "content": first.choices[0].message.content},
+                   {"role": "user", "content": "And of Italy?"}]
+    second = client.chat.completions.create(model=NAME, messages=turn, max_tokens=16, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0.6 * second.usage.prompt_tokens and second.model_extra["larqlpy"]["cached_tokens"] == cached
+
+
+BAD = [  # (what, body or raw bytes, headers, status, text in the message)
+    ("not JSON", b"{nope", {}, 400, "not valid JSON"),
+    ("not an object", b"[1, 2]", {}, 400, "must be a JSON object"),
+    ("not UTF-8", b'{"model": "\xff"}', {}, 400, "not UTF-8"),
+    ("no model", {"prompt": "hi"}, {}, 400, "'model' is required"),
+    ("unknown model", {"model": "gpt-9", "prompt": "hi"}, {}, 404, "does not exist"),
+    ("no prompt", {"model": NAME}, {}, 400, "'prompt' must be"),
+    ("prompt a number", {"model": NAME, "prompt": 3}, {}, 400, "'prompt' must be"),
+    ("negative max_tokens", {"model": NAME, "prompt": "hi", "max_tokens": -1}, {}, 400, "must be >= 0"),
+    ("huge max_tokens", {"model": NAME, "prompt": "hi", "max_tokens": 10**9}, {}, 400, "at most"),
+    ("max_tokens a string", {"model": NAME, "prompt": "hi", "max_tokens": "5"}, {}, 400, "must be an integer"),
+    ("temperature out of range", {"model": NAME, "prompt": "hi", "temperature": 7}, {}, 400, "'temperature' must be in"),
+    ("top_p zero", {"model": NAME, "prompt": "hi", "top_p": 0}, {}, 400, "'top_p' must be in"),
+    ("n of 2", {"model": NAME, "prompt": "hi", "n": 2}, {}, 400, "'n' must be 1"),
+    ("stop a number", {"model": NAME, "prompt": "hi", "stop": 5}, {}, 400, "'stop' must be"),
+    ("logprobs", {"model": NAME, "prompt": "hi", "logprobs": 2}, {}, 400, "not supported"),
+    ("stream not boolean", {"model": NAME, "prompt": "hi", "stream": "yes"}, {}, 400, "'stream' must be a boolean"),
+    ("bad engine option", {"model": NAME, "prompt": "hi", "larqlpy": {"continuation": "codec/v1",
+                                                                     "options": {"bits": 11}}}, {}, 400, "bits"),
+    ("unknown engine", {"model": NAME, "prompt": "hi", "larqlpy": {"continuation": "magic/v9"}}, {}, 400, "magic/v9"),
+    ("token id past the vocabulary", {"model": NAME, "prompt": [1, 10**7]}, {}, 400, "token ids must be in"),
+    ("prompt past the context", {"model": NAME, "prompt": "word " * 9000, "max_tokens": 1}, {}, 400, "context"),
+    ("bad messages", {"model": NAME, "messages": [{"role": "user"}]}, {"chat": True}, 400, "'messages'[0]"),
+    ("body over the limit", {"model": NAME, "prompt": "x" * (2 << 20)}, {}, 413, "over the limit"),
+    ("no API key", {"model": NAME, "prompt": "hi"}, {"auth": None}, 401, "API key"),
+    ("wrong API key", {"model": NAME, "prompt": "hi"}, {"auth": "Bearer sk-wrong"}, 401, "API key"),
+    ("wrong method", None, {"get": True}, 405, ""),
+    ("unknown route", {}, {"path": "/v1/embeddings"}, 404, ""),
+]
+
+
+@pytest.mark.parametrize("what, body, opts, status, text", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_their_4xx_json_and_the_server_stays_up(server, what, body, opts, status, text):
+    path = opts.get("path", "/v1/chat/completions" if opts.get("chat") else "/v1/completions")
+    headers = {"Authorization": opts.get("auth", "Bearer sk-test")} if opts.get("auth", "x") is not None else {}
+    if opts.get("get"):
+        r = httpx.get(server.url + path, headers=headers, timeout=30)
+    elif isinstance(body, bytes):
+        r = httpx.post(server.url + path, content=body, headers={**headers, "content-type": "application/json"}, timeout=30)
+    else:
+        r = server.post(path, body, headers=headers)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert text in err["message"] and set(err) == {"message", "type", "param", "code"}
+    ok = server.post("/v1/completions", {"model": NAME, "prompt": "Hello", "max_tokens": 2},
+                     headers={"Authorization": "Bearer sk-test"})
+    assert ok.status_code == 200
+
+
+def test_routes_health_models_metrics(server):
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"  # no key needed
+    models = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer sk-test"}).json()
+    assert [m["id"] for m in models["data"]] == [NAME]
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer sk-test"}).text
+    for name in ("larqlpy_requests_total", "larqlpy_tokens_total", "larqlpy_live_sequences", "larqlpy_kept_bytes",
+                 "larqlpy_kept_transitions_total", "larqlpy_prefix_cache_total"):
+        assert name in text
+
+
+def chat_turns(server, turns: list[str], history: list[dict] | None = None, **extra) -> tuple[list[dict], list[dict]]:
+    """Each user turn in order after `history`, the assistant's greedy replies fed back; (the
+    conversation, the responses)."""
+    messages, out = list(history or [{"role": "system", "content": "You are brief."}]), []
+    for t in turns:
+        messages.append({"role": "user", "content": t})
+        r = server.post("/v1/chat/completions", {"model": NAME, "messages": messages, "max_tokens": 12,
+                                                 "temperature": 0, **extra}).json()
+        out.append(r)
+        messages.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+    return messages, out
+
+
+def ids(responses: list[dict]) -> list[list[int]]:
+    return [r["larqlpy"]["tokens"] for r in responses]
+
+
+TURNS = ["Name a large animal.", "Where does it live?", "What does it eat?"]
+OTHERS = ["Tell me about the moon.", "Tell me about rivers.", "Tell me about snow."]
+
+
+def test_memory_pressure_persists_states_and_they_come_back_the_same(smol_dir):
+    with Server(smol_dir, "--weights", "int8", "--kv-budget", "1MiB") as small, \
+            Server(smol_dir, "--weights", "int8", "--kv-budget", "1GiB") as big:
+        runs = []
+        for s in (small, big):
+            history, first = chat_turns(s, TURNS[:2])
+            for o in OTHERS:  # other conversations push the first one out of memory on the small server
+                chat_turns(s, [o])
+            runs.append(first + chat_turns(s, TURNS[2:], history)[1])
+        m = small.metrics()
+        assert m['larqlpy_kept_transitions_total{from="ACTIVE",to="PERSISTED"}'] >= 1
+        assert m['larqlpy_kept_transitions_total{from="PERSISTED",to="RECOVERING"}'] >= 1
+        assert big.metrics().get('larqlpy_kept_transitions_total{from="ACTIVE",to="PERSISTED"}', 0) == 0
+    assert ids(runs[0]) == ids(runs[1]) and runs[0][-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_past_the_disk_budget_the_least_recently_used_are_evicted(smol_dir, tmp_path):
+    d = tmp_path / "kept"
+    with Server(smol_dir, "--weights", "int8", "--kv-budget", "1MiB", "--disk-budget", "6MiB", "--state-dir", str(d)) as s:
+        for t in TURNS + OTHERS:
+            chat_turns(s, [t])
+        m = s.metrics()
+        files = sum(f.stat().st_size for f in d.glob("*.lqkv"))
+    assert m['larqlpy_kept_transitions_total{from="PERSISTED",to="EVICTED"}'] >= 1
+    assert m['larqlpy_kept_bytes{state="PERSISTED"}'] == files <= 6 << 20
+
+
+def test_cells_states_are_quantized_under_pressure(smol_dir):
+    with Server(smol_dir, "--weights", "int8", "--continuation", "cells/v1", "--kv-budget", "3MiB") as s:
+        for t in TURNS + OTHERS:
+            chat_turns(s, [t * 30])
+        m = s.metrics()
+    assert m['larqlpy_kept_transitions_total{from="ACTIVE",to="QUANTIZED"}'] >= 1
+
+
+def test_a_restart_with_a_state_dir_continues_with_the_same_ids(smol_dir, tmp_path):
+    with Server(smol_dir, "--weights", "int8") as s:
+        straight = chat_turns(s, TURNS)[1]
+    d = tmp_path / "states"
+    with Server(smol_dir, "--weights", "int8", "--state-dir", str(d)) as s:
+        history, before = chat_turns(s, TURNS[:2])
+    assert list(d.glob("*.lqkv"))  # saved at shutdown
+    with Server(smol_dir, "--weights", "int8", "--state-dir", str(d)) as s:
+        after = chat_turns(s, TURNS[2:], history)[1]
+    assert ids(before + after) == ids(straight)
+    assert after[0]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    with Server(smol_dir, "--weights", "int4", "--state-dir", str(d)) as s:  # states made with other weights
+        other = chat_turns(s, TURNS[2:], history)[1][0]
+    assert "int8" in other["larqlpy"]["continuation_refused"]
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_queue_full_disconnect_and_graceful_shutdown(smol_dir):
+    import threading
+    import time
+
+    s = Server(smol_dir, "--weights", "int8", "--parallel", "1", "--queue-size", "0")
+    try:
+        long = {"model": NAME, "prompt": "Count to a thousand: 1, 2, 3, 4, 5, 6,", "max_tokens": 120, "temperature": 0}
+        done = {}
+        t = threading.Thread(target=lambda: done.update(r=s.post("/v1/completions", long)))
+        t.start()
+        for _ in range(200):  # until the first request holds the only slot
+            if httpx.get(s.url + "/health").json()["live"] == 1:
+                break
+            time.sleep(0.05)
+        busy = s.post("/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2})
+        assert busy.status_code == 429 and busy.json()["error"]["type"] == "rate_limit_error"
+        t.join()
+        assert len(done["r"].json()["larqlpy"]["tokens"]) == 120
+
+        with httpx.stream("POST", s.url + "/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 4:
+                    break  # the client goes away mid-stream
+        for _ in range(200):
+            if httpx.get(s.url + "/health").json()["live"] == 0:
+                break
+            time.sleep(0.05)
+        assert httpx.get(s.url + "/health").json()["live"] == 0  # its slot was freed
+
+        t = threading.Thread(target=lambda: done.update(r=s.post("/v1/completions", {**long, "max_tokens": 40})))
+        t.start()
+        while httpx.get(s.url + "/health").json()["live"] == 0:
+            time.sleep(0.05)
+    finally:
+        s.stop()  # SIGTERM while a request is in flight: it finishes first
+    t.join()
+    assert done["r"].status_code == 200 and len(done["r"].json()["larqlpy"]["tokens"]) == 40
