@@ -242,7 +242,7 @@ class CellManager(Shared):
 
     def __init__(self, rules: Rules, budget: int | None, device: torch.device, spill_dir: str | None = None):
         self.rules, self.budget, self.device = rules, budget, device
-        self.own_budget, self.shrunk = budget, False  # the budget to return to after outside pressure
+        self.own_budget = budget  # the engine's own setting, returned to after outside pressure
         self.cell_size = rules.cell_size
         self.scratch = Scratch(device)
         self.spill = SpillFile(spill_dir)
@@ -291,16 +291,13 @@ class CellManager(Shared):
 
     def shrink(self, target: int) -> bool:
         """Enforce `target` as the budget now (cold cells QUANTIZED, then PERSISTED, as the rules allow)."""
-        if not self.shrunk:
-            self.own_budget, self.shrunk = self.budget, True
         before = self.resident()
-        self.budget = target if self.budget is None else min(self.budget, target)
+        self.budget = target if self.own_budget is None else min(self.own_budget, target)
         self.enforce()
         return self.resident() < before
 
     def unshrink(self) -> None:
-        if self.shrunk:
-            self.budget, self.shrunk = self.own_budget, False
+        self.budget = self.own_budget
 
     def nbytes(self) -> int:  # the scratch, reported beside the cells
         return self.scratch.nbytes()
