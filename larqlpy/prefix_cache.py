@@ -32,8 +32,8 @@ import torch
 from larqlpy.engines import EngineSpec
 from larqlpy.engines.stores.base import EngineState
 from larqlpy.errors import LarqlError
-from larqlpy.session import align, resume, save
-from larqlpy.state.format import common_prefix, load_state
+from larqlpy.session import align, numerics, resume, save
+from larqlpy.state.format import check_compatible, common_prefix, load_state
 
 SUFFIX = ".lqkv"
 MIN_MATCH = 16  # shared tokens worth reusing a state for (a system prompt; not a lone BOS)
@@ -50,6 +50,7 @@ class Kept:
     path: Path | None = None
     stage: str = "ACTIVE"
     used: float = field(default_factory=time.monotonic)
+    refused: str | None = None  # why this server cannot use it (a file made with other weights, ...)
 
     def nbytes(self) -> int:
         if self.state is not None:
@@ -93,29 +94,47 @@ class PrefixCache:
                                      path=path, stage="PERSISTED"))
 
     # -- a request takes, a finished one puts -----------------------------------------------------
-    def take(self, ids: list[int], spec: EngineSpec) -> Reuse:
+    def _longest(self, entries: list[Kept], ids: list[int]) -> tuple[Kept | None, int]:
         best, common = None, 0
-        for e in self.entries:
+        for e in entries:
             n = common_prefix(e.tokens[:e.position], ids)
             if n > common:
                 best, common = e, n
-        if best is None or common < self.min_match:
-            self.misses += 1
-            return Reuse()
-        if best.spec is not None and best.spec != spec:
+        return (best, common) if common >= self.min_match else (None, 0)
+
+    def take(self, ids: list[int], spec: EngineSpec) -> Reuse:
+        """The kept state sharing the longest prefix with `ids` among those of this engine (files
+        read at start are checked when they are recovered); a match only under another engine is a
+        refusal, with the reason."""
+        usable = [e for e in self.entries if e.refused is None and (e.spec is None or e.spec == spec)]
+        best, _ = self._longest(usable, ids)
+        if best is None:
+            other, _ = self._longest([e for e in self.entries if e not in usable], ids)
+            if other is None:
+                self.misses += 1
+                return Reuse()
             self.refusals += 1
-            return Reuse(refused=f"the kept state was made with {best.spec.describe()}, this request runs "
-                                 f"{spec.describe()}")
+            return Reuse(refused=other.refused or f"the kept state was made with {other.spec.describe()}, this "
+                                                  f"request runs {spec.describe()}")
         self.entries.remove(best)
         if best.state is None:  # PERSISTED: RECOVERING, checked against this model, weights and engine
             self._move(best, "RECOVERING")
             try:
+                check_compatible(load_state(best.path), model_fingerprint=self.loaded.fingerprint,
+                                 tokenizer_fingerprint=self.loaded.tokenizer.fingerprint, identity=spec.identity,
+                                 options=spec.options_dict, numerics=numerics(self.loaded))
+            except LarqlError as e:  # kept, never loaded again by this server
+                self.entries.append(best)
+                best.stage, best.refused = "PERSISTED", str(e)
+                self.refusals += 1
+                return Reuse(refused=best.refused)
+            try:
                 plan, _ = resume(self.loaded, best.path, ids, spec)
-            except LarqlError as e:
+            except LarqlError:  # this prompt parts from it where the engine cannot go back: others may match
                 self.entries.append(best)
                 best.stage = "PERSISTED"
-                self.refusals += 1
-                return Reuse(refused=str(e))
+                self.misses += 1
+                return Reuse()
             self._drop_file(best)
             best.stage = "ACTIVE"
             self.transitions["RECOVERING->ACTIVE"] += 1
