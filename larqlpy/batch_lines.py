@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
 from larqlpy.request import Request
-from larqlpy.runner import execute_many
+from larqlpy.runner import error_record, execute_many
 
 Item = tuple[int, bytes]  # (line number, the line's bytes)
 
@@ -61,20 +61,20 @@ def line_records(loaded, items: Iterable[Item], parallel: int | None, kv_budget:
             yield lineno, req
 
     for lineno, rec in execute_many(loaded, keyed(), parallel, kv_budget, on_step=on_step):
-        if rec["error"] is not None and not rec["error"].startswith(f"line {lineno}:"):
-            rec = {**rec, "error": f"line {lineno}: {rec['error']}"}
-        rid, digest = ids.pop(lineno)
-        yield lineno, {**rec, "id": rid if rid is not None else lineno, "line": lineno, "line_hash": digest}
+        yield lineno, _stamp(rec, lineno, *ids.pop(lineno))
 
 
 def error_records(items: Iterable[Item], message: str) -> list[tuple[int, dict]]:
     """Records for lines that could not be run at all (e.g. the process running them kept dying)."""
-    out = []
-    for lineno, line in items:
-        rid, _ = parse_line(lineno, line)
-        out.append((lineno, {"id": rid, "text": None, "tokens": None, "stats": None,
-                             "error": f"line {lineno}: {message}", "line": lineno, "line_hash": line_hash(line)}))
-    return out
+    return [(lineno, _stamp(error_record(None, message), lineno, parse_line(lineno, line)[0], line_hash(line)))
+            for lineno, line in items]
+
+
+def _stamp(rec: dict, lineno: int, rid: Any, digest: str) -> dict:
+    """A record as a batch writes it: its id, line and line hash, its error naming the line."""
+    if rec["error"] is not None and not rec["error"].startswith(f"line {lineno}:"):
+        rec = {**rec, "error": f"line {lineno}: {rec['error']}"}
+    return {**rec, "id": rid if rid is not None else lineno, "line": lineno, "line_hash": digest}
 
 
 def read_records(path: str | os.PathLike, strict: bool) -> tuple[list[dict], int]:

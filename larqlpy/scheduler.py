@@ -120,10 +120,10 @@ class Scheduler:
         """Whether a job submitted now could join at the next step (count only; the budget may still hold it)."""
         return len(self.live) + len(self.queue) < self.parallel
 
-    def peak_bytes(self, job: Job) -> int:
+    def peak_bytes(self, job: Job, provider=None) -> int:
         """The KV `job` may grow to: its engine's accounting at prompt + max_tokens positions."""
         positions = len(job.prompt_ids) + job.gen.max_tokens
-        provider = build_provider(job.spec)
+        provider = provider or build_provider(job.spec)
         return sum(provider.layer_bytes(g, positions) for g in self.model.geometries())
 
     def reserved(self) -> int:
@@ -136,7 +136,8 @@ class Scheduler:
         refused = []
         while self.queue and len(self.live) < self.parallel:
             job = self.queue[0]
-            peak = self.peak_bytes(job)
+            provider = build_provider(job.spec)
+            peak = self.peak_bytes(job, provider)
             if self.kv_budget is not None and peak > self.kv_budget:
                 self.queue.popleft()
                 refused.append(Event(job.key, done=True, error=(
@@ -146,7 +147,6 @@ class Scheduler:
             if self.kv_budget is not None and self.reserved() + peak > self.kv_budget:
                 break  # waits for live sequences to finish; order is kept
             self.queue.popleft()
-            provider = build_provider(job.spec)
             geoms = self.model.geometries()
 
             def fresh(provider=provider, geoms=geoms) -> EngineState:

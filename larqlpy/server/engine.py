@@ -109,9 +109,7 @@ class ServeEngine:
     def _take(self, what: str, p: Pending) -> None:
         if what == "cancel":
             if self.pending.pop(p.key, None) is not None:
-                state = self.sched.cancel(p.key)
-                if state is not None:
-                    self.cache.put(p.ids + p.generated, p.spec, state)
+                self._drop(p)
             return
         reuse = self.cache.take(p.ids, p.spec)
         p.cached, p.refused = reuse.reused, reuse.refused
@@ -138,6 +136,12 @@ class ServeEngine:
             self.cache.put(p.ids + p.generated, p.spec, e.state)
             self._deliver(p, ("done", None))
 
+    def _drop(self, p: Pending) -> None:
+        """Out of the scheduler before it finished; the positions it processed are kept."""
+        state = self.sched.cancel(p.key)
+        if state is not None:
+            self.cache.put(p.ids + p.generated, p.spec, state)
+
     @staticmethod
     def _deliver(p: Pending, item) -> None:
         try:
@@ -154,10 +158,8 @@ class ServeEngine:
         while self.pending and time.monotonic() < deadline:
             time.sleep(0.05)
         with self.lock:
-            for key, p in list(self.pending.items()):
-                state = self.sched.cancel(key)
-                if state is not None:
-                    self.cache.put(p.ids + p.generated, p.spec, state)
+            for p in list(self.pending.values()):
+                self._drop(p)
                 self._deliver(p, ("error", "the server is shutting down"))
             self.pending.clear()
             self.running = False
