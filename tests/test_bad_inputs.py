@@ -35,7 +35,7 @@ def world(tmp_path_factory):
     tiny = root / "tiny"
     make_tiny(tiny, sliding_window=16)
     w = {"root": root, "tiny": tiny}
-    for name in ("nan", "nojson", "llama", "notensor", "trunc", "noconfig"):
+    for name in ("nan", "nojson", "llama", "notensor", "trunc", "noconfig", "notok", "badtok"):
         shutil.copytree(tiny, root / name)
         w[name] = root / name
     weights = load_file(str(w["nan"] / "model.safetensors"))
@@ -49,6 +49,8 @@ def world(tmp_path_factory):
     f = w["trunc"] / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
     (w["noconfig"] / "config.json").unlink()
+    (w["notok"] / "tokenizer.json").unlink()  # `run` reads the tokenizer in its helper process
+    (w["badtok"] / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 3}}')
     w["state"] = root / "s.kv"
     r = cli("run", tiny, "the cat", "-n", "3", "--save-state", w["state"])
     assert r.returncode == 0, r.stderr
@@ -78,6 +80,8 @@ CASES = [
     ("a file as model dir", lambda w: ["run", p(w, "lines"), "hi"], None, "is a file, not a model directory"),
     ("no config.json", lambda w: ["run", p(w, "noconfig"), "hi"], None, "no config.json"),
     ("config.json not JSON", lambda w: ["run", p(w, "nojson"), "hi"], None, "not valid JSON"),
+    ("no tokenizer.json", lambda w: ["run", p(w, "notok"), "hi"], None, "no tokenizer.json"),
+    ("tokenizer.json unreadable", lambda w: ["run", p(w, "badtok"), "hi"], None, "not a readable tokenizer"),
     ("unknown model_type", lambda w: ["run", p(w, "llama"), "hi"], None, "unsupported model_type 'falcon'"),
     ("missing tensor", lambda w: ["run", p(w, "notensor"), "hi"], None, "missing tensor model.layers.2.mlp.down_proj"),
     ("truncated safetensors", lambda w: ["run", p(w, "trunc"), "hi"], None, "model.safetensors"),

@@ -62,12 +62,15 @@ def run(
         prefill_chunk=prefill_chunk, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
     req.spec()  # every refusal before the weights load
     check_paths(monitor, monitor_plot)
+    from larqlpy.model.tokenizer_process import start
+
+    helper = start(model)  # the tokenizer loads on another core while torch imports (before it: fork)
 
     from larqlpy.model.loader import load
     from larqlpy.runner import execute
 
     with monitored(monitor, monitor_plot) as mon:
-        loaded = load(model, device=device, dtype=dtype, weights=weights)
+        loaded = load(model, device=device, dtype=dtype, weights=weights, tokenizer=helper)
 
         def stream(tok):
             mon.position = tok.metrics.position + 1

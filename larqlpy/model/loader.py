@@ -21,6 +21,7 @@ from larqlpy.model.decoder import Block, Decoder
 from larqlpy.model.families import read_config
 from larqlpy.model.files import Checkpoint, block_weights, check_finite
 from larqlpy.model.tokenizer import Tokenizer
+from larqlpy.model.tokenizer_process import TokenizerProcess
 
 
 @dataclass
@@ -51,19 +52,20 @@ class LoadedModel:
 
 
 def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str = "f32",
-         key_calibration: bool = True) -> LoadedModel:
+         key_calibration: bool = True, tokenizer: TokenizerProcess | None = None) -> LoadedModel:
     """Load a model directory. device: auto|cpu|cuda; dtype: float32|bfloat16 (activations);
     weights: f32|bf16|int8|int4 -- the matrices (embedding / tied LM head included) packed, from the
     packed-weight cache after the first load; native -- each matrix as the GGUF held it
     (native.safetensors, written by the converter); key_calibration: read kv_calibration.safetensors when
-    the directory has one (a stale or damaged one is reported on the model, not raised).
+    the directory has one (a stale or damaged one is reported on the model, not raised); tokenizer: a
+    helper already loading it (tokenizer_process.start), else it is loaded here.
     Every weight read is checked finite; a NaN or infinity is refused naming its tensor."""
     path = Path(path)
     check_format(weights)
     dev = resolve_device(device)
     tdtype = resolve_dtype(dtype)
     cfg = read_config(path)
-    tokenizer = Tokenizer.from_dir(path, cfg)
+    tokenizer = Tokenizer.from_dir(path, cfg) if tokenizer is None else tokenizer.tokenizer()
     ckpt = Checkpoint(path, cfg)
     model = Decoder(cfg, device=dev, dtype=tdtype)
     packed_from, matrices = None, set()

@@ -72,10 +72,14 @@ class Tokenizer:
         """Ids of `text`; BOS first when the model wants one (`add_bos`: override; a rendered chat
         template brings its own). BOS is added here rather than by tokenizer.json's post-processor, so
         a prompt that already starts with it never gets it twice."""
-        ids = self.inner.encode(text, add_special_tokens=False).ids
+        ids = self.ids_of(text)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
+
+    def ids_of(self, text: str) -> list[int]:
+        """tokenizer.json's ids of `text`, nothing added."""
+        return self.inner.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids, skip_special_tokens=True)
