@@ -1,5 +1,6 @@
-"""Start-up cost of one process per call, as a shell script pays it: seconds (median of --repeats)
-and peak RSS of each command in a fresh process, beside torch's own import and llama.cpp loading
+"""Start-up cost of one process per call, as a shell script pays it: seconds to the first byte of
+output (for `run`, the first token) and to exit (medians of --repeats), and peak RSS of each
+command in a fresh process, beside torch's own import and llama.cpp loading
 the GGUF and answering one token. Warm machine: each command runs once first (numba's kernel cache
 and the packed-weight cache are written then). Asserts nothing.
 
@@ -24,12 +25,14 @@ from stream import cpu_name  # noqa: E402
 
 
 # A fresh wrapper per measurement: its only child is the command, so RUSAGE_CHILDREN is that child's
-# peak RSS (a long-lived parent would report the largest of all its children).
+# peak RSS (a long-lived parent would report the largest of all its children). It times the first
+# byte on stdout (for `run`, the first token's text) and the exit.
 TIMER = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
-         "r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE); "
+         "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE); "
+         "first = p.stdout.read(1); t1 = time.perf_counter() - t; _, err = p.communicate(); "
          "dt = time.perf_counter() - t; "
-         "print(r.returncode, dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024); "
-         "sys.stderr.write(r.stderr.decode(errors='replace')[-400:])")
+         "print(p.returncode, t1 if first else dt, dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024); "
+         "sys.stderr.write(err.decode(errors='replace')[-400:])")
 STAGES = """
 import time; t0 = time.perf_counter(); marks = []
 def mark(n): marks.append((n, time.perf_counter() - t0))
@@ -49,19 +52,19 @@ print(f"  (tokenizer.json loaded in this process instead, after the run: {time.p
 """
 
 
-def run(cmd: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS in MB) of one fresh process."""
+def run(cmd: list[str]) -> tuple[float, float, float]:
+    """(seconds to the first byte on stdout, seconds to exit, peak RSS in MB) of one fresh process."""
     r = subprocess.run([sys.executable, "-c", TIMER, *cmd], capture_output=True, text=True)
-    code, dt, rss = r.stdout.split()
+    code, first, dt, rss = r.stdout.split()
     if int(code) not in (0, 2):
         raise SystemExit(f"{' '.join(cmd)} failed: {r.stderr}")
-    return float(dt), float(rss)
+    return float(first), float(dt), float(rss)
 
 
-def measure(cmd: list[str], repeats: int) -> tuple[float, float]:
+def measure(cmd: list[str], repeats: int) -> tuple[float, float, float]:
     run(cmd)  # warm: caches written, pages in memory
     got = [run(cmd) for _ in range(repeats)]
-    return statistics.median(t for t, _ in got), max(m for _, m in got)
+    return statistics.median(g[0] for g in got), statistics.median(g[1] for g in got), max(g[2] for g in got)
 
 
 def main() -> None:
@@ -91,18 +94,20 @@ def main() -> None:
     else:
         print("llama.cpp: not installed (`make bench-setup`): left out")
     print(f"start-up, fresh process per call, {cpu_name()}, {os.cpu_count()} CPUs, median of {args.repeats}")
-    print("| command | seconds | peak RSS MB |\n|---|---|---|")
+    print("| command | first output, s | exit, s | peak RSS MB |\n|---|---|---|---|")
     results = {}
     for name, cmd in rows:
         results[name] = measure(cmd, args.repeats)
-        print(f"| {name} | {results[name][0]:.2f} | {results[name][1]:.0f} |", flush=True)
-    torch_s = results["import torch"][0]
+        first, dt, rss = results[name]
+        print(f"| {name} | {first:.2f} | {dt:.2f} | {rss:.0f} |", flush=True)
+    torch_s = results["import torch"][1]
     print()
     for w in ("f32", "bf16", "int8", "int4"):
-        t = results[f"run -n 1 --weights {w}"][0]
-        line = f"time to first token, --weights {w}: {t:.2f} s = torch's import + {t - torch_s:.2f} s (aim: + 1.00 s)"
+        first, dt, _ = results[f"run -n 1 --weights {w}"]
+        line = (f"time to first token, --weights {w}: {first:.2f} s = torch's import + {first - torch_s:.2f} s "
+                f"(aim: + 1.00 s); exit {dt:.2f} s")
         if "llama.cpp: load GGUF + 1 token" in results:
-            line += f"; {t / results['llama.cpp: load GGUF + 1 token'][0]:.1f}x llama.cpp's"
+            line += f"; {dt / results['llama.cpp: load GGUF + 1 token'][1]:.1f}x llama.cpp's load-and-answer"
         print(line)
     for w in ("f32", "int4"):
         print(f"where a fresh process spends the time to the first token, --weights {w} (one run):")

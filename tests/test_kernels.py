@@ -1,6 +1,6 @@
 """The CPU kernel paths (kernels/qdot.py, simd.py): every path this CPU can run, forced, against a
 float64 reference of the same packed weights; the integer paths against each other; the activation
-rounding they share; and the instructions they compile to."""
+rounding they share; the instructions they compile to; and decode attention over many sequences."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from numba import njit
 
 from larqlpy.kernels import choice, cpu, qdot
+from larqlpy.kernels.attention import attend_one, attend_rows
 from larqlpy.kernels.matvec import gemv_f32
 from larqlpy.kernels.qweight import TILE, PackedWeight
 
@@ -162,3 +163,32 @@ def test_the_f32_gemv_choice_is_measured_once_and_kept(tmp_path, monkeypatch):
     calls.clear()
     assert choice.choose("test shape", {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}) == first
     assert calls == []
+
+
+def _attention64(q, k, v, scale, softcap=0.0):
+    """q (H, D) over k, v (Hkv, N, D) in float64."""
+    group = q.shape[0] // k.shape[0]
+    kk, vv = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
+    s = torch.einsum("hd,hnd->hn", q.double(), kk) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    return torch.einsum("hn,hnd->hd", s.softmax(-1), vv)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_decode_attention_of_many_sequences_in_one_call(softcap):
+    """attend_rows: each sequence's query over its own rows -- views into a store's larger buffers,
+    2 KV heads apart by the buffer's capacity, 1 to 1,000 rows (one chunk and many) -- agrees with
+    float64, and gives the bits it gives that sequence alone (the parallel and the one-chunk kernels alike)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [1, 7, 128, 129, 300, 1000, 64]
+    bufs = [(torch.randn(2, 1100, 64, generator=g) * 2, torch.randn(2, 1100, 64, generator=g)) for _ in lengths]
+    rows = [(k[:, 9:9 + n], v[:, 9:9 + n]) for (k, v), n in zip(bufs, lengths)]  # strided views, as Rows.read gives
+    q = torch.randn(len(lengths), 8, 64, generator=g)
+    together = attend_rows(q, rows, 0.125, softcap)
+    for s, (k, v) in enumerate(rows):
+        want = _attention64(q[s], k, v, 0.125, softcap)
+        assert (together[s].double() - want).abs().max() < 1e-5
+        assert torch.equal(attend_rows(q[s:s + 1], [(k, v)], 0.125, softcap)[0], together[s])
+        assert torch.equal(attend_one(q[s].unsqueeze(1), k.contiguous(), v.contiguous(), 0.125, softcap)[:, 0],
+                           together[s])

@@ -264,6 +264,8 @@ def test_two_processes_resuming_one_file(tiny_dir, tmp_path):
     for p in procs:
         assert p.wait(timeout=300) == 0, p.stderr.read()
     final = load_state(s)
-    assert len(final.tokens) in (base + 3, base + 9)
+    # both resumed the first state (the last save wins), or one started after the other had saved
+    # and resumed that (3 + 9 more): whole states either way, never a mix
+    assert len(final.tokens) in (base + 3, base + 9, base + 12)
     leftovers = [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
     assert leftovers == []

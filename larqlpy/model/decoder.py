@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.stores.base import AttentionParams, EngineState
+from larqlpy.kernels.attention import attend_rows
 from larqlpy.kernels.matvec import embedding, linear, linears, norm_rope, residual_norm, rms_norm
 from larqlpy.model.config import ModelConfig, RopeConfig
 from larqlpy.model.files import block_weights
@@ -80,15 +81,32 @@ class Block(nn.Module):
         return rms_norm(x, weight, self.eps, self.offset)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: list, sizes: list[int]) -> torch.Tensor:
-        """Each sequence's rows to its own store: the single dispatch point to the KV engines."""
-        if len(stores) == 1:
-            return stores[0].attend(q, k, v, self.attn)  # (H, T, D)
-        outs, lo = [], 0
+        """Each sequence's rows to its own store: the single dispatch point to the KV engines. Decode
+        steps whose store hands back its rows (`decode_rows`) are attended together in one kernel call;
+        every other block, and every store that attends on its own terms, through `store.attend`."""
+        p = self.attn
+        decode = q.device.type == "cpu" and q.dtype == torch.float32
+        outs, steps, lo = [], [], 0  # steps: (index in outs, row in q, store, its rows)
         for store, n in zip(stores, sizes):
-            part = slice(lo, lo + n)
-            outs.append(store.attend(q[:, part].contiguous(), k[:, part].contiguous(), v[:, part].contiguous(), self.attn))
+            rows = store.decode_rows(k[:, lo:lo + 1], v[:, lo:lo + 1]) if decode and n == 1 else None
+            if rows is None:
+                part = slice(lo, lo + n)
+                one = len(stores) == 1
+                outs.append(store.attend(q if one else q[:, part].contiguous(), k if one else k[:, part].contiguous(),
+                                         v if one else v[:, part].contiguous(), p))  # (H, n, D)
+            else:
+                steps.append((len(outs), lo, store, rows))
+                outs.append(None)
             lo += n
-        return torch.cat(outs, dim=1)
+        if steps:
+            qs = q if len(steps) == len(outs) else q[:, [s[1] for s in steps]]  # (H, steps, D)
+            got = attend_rows(qs.transpose(0, 1), [s[3] for s in steps], p.scale, p.softcap or 0.0).transpose(0, 1)
+            for j, (at, _, store, _) in enumerate(steps):
+                store.release()
+                outs[at] = got[:, j:j + 1]
+            if len(steps) == len(outs):
+                return got
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stores: list, sizes: list[int]) -> torch.Tensor:
         c, t = self.cfg, x.shape[0]

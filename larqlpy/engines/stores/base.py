@@ -122,7 +122,15 @@ class LayerStore:
     def trim(self, end: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot be trimmed")
 
-    # -- the one dispatch point attention calls ------------------------------------------------
+    # -- what attention calls: Block.attend, the one dispatch point ----------------------------
+    def decode_rows(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step (one query, float32 on the CPU) in two halves, so that many sequences' steps
+        are attended in one kernel call: append the step's k, v (Hkv, 1, D) and return the float32 rows
+        its query reads (Hkv, N, D); the caller attends them, then calls `release()`. A store that
+        attends in its own way (on codes) returns None and is called through `attend`."""
+        self.append(k, v)
+        return self.read(self.geometry.read_start(self.end - 1), torch.float32)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> torch.Tensor:
         """Append this block's rows and attend its queries (H, T, D) over what they may read."""
         q_start, t = self.end, q.shape[1]
@@ -152,6 +160,9 @@ class QueryTap:
 
     def __getattr__(self, name):
         return getattr(self.store, name)
+
+    def decode_rows(self, k, v):
+        return None  # every query goes through attend, where the tap sees it
 
     def attend(self, q, k, v, p):
         self.on_query(self.store, q, p)

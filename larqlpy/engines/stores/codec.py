@@ -84,6 +84,9 @@ class CodecStore(RowStore):
             buf[0][:, :hi - start], buf[1][:, :hi - start] = s["k"], s["v"]
         return buf[0].to(dtype), buf[1].to(dtype)
 
+    def decode_rows(self, k, v):
+        return None  # scores are computed on the codes (attend)
+
     def attend(self, q, k, v, p):
         if q.shape[1] != 1 or not self.fused:
             return super().attend(q, k, v, p)
