@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from larqlpy.config import GenerationConfig
@@ -102,3 +103,30 @@ def test_run_streams_the_same_text_through_the_helper(real_dir, real):
                                                    stop_ids=real.tokenizer.stop_ids, tokenizer=real.tokenizer))
     assert got[0].stdout == text + "\n"
     assert json.loads(got[1].stdout)["text"] == text
+
+
+def test_the_console_script_leaves_no_helper_behind(real_dir):
+    """`larqlpy run` exits without the interpreter's teardown (cli/main.entry), after the exit
+    handlers: the helper is gone with it, and the exit code and output are whole."""
+    marker = f"marker {uuid.uuid4().hex}"
+    r = subprocess.run([sys.executable, "-m", "larqlpy.cli.main", "run", str(real_dir), marker, "-n", "2", "--json"],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["finish_reason"] == "length"
+
+    def holders():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(pid)
+            except OSError:
+                pass
+        return found
+
+    for _ in range(50):
+        if not holders():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes still hold the run's arguments: {holders()}")
