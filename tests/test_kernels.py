@@ -5,6 +5,11 @@ rounding they share; the instructions they compile to; and decode attention over
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +22,7 @@ from larqlpy.kernels.matvec import gemv_f32
 from larqlpy.kernels.qweight import TILE, PackedWeight
 
 HERE = cpu.runnable_paths()
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def rand_codes(bits, n=2 * TILE + 5, k=128, group=32, affine=False, zero=None, lo=None, hi=None, seed=0,
@@ -192,3 +198,38 @@ def test_decode_attention_of_many_sequences_in_one_call(softcap):
         assert torch.equal(attend_rows(q[s:s + 1], [(k, v)], 0.125, softcap)[0], together[s])
         assert torch.equal(attend_one(q[s].unsqueeze(1), k.contiguous(), v.contiguous(), 0.125, softcap)[:, 0],
                            together[s])
+
+
+CALLEE = "from numba import njit\n\n@njit(cache=True)\ndef f():\n    return {value}\n"
+CALLER = """import sys
+from numba import njit
+import callee
+{tie}
+@njit(cache=True)
+def g():
+    return callee.f() + 1
+{call_tie}
+print(g())
+"""
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_kernels_cache_follows_the_modules_it_calls(tmp_path, tied):
+    """numba keys a cached kernel on its own file only: after an edit to a module it calls, it loads
+    compiled from the old code (the untied case shows it); jitcache.tie drops it, and it compiles afresh."""
+    (tmp_path / "callee.py").write_text(CALLEE.format(value=1))
+    (tmp_path / "caller.py").write_text(CALLER.format(
+        tie="from larqlpy.kernels import jitcache" if tied else "",
+        call_tie="jitcache.tie(globals(), callee)" if tied else ""))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+    def g() -> int:
+        r = subprocess.run([sys.executable, str(tmp_path / "caller.py")], capture_output=True, text=True, env=env,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        return int(r.stdout)
+
+    assert g() == 2
+    time.sleep(0.01)
+    (tmp_path / "callee.py").write_text(CALLEE.format(value=10))  # f's own cache follows its file; g's does not
+    assert g() == (11 if tied else 2)

@@ -21,6 +21,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from larqlpy.kernels import jitcache, simd
 from larqlpy.kernels.simd import BLOCK, DOTS, ROWS as TILE
 
 def as_float(v):  # pragma: no cover - replaced by the overload inside jitted code
@@ -286,3 +287,6 @@ def gemm(codes, scale, minimum, zero: int, bits: int, x: np.ndarray, path: str, 
     quantize_activations(x, group, xq, xs, sxq)
     zc = zero - 128 if path == "avx2-signed" else zero
     INT[(path, bits)](codes, scale, minimum, zc, xq.view(np.int32), xs, sxq, out)
+
+
+jitcache.tie(globals(), simd)  # the kernels above inline simd.py's intrinsics

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from numba import njit, prange
 
 from larqlpy.errors import LarqlError
-from larqlpy.kernels import cpu, qdot
+from larqlpy.kernels import cpu, jitcache, qdot, simd
 from larqlpy.kernels.qdot import as_float
 from larqlpy.kernels.simd import ROWS as TILE
 
@@ -377,3 +377,6 @@ def stack(ws: list[torch.Tensor], fmt: str, name: str) -> list[PackedPart]:
     whole = PackedWeight.quantize(torch.cat([w.float() for w in ws]), fmt, name)
     bounds = np.cumsum([0] + [w.shape[0] for w in ws])
     return [PackedPart(whole, int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+jitcache.tie(globals(), qdot, simd)  # the kernels above inline qdot.py's as_float

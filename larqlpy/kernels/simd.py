@@ -48,11 +48,13 @@ def _splat(builder, value, vty):
     return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
 
 
-def _make(emit, quads: int, nibbles: bool, rows: int):
+def _make(emit, quads: int, nibbles: bool, rows: int, registers: int):
     """An intrinsic that sums one group for `rows` activation rows (`emit`) and adds the scaled sums to
     the float32 outputs, in registers:
-        acc[m, r] += scale[r] * (xs[m] * float(dot[m, r] - zc * sxq[m]))   (+ minimum[r] * (xs[m] * float(sxq[m])))
-    as separate float32 multiplies and adds (no fused multiply-add), the same on every path."""
+        f = xs[m] * float(dot[m, r] - zc * sxq[m])
+        acc[m, r] = fma(scale[r], f, acc[m, r])        (then fma(minimum[r], xs[m] * float(sxq[m]), acc[m, r]))
+    with llvm.fma (one rounding each), in this order on every path, so the paths agree bit for bit.
+    `registers`: how many vector registers the instruction set has (what may be loaded early)."""
 
     @intrinsic
     def dot(typingctx, acc, aoff, codes, coff, x, xoff, xstride, scale, soff, minimum, xs, sxq, qoff, qstride, zc,
@@ -88,20 +90,32 @@ def _make(emit, quads: int, nibbles: bool, rows: int):
                 return at(k, arr, soff_v, n, fv)[1]
 
             def add_scaled(affine: bool):
-                for m, vectors in enumerate(sums):
+                nv, n_rows = len(sums[0]), len(sums)
+                # The scales and minimums are the same for every row: with registers to spare (AVX-512's
+                # 32) they are loaded once, and so is every output before the first store -- LLVM cannot
+                # move loads past stores into acc it cannot prove apart (~13% at 8 rows); AVX2's 16
+                # registers would spill them, so there each is loaded where it is used.
+                early = registers >= 32
+                scales = [floats(7, scale_a, v * width) for v in range(nv)] if early else None
+                mins = [floats(9, min_a, v * width) for v in range(nv)] if early and affine else None
+                rows = []
+                for m in range(n_rows):
                     q = builder.add(qoff_v, builder.mul(qstride_v, ir.Constant(idx, m)))
-                    c = at(10, xs_a, q, 0, ir.FloatType())[1]
-                    s = at(11, sxq_a, q, 0, I32)[1]
+                    rows.append((at(10, xs_a, q, 0, ir.FloatType())[1], at(11, sxq_a, q, 0, I32)[1]))
+                olds = [[at(0, acc_a, aoff_v, m * ROWS + v * width, fv) for v in range(nv)] for m in range(n_rows)] \
+                    if early else None
+                fma = _fn(builder, f"llvm.fma.v{width}f32", fv, [fv, fv, fv])
+                for m, vectors in enumerate(sums):
+                    c, s = rows[m]
                     zs = _splat(builder, builder.mul(zc_v, s), vectors[0].type)
                     cv = _splat(builder, c, fv)
                     xsum = _splat(builder, builder.fmul(c, builder.sitofp(s, ir.FloatType())), fv)
                     for v, a in enumerate(vectors):
                         f = builder.fmul(cv, builder.sitofp(builder.sub(a, zs), fv))
-                        add = builder.fmul(floats(7, scale_a, v * width), f)
-                        p, old = at(0, acc_a, aoff_v, m * ROWS + v * width, fv)
-                        new = builder.fadd(old, add)
+                        p, old = olds[m][v] if early else at(0, acc_a, aoff_v, m * ROWS + v * width, fv)
+                        new = builder.call(fma, [scales[v] if early else floats(7, scale_a, v * width), f, old])
                         if affine:
-                            new = builder.fadd(new, builder.fmul(floats(9, min_a, v * width), xsum))
+                            new = builder.call(fma, [mins[v] if early else floats(9, min_a, v * width), xsum, new])
                         builder.store(new, p, align=4)
 
             flag = builder.icmp_unsigned("!=", affine_v, ir.Constant(affine_v.type, 0))
@@ -178,8 +192,8 @@ def _avx2(signed: bool):
 # (isa, bits, quads, rows) -> intrinsic; quads 8 = groups of 32 inputs, 4 = groups of 16 (8-bit codes
 # only: Q6_K). VNNI takes BLOCK activation rows per call (32 zmm hold their sums); AVX2's 16 ymm one row's.
 BLOCK = 4
-DOTS = {(isa, bits, quads, rows): _make(emit, quads, bits == 4, rows)
-        for isa, emit, blocks in (("vnni512", _vnni512, (1, BLOCK)), ("avx2", _avx2(False), (1,)),
-                                  ("avx2-signed", _avx2(True), (1,)))
+DOTS = {(isa, bits, quads, rows): _make(emit, quads, bits == 4, rows, registers)
+        for isa, emit, blocks, registers in (("vnni512", _vnni512, (1, BLOCK), 32), ("avx2", _avx2(False), (1,), 16),
+                                             ("avx2-signed", _avx2(True), (1,), 16))
         for bits in (8, 4) for quads in ((8, 4) if bits == 8 else (8,)) for rows in blocks
         if not (isa == "avx2-signed" and bits == 4)}
