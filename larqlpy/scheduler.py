@@ -29,7 +29,7 @@ from larqlpy.config import BatchConfig, GenerationConfig, default_parallel
 from larqlpy.engines import EngineSpec, build_provider
 from larqlpy.engines.stores.base import EngineState
 from larqlpy.errors import LarqlError
-from larqlpy.generate import Metrics, Token, checked, finish_reason, sample
+from larqlpy.generate import Metrics, Token, finish_reason, sample
 
 
 @dataclass
@@ -213,7 +213,7 @@ class Scheduler:
         gen = seq.job.gen
         if gen.max_tokens == 0:
             return [self._finish(seq)]
-        tok = sample(checked(logits), gen.sampling, seq.gen)
+        tok = sample(logits, gen.sampling, seq.gen)
         finish = finish_reason(tok, seq.index, gen.max_tokens, seq.stops)
         text = "" if tok in seq.stops or seq.detokenizer is None else seq.detokenizer.step(tok)
         seq.index += 1

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from larqlpy.engines import EngineSpec, build_provider
+from larqlpy.errors import LarqlError
 from larqlpy.generate import GenerationConfig, SamplingConfig, stream_generate, prefill, sample
 from larqlpy.model.loader import load
+from larqlpy.scheduler import Job, Scheduler
 from tiny import make_tiny
 
 
@@ -125,3 +127,29 @@ def test_replay_is_a_forward_function_not_a_branch(tiny):
     steps = generate_step(Replay(tiny.model, fresh, [2, 40, 41], 64, s0), logits, cfg.sampling)
     replayed = [next(steps)[0] for _ in range(5)]
     assert cached == replayed
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_non_finite_logits_stop_the_run(tiny, bad, temperature):
+    """A NaN or an infinity reaching the logits is refused, greedy (seen in the argmax itself) and
+    sampled (the sum), alone and in a batch -- never sampled from."""
+    one = torch.zeros(8)
+    one[3] = bad
+    with pytest.raises(LarqlError, match="non-finite logits"):
+        sample(one, SamplingConfig(temperature=temperature), torch.Generator().manual_seed(0))
+    ok = torch.zeros(8)
+    ok[5] = float("-inf")  # a masked-out token alone is no overflow
+    assert sample(ok, SamplingConfig(temperature=0.0), None) == 0
+    head = tiny.model.embed_tokens.data if tiny.model.cfg.tie_word_embeddings else tiny.model.lm_head.data
+    saved = head[7].clone()
+    head[7] = bad  # one vocabulary row: every logit finite but that one
+    try:
+        gen = GenerationConfig(max_tokens=3, sampling=SamplingConfig(temperature=temperature, seed=1))
+        with pytest.raises(LarqlError, match="non-finite logits"):
+            list(stream_generate(tiny.model, [2, 5, 9], EngineSpec(), gen))
+        jobs = [Job([2, 5, 9], gen=gen, key=0), Job([4, 4], gen=gen, key=1)]
+        with pytest.raises(LarqlError, match="non-finite logits"):
+            list(Scheduler(tiny.model, parallel=2).run(jobs))
+    finally:
+        head[7] = saved

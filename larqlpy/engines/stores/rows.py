@@ -34,6 +34,7 @@ class Rows:
                     for name, (shape, dtype) in fields.items()}
         self.base = self.end = 0
         self.pending: dict[str, torch.Tensor] | None = None  # ring only: the current block's rows
+        self._buf_bytes: int | None = None  # the buffers' allocation, counted again when they change
 
     @property
     def capacity(self) -> int:
@@ -67,6 +68,7 @@ class Rows:
             new = torch.zeros((self.n_kv, cap, *old.shape[2:]), dtype=old.dtype, device=self.device)
             new[:, :n] = old[:, :n]
             self.buf[name] = new
+        self._buf_bytes = None
 
     def reserve(self, rows: int) -> None:
         """Allocate room for `rows` rows now, exactly: later appends up to there never reallocate."""
@@ -135,6 +137,7 @@ class Rows:
         cap = max(self.min_capacity, end) if self.keep is None else min(self.keep, max(self.min_capacity, end))
         self.buf = {name: torch.zeros((self.n_kv, cap, *shape), dtype=dtype, device=self.device)
                     for name, (shape, dtype) in self.fields.items()}
+        self._buf_bytes = None
         for lo, values in pieces:
             self._write(lo, {k: v.to(self.device) for k, v in values.items()})
         self.base, self.end = base, end
@@ -145,7 +148,10 @@ class Rows:
         self.end = end
 
     def nbytes(self) -> int:
-        live = sum(b.untyped_storage().nbytes() for b in self.buf.values())
+        """Bytes of the allocations held: a token's metrics ask for them every step."""
+        if self._buf_bytes is None:
+            self._buf_bytes = sum(b.untyped_storage().nbytes() for b in self.buf.values())
+        live = self._buf_bytes
         if self.pending:
             live += sum(v.untyped_storage().nbytes() for v in self.pending.values())
         return live
