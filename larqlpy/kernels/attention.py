@@ -132,13 +132,12 @@ def attend_rows(q: torch.Tensor, rows: list[tuple[torch.Tensor, torch.Tensor]], 
     """One decode query per sequence, q (S, H, D), each over every row of its own k, v (Hkv, N_s, D),
     all float32 on the CPU -> (S, H, D); softcap > 0 caps the scaled scores as tanh(s / cap) * cap."""
     n_seq, _, d = q.shape
-    where = np.empty((n_seq, 5), np.int64)
     held = []  # the tensors whose addresses the kernel reads: alive until it returns
-    for s, (k, v) in enumerate(rows):
+    for k, v in rows:
         if k.stride(2) != 1 or k.stride(1) != d or v.stride() != k.stride():
             k, v = k.contiguous(), v.contiguous()
-        held.append((k, v))
-        where[s] = (k.data_ptr(), v.data_ptr(), k.shape[1], k.stride(0), k.shape[0])
+        held.append((k.data_ptr(), v.data_ptr(), k.shape[1], k.stride(0), k.shape[0], k, v))
+    where = np.array([h[:5] for h in held], np.int64)
     out = np.empty((n_seq, q.shape[1], d), np.float32)
     kernel = _attend_chunk if n_seq == 1 and where[0, 2] <= CHUNK else _attend_rows
     kernel(q.contiguous().numpy(), where, np.float32(scale), np.float32(softcap), out)

@@ -86,14 +86,14 @@ class Block(nn.Module):
         every other block, and every store that attends on its own terms, through `store.attend`."""
         p = self.attn
         decode = q.device.type == "cpu" and q.dtype == torch.float32
+        one = len(stores) == 1
+        ks, vs = ((k,), (v,)) if one else (k.split(sizes, dim=1), v.split(sizes, dim=1))  # views, one call each
         outs, steps, lo = [], [], 0  # steps: (index in outs, row in q, store, its rows)
-        for store, n in zip(stores, sizes):
-            rows = store.decode_rows(k[:, lo:lo + 1], v[:, lo:lo + 1]) if decode and n == 1 else None
+        for store, n, kn, vn in zip(stores, sizes, ks, vs):
+            rows = store.decode_rows(kn, vn) if decode and n == 1 else None
             if rows is None:
-                part = slice(lo, lo + n)
-                one = len(stores) == 1
-                outs.append(store.attend(q if one else q[:, part].contiguous(), k if one else k[:, part].contiguous(),
-                                         v if one else v[:, part].contiguous(), p))  # (H, n, D)
+                qn = q if one else q[:, lo:lo + n].contiguous()
+                outs.append(store.attend(qn, kn if one else kn.contiguous(), vn if one else vn.contiguous(), p))
             else:
                 steps.append((len(outs), lo, store, rows))
                 outs.append(None)

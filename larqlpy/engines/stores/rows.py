@@ -47,7 +47,8 @@ class Rows:
             self.pending = values
         else:
             n = self.end
-            self._reserve(n + t)
+            if n + t > self.capacity:
+                self._reserve(n + t)
             for name, v in values.items():
                 self.buf[name][:, n:n + t] = v
         self.end += t
