@@ -77,7 +77,7 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
         if not math.isfinite(float(logits[best])):
             raise non_finite()
         return best
-    checked(logits)
+    refuse_non_finite(logits)
     logits = logits.float() / cfg.temperature
     if cfg.top_k:
         kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1])).values[-1]
@@ -133,13 +133,12 @@ def non_finite() -> LarqlError:
     return LarqlError("the model produced non-finite logits (NaN or infinity); its weights or this `dtype` overflow")
 
 
-def checked(logits: torch.Tensor) -> torch.Tensor:
-    """Logits with every entry finite, else the refusal."""
+def refuse_non_finite(logits: torch.Tensor) -> None:
+    """Raise unless every logit is finite."""
     # A finite sum means every logit is finite (an infinity or NaN makes the sum one), and costs a
     # twentieth of isfinite over a 262,144-entry row; only a non-finite sum needs the full check.
     if not math.isfinite(float(logits.sum())) and not bool(torch.isfinite(logits).all()):
         raise non_finite()
-    return logits
 
 
 def finish_reason(tok: int, index: int, max_tokens: int, stop_ids: set[int]) -> str | None:

@@ -127,6 +127,11 @@ def _attend_chunk(q, where, scale, softcap, out):  # pragma: no cover - jitted
     _merge(m, total, acc, 0, 1, out[0])
 
 
+def takes(q: torch.Tensor) -> bool:
+    """Whether these kernels serve a query: float32 on the CPU."""
+    return q.device.type == "cpu" and q.dtype == torch.float32
+
+
 def attend_rows(q: torch.Tensor, rows: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
                 softcap: float = 0.0) -> torch.Tensor:
     """One decode query per sequence, q (S, H, D), each over every row of its own k, v (Hkv, N_s, D),

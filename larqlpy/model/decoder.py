@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.stores.base import AttentionParams, EngineState
-from larqlpy.kernels.attention import attend_rows
+from larqlpy.kernels.attention import attend_rows, takes
 from larqlpy.kernels.matvec import embedding, linear, linears, norm_rope, residual_norm, rms_norm
 from larqlpy.model.config import ModelConfig, RopeConfig
 from larqlpy.model.files import block_weights
@@ -85,7 +85,7 @@ class Block(nn.Module):
         steps whose store hands back its rows (`decode_rows`) are attended together in one kernel call;
         every other block, and every store that attends on its own terms, through `store.attend`."""
         p = self.attn
-        decode = q.device.type == "cpu" and q.dtype == torch.float32
+        decode = takes(q)
         one = len(stores) == 1
         ks, vs = ((k,), (v,)) if one else (k.split(sizes, dim=1), v.split(sizes, dim=1))  # views, one call each
         outs, steps, lo = [], [], 0  # steps: (index in outs, row in q, store, its rows)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from larqlpy.engines.geometry import LayerGeometry
-from larqlpy.kernels.attention import attend_one
+from larqlpy.kernels.attention import attend_one, takes
 
 QUERY_TILE = 256  # prefill queries attended per tile
 
@@ -42,7 +42,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k
     """
     n_heads, t, d = q.shape
     n_kv, n = k.shape[0], k.shape[1]
-    if t == 1 and k_start + n - 1 == q_start and q.device.type == "cpu" and q.dtype == torch.float32:
+    if t == 1 and k_start + n - 1 == q_start and takes(q):
         return attend_one(q, k, v, p.scale, p.softcap or 0.0)  # a decode step over exactly its visible rows
     group = n_heads // n_kv
     qg = q.reshape(1, n_kv, group * t, d)  # one matmul per KV head; 4-D lets torch pick its flash kernel

@@ -47,8 +47,7 @@ class Rows:
             self.pending = values
         else:
             n = self.end
-            if n + t > self.capacity:
-                self._reserve(n + t)
+            self._reserve(n + t)
             for name, v in values.items():
                 self.buf[name][:, n:n + t] = v
         self.end += t
