@@ -60,6 +60,19 @@ def test_stale_cache_is_rebuilt_and_removed(tiny_dir):
     assert not torch.equal(logits(old), logits(new))
 
 
+def test_cache_of_an_older_layout_is_stale_not_damaged(tiny_dir):
+    """A cache written before the file layout changed (CRC32 checksums, no layout in its name) is
+    rebuilt and removed, not refused."""
+    first = load(tiny_dir, device="cpu", weights="int4")
+    path = packed_cache.cache_path(tiny_dir, "int4", first.fingerprint)
+    older = path.with_name(path.name.replace(f".{packed_cache.LAYOUT}.safetensors", ".safetensors"))
+    assert older != path
+    path.rename(older)
+    again = load(tiny_dir, device="cpu", weights="int4")
+    assert again.packed_from == "built" and path.is_file() and not older.exists()
+    assert torch.equal(logits(first), logits(again))
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
 def test_damaged_cache_is_refused_in_one_line(tiny_dir, damage):
     good = load(tiny_dir, device="cpu", weights="int4")

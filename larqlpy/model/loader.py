@@ -19,7 +19,8 @@ from larqlpy.model.native_file import NativeFile
 from larqlpy.model.config import ModelConfig
 from larqlpy.model.decoder import Block, Decoder
 from larqlpy.model.families import read_config
-from larqlpy.model.files import Checkpoint, block_weights, check_finite
+from larqlpy.model.files import Checkpoint, block_weights
+from larqlpy.model.finite_checks import FiniteChecks
 from larqlpy.model.tokenizer import Tokenizer
 from larqlpy.model.tokenizer_process import TokenizerProcess
 
@@ -59,7 +60,8 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     (native.safetensors, written by the converter); key_calibration: read kv_calibration.safetensors when
     the directory has one (a stale or damaged one is reported on the model, not raised); tokenizer: a
     helper already loading it (tokenizer_process.start), else it is loaded here.
-    Every weight read is checked finite; a NaN or infinity is refused naming its tensor."""
+    Every weight read is checked finite (a file unchanged since it passed once is not read again:
+    finite_checks.py); a NaN or infinity is refused naming its tensor."""
     path = Path(path)
     check_format(weights)
     dev = resolve_device(device)
@@ -70,22 +72,24 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     model = Decoder(cfg, device=dev, dtype=tdtype)
     packed_from, matrices = None, set()
     handles: dict[Path, object] = {}
+    checks = FiniteChecks(packed_cache.cache_dir(path))
     if weights != "f32":
         build = (lambda: _pack_native(ckpt, NativeFile(path, ckpt.fingerprint), cfg)) if weights == "native" else \
-            (lambda: _pack(ckpt, handles, cfg, weights))
+            (lambda: _pack(ckpt, handles, checks, cfg, weights))
         packed, packed_from = packed_cache.load_or_build(path, weights, ckpt.fingerprint, build)
         matrices = _install_packed(model, packed, dev)
     for ours, (hf, _) in ckpt.wanted.items():
         if ours in matrices:
             continue
         if ckpt.dtypes[ours] == "F32" and dev.type == "cpu" and tdtype == torch.float32:
-            tensor = _float32(ckpt, handles, ours)  # zero-copy from the file's pages, shared between processes
+            tensor = _float32(ckpt, handles, checks, ours)  # zero-copy from the file's pages, shared between processes
         else:
             tensor = _read_tensor(handles, ckpt.files[hf], hf)
-            check_finite(ckpt.files[hf], hf, tensor.float().numpy())
+            checks.check(ckpt.files[hf], hf, tensor.float().numpy())
         owner, _, attr = ours.rpartition(".")
         setattr(model.get_submodule(owner), attr,
                 torch.nn.Parameter(tensor.to(device=dev, dtype=tdtype), requires_grad=False))
+    checks.record()
     if key_calibration:
         pairs, model.calibration_problem = calibration_file.read(
             path, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, ckpt.fingerprint)
@@ -104,27 +108,27 @@ def _read_tensor(handles: dict, file: Path, hf: str) -> torch.Tensor:
         raise LarqlError(f"{file}: cannot read tensor {hf} ({str(e).splitlines()[0]})") from None
 
 
-def _float32(ckpt: Checkpoint, handles: dict, ours: str) -> torch.Tensor:
+def _float32(ckpt: Checkpoint, handles: dict, checks: FiniteChecks, ours: str) -> torch.Tensor:
     """A weight as float32, checked finite: zero-copy when the file holds float32."""
     hf = ckpt.wanted[ours][0]
     file = ckpt.files[hf]
     a = ckpt.mapped(ours) if ckpt.dtypes[ours] == "F32" else _read_tensor(handles, file, hf).float().numpy()
-    check_finite(file, hf, a)
+    checks.check(file, hf, a)
     return torch.from_numpy(a)
 
 
-def _pack(ckpt: Checkpoint, handles: dict, cfg: ModelConfig, fmt: str) -> dict[str, PackedWeight]:
+def _pack(ckpt: Checkpoint, handles: dict, checks: FiniteChecks, cfg: ModelConfig, fmt: str) -> dict[str, PackedWeight]:
     """Every matrix packed from float32 on the CPU (the same codes on every device): q|k|v and
     gate|up stacked into one matrix each, so decode calls one kernel per group."""
-    out = {name: PackedWeight.quantize(_float32(ckpt, handles, name), fmt, name)
+    out = {name: PackedWeight.quantize(_float32(ckpt, handles, checks, name), fmt, name)
            for name in ("embed_tokens", "lm_head") if name in ckpt.wanted}
     for i in range(cfg.num_hidden_layers):
         for names in Block.SHARED_INPUT:
             key = f"layers.{i}.{'|'.join(names)}"
-            out[key] = stack([_float32(ckpt, handles, f"layers.{i}.{n}") for n in names], fmt, key)[0].whole
+            out[key] = stack([_float32(ckpt, handles, checks, f"layers.{i}.{n}") for n in names], fmt, key)[0].whole
         for n in ("o_proj", "down_proj"):
             key = f"layers.{i}.{n}"
-            out[key] = PackedWeight.quantize(_float32(ckpt, handles, key), fmt, key)
+            out[key] = PackedWeight.quantize(_float32(ckpt, handles, checks, key), fmt, key)
     return out
 
 

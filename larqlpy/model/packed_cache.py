@@ -2,9 +2,11 @@
 beside the model (MODEL/.larqlpy-cache/, or ~/.cache/larqlpy/ when the model directory is not
 writable), then memory-mapped at every later load instead of packed again.
 
-One safetensors file per model fingerprint, format and packing version, written atomically. A file
-of another fingerprint or packing version is stale: it is removed and rebuilt. A file whose header
-or checksums do not hold is damaged: it is refused, naming the file to delete.
+One safetensors file per model fingerprint, format, packing version and file layout, written
+atomically. A file of another fingerprint, packing version or layout is stale: it is removed and
+rebuilt. A file whose header or checksums do not hold is damaged: it is refused, naming the file to
+delete. The checksums are xxh3-64 (xxhash): every load checks every byte, and zlib's CRC32 took
+0.19 s of a 536 MB bf16 load where xxh3 takes 0.02 s.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import zlib
 from pathlib import Path
 from typing import Callable
 
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -25,7 +27,8 @@ from larqlpy.files import atomic_path
 from larqlpy.kernels.qweight import PACK_VERSION, PackedWeight
 from larqlpy.model.files import MappedSafetensors
 
-FORMAT = "larqlpy-packed/1"
+FORMAT = "larqlpy-packed/2"  # 2: xxh3-64 checksums (1: CRC32)
+LAYOUT = 2  # the file layout (FORMAT's number), in the file name: a cache of another layout is stale
 DIR = ".larqlpy-cache"
 FIELDS = ("codes", "scale", "minimum")
 
@@ -40,7 +43,7 @@ def cache_dir(model_dir: Path) -> Path:
 
 
 def cache_path(model_dir: Path, fmt: str, fingerprint: str) -> Path:
-    return cache_dir(model_dir) / f"packed-{fmt}-{fingerprint}-v{PACK_VERSION}.safetensors"
+    return cache_dir(model_dir) / f"packed-{fmt}-{fingerprint}-v{PACK_VERSION}.{LAYOUT}.safetensors"
 
 
 def load_or_build(model_dir: Path, fmt: str, fingerprint: str,
@@ -69,12 +72,17 @@ def write(path: Path, packed: dict[str, PackedWeight], fmt: str, fingerprint: st
             t = getattr(w, field)
             if t is not None:
                 tensors[f"{name}.{field}"] = t.contiguous().cpu().numpy()
-    crcs = {k: zlib.crc32(a) for k, a in tensors.items()}
+    sums = {k: checksum(a) for k, a in tensors.items()}
     meta = {"format": FORMAT, "weights": fmt, "fingerprint": fingerprint, "pack_version": str(PACK_VERSION),
-            "matrices": json.dumps(matrices), "crc32": json.dumps(crcs)}
+            "matrices": json.dumps(matrices), "xxh3_64": json.dumps(sums)}
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
+
+
+def checksum(a) -> int:
+    """A tensor's bytes as one 64-bit xxh3 (a buffer: an array or the file's mapped pages)."""
+    return xxhash.xxh3_64_intdigest(a)
 
 
 def read(path: Path, fmt: str, fingerprint: str) -> dict[str, PackedWeight]:
@@ -87,7 +95,7 @@ def read(path: Path, fmt: str, fingerprint: str) -> dict[str, PackedWeight]:
         if (meta.get("format"), meta.get("weights"), meta.get("fingerprint"), meta.get("pack_version")) != \
                 (FORMAT, fmt, fingerprint, str(PACK_VERSION)):
             raise damaged("its header names other weights")
-        matrices, crcs = json.loads(meta["matrices"]), json.loads(meta["crc32"])
+        matrices, sums = json.loads(meta["matrices"]), json.loads(meta["xxh3_64"])
         mapped = MappedSafetensors(path)
     except LarqlError:
         raise
@@ -98,12 +106,12 @@ def read(path: Path, fmt: str, fingerprint: str) -> dict[str, PackedWeight]:
         fields = {}
         for field in FIELDS:
             key = f"{name}.{field}"
-            if key in crcs:
+            if key in sums:
                 try:
                     a = mapped.array(key)
                 except (KeyError, LarqlError) as e:
                     raise damaged(f"tensor {key}: {e}") from None
-                if zlib.crc32(a) != crcs[key]:
+                if checksum(a) != sums[key]:
                     raise damaged(f"checksum mismatch in {key}")
                 fields[field] = torch.from_numpy(a)
         if "codes" not in fields:

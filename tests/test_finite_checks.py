@@ -1,0 +1,75 @@
+"""The record of weight files already checked finite: an unchanged file is not read again, a changed
+one is, and a file changed just before its check is not recorded at all."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+from larqlpy.errors import LarqlError
+from larqlpy.model import finite_checks, packed_cache
+from larqlpy.model.loader import load
+from tiny import make_tiny
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    make_tiny(tmp_path / "m")
+    return tmp_path / "m"
+
+
+@pytest.fixture
+def checked(monkeypatch):
+    """The names of the tensors `check_finite` reads, per load."""
+    seen: list[str] = []
+    real = finite_checks.check_finite
+
+    def counting(file, name, a):
+        seen.append(name)
+        real(file, name, a)
+
+    monkeypatch.setattr(finite_checks, "check_finite", counting)
+    return seen
+
+
+def test_an_unchanged_file_is_not_checked_again(tiny_dir, checked, monkeypatch):
+    monkeypatch.setattr(finite_checks, "RACY_NS", 0)  # the file was written a moment ago
+    first = load(tiny_dir, device="cpu")
+    assert len(checked) == len(first.held_weights())
+    record = packed_cache.cache_dir(tiny_dir) / finite_checks.NAME
+    assert record.is_file()
+    checked.clear()
+    again = load(tiny_dir, device="cpu")
+    assert checked == []
+    assert all(torch.equal(a, b) for a, b in zip(first.held_weights(), again.held_weights()))
+
+
+def test_a_changed_file_is_checked_again_and_refused(tiny_dir, checked, monkeypatch):
+    monkeypatch.setattr(finite_checks, "RACY_NS", 0)
+    load(tiny_dir, device="cpu")
+    w = load_file(str(tiny_dir / "model.safetensors"))
+    w["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan  # same size, same name, other bytes
+    save_file(w, str(tiny_dir / "model.safetensors"))
+    checked.clear()
+    with pytest.raises(LarqlError, match="model.layers.1.mlp.up_proj.weight holds 1 non-finite"):
+        load(tiny_dir, device="cpu")
+    assert checked  # read again, not trusted from the record
+
+
+def test_a_file_changed_just_before_its_check_is_not_recorded(tiny_dir, checked):
+    load(tiny_dir, device="cpu")  # make_tiny wrote it well inside RACY_NS
+    assert not (packed_cache.cache_dir(tiny_dir) / finite_checks.NAME).exists()
+    checked.clear()
+    load(tiny_dir, device="cpu")
+    assert checked
+
+
+def test_a_damaged_record_means_every_file_is_checked(tiny_dir, checked, monkeypatch):
+    monkeypatch.setattr(finite_checks, "RACY_NS", 0)
+    load(tiny_dir, device="cpu")
+    (packed_cache.cache_dir(tiny_dir) / finite_checks.NAME).write_text("[not json")
+    checked.clear()
+    load(tiny_dir, device="cpu")
+    assert checked
