@@ -17,7 +17,7 @@ import torch
 from numba import njit
 
 from larqlpy.kernels import choice, cpu, qdot
-from larqlpy.kernels.attention import attend_one, attend_rows
+from larqlpy.kernels.attention import Span, attend_one, attend_rows
 from larqlpy.kernels.matvec import gemv_f32
 from larqlpy.kernels.qweight import TILE, PackedWeight
 
@@ -191,13 +191,33 @@ def test_decode_attention_of_many_sequences_in_one_call(softcap):
     bufs = [(torch.randn(2, 1100, 64, generator=g) * 2, torch.randn(2, 1100, 64, generator=g)) for _ in lengths]
     rows = [(k[:, 9:9 + n], v[:, 9:9 + n]) for (k, v), n in zip(bufs, lengths)]  # strided views, as Rows.read gives
     q = torch.randn(len(lengths), 8, 64, generator=g)
-    together = attend_rows(q, rows, 0.125, softcap)
+    together = attend_rows(q, [Span(k, v, 0, k.shape[1]) for k, v in rows], 0.125, softcap)
     for s, (k, v) in enumerate(rows):
         want = _attention64(q[s], k, v, 0.125, softcap)
         assert (together[s].double() - want).abs().max() < 1e-5
-        assert torch.equal(attend_rows(q[s:s + 1], [(k, v)], 0.125, softcap)[0], together[s])
+        assert torch.equal(attend_rows(q[s:s + 1], [Span(k, v, 0, k.shape[1])], 0.125, softcap)[0], together[s])
+        kb, vb = bufs[s]  # the same rows addressed in the whole buffer
+        assert torch.equal(attend_rows(q[s:s + 1], [Span(kb, vb, 9, lengths[s])], 0.125, softcap)[0], together[s])
         assert torch.equal(attend_one(q[s].unsqueeze(1), k.contiguous(), v.contiguous(), 0.125, softcap)[:, 0],
                            together[s])
+
+
+@pytest.mark.parametrize("first, n", [(0, 1), (5, 40), (290, 200), (299, 300), (100, 300)])
+def test_decode_attention_writes_the_new_row_and_reads_a_ring_in_position_order(first, n):
+    """A span the kernel writes: the step's own K, V (a column of the step's block) lands in the
+    buffer row after the other n - 1, wrapping at the ring's 300 rows; the query reads the n rows in
+    position order, the same bits as over a contiguous copy of them."""
+    g = torch.Generator().manual_seed(5)
+    ring = 300
+    kb, vb = torch.randn(2, ring, 64, generator=g), torch.randn(2, ring, 64, generator=g)
+    new_k, new_v = torch.randn(2, 3, 64, generator=g), torch.randn(3, 2, 64, generator=g).transpose(0, 1)  # v: a view
+    slots = [(first + i) % ring for i in range(n)]
+    q = torch.randn(1, 8, 64, generator=g)
+    got = attend_rows(q, [Span(kb, vb, first, n, ring, write=True)], 0.125, 0.0, (new_k, new_v), [1])
+    assert torch.equal(kb[:, slots[-1]], new_k[:, 1]) and torch.equal(vb[:, slots[-1]], new_v[:, 1])
+    k, v = kb[:, slots].contiguous(), vb[:, slots].contiguous()
+    assert torch.equal(got, attend_rows(q, [Span(k, v, 0, n)], 0.125))
+    assert (got[0].double() - _attention64(q[0], k, v, 0.125)).abs().max() < 1e-5
 
 
 CALLEE = "from numba import njit\n\n@njit(cache=True)\ndef f():\n    return {value}\n"

@@ -12,6 +12,8 @@ A sequence's numbers depend on its own rows only, so alone or in a batch they ar
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from numba import carray, njit, prange, types
@@ -31,35 +33,67 @@ def _f32_at(typingctx, address):
     return sig, codegen
 
 
+@njit(inline="always", cache=True, error_model="numpy")
+def _physical(where, s, i):  # pragma: no cover - jitted
+    """Sequence s's i-th readable row -> its row in the buffer (a ring wraps at where[s, 6] rows)."""
+    r = where[s, 5] + i
+    ring = where[s, 6]
+    return r - ring if ring > 0 and r >= ring else r
+
+
 @njit(inline="always", fastmath=True, cache=True, error_model="numpy")
 def _chunk(q, where, s, c, lo, hi, scale, softcap, m, total, acc):  # pragma: no cover - jitted
-    """Sequence s's rows [lo, hi) for every head: chunk c's running maximum, sum and weighted values."""
+    """Sequence s's readable rows [lo, hi) for every head: chunk c's running maximum, sum and weighted values."""
     h, d = q.shape[1], q.shape[2]
-    n_kv, n, stride = where[s, 4], where[s, 2], where[s, 3]
+    n_kv, stride = where[s, 4], where[s, 3]
+    rows = where[s, 6] if where[s, 6] > 0 else where[s, 5] + where[s, 2]  # the buffer's rows read from
     group = h // n_kv
     sc = np.empty(hi - lo, np.float32)
+    at = np.empty(hi - lo, np.int64)
+    for i in range(lo, hi):
+        at[i - lo] = _physical(where, s, i)
     for kv in range(n_kv):
-        k = carray(_f32_at(where[s, 0] + 4 * kv * stride), (n, d))  # this KV head's rows, contiguous
-        v = carray(_f32_at(where[s, 1] + 4 * kv * stride), (n, d))
+        k = carray(_f32_at(where[s, 0] + 4 * kv * stride), (rows, d))  # this KV head's rows, contiguous
+        v = carray(_f32_at(where[s, 1] + 4 * kv * stride), (rows, d))
         for hh in range(kv * group, (kv + 1) * group):
             top = np.float32(-np.inf)
-            for i in range(lo, hi):
+            for i in range(hi - lo):
+                r = at[i]
                 dot = np.float32(0.0)
                 for j in range(d):
-                    dot += q[s, hh, j] * k[i, j]
+                    dot += q[s, hh, j] * k[r, j]
                 dot *= scale
                 if softcap > 0:  # Gemma 2's attention softcapping
                     dot = softcap * np.tanh(dot / softcap)
-                sc[i - lo] = dot
+                sc[i] = dot
                 top = max(top, dot)
             tot = np.float32(0.0)
-            for i in range(lo, hi):
-                e = np.exp(sc[i - lo] - top)
+            for i in range(hi - lo):
+                r = at[i]
+                e = np.exp(sc[i] - top)
                 tot += e
                 for j in range(d):
-                    acc[c, hh, j] += e * v[i, j]
+                    acc[c, hh, j] += e * v[r, j]
             m[c, hh] = top
             total[c, hh] = tot
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def _write_new(knew, vnew, where):  # pragma: no cover - jitted
+    """The step's own K, V row (column where[s, 7] of knew, vnew (Hkv, T, D)) into its store's
+    buffer at the last readable row, for the sequences whose store left that to the kernel."""
+    d = knew.shape[2]
+    for s in range(where.shape[0]):
+        col = where[s, 7]
+        if col < 0:
+            continue
+        r, stride = _physical(where, s, where[s, 2] - 1), where[s, 3]
+        for kv in range(where[s, 4]):
+            k = carray(_f32_at(where[s, 0] + 4 * (kv * stride + r * d)), (d,))
+            v = carray(_f32_at(where[s, 1] + 4 * (kv * stride + r * d)), (d,))
+            for j in range(d):
+                k[j] = knew[kv, col, j]
+                v[j] = vnew[kv, col, j]
 
 
 @njit(inline="always", fastmath=True, cache=True, error_model="numpy")
@@ -103,23 +137,27 @@ def _item(q, where, first, owner, c, scale, softcap, m, total, acc):  # pragma: 
 
 
 @njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
-def _attend_rows(q, where, scale, softcap, out):  # pragma: no cover - jitted
-    """q (S, H, D) -> out (S, H, D); where (S, 5) int64 per sequence: K and V addresses (row 0 of KV
-    head 0), rows N, the elements between KV heads, KV heads. Work items are (sequence, chunk) pairs,
-    so one long sequence spreads over the threads as well as many short ones."""
+def _attend_rows(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover - jitted
+    """q (S, H, D) -> out (S, H, D); where (S, 8) int64 per sequence: K and V buffer addresses (row 0
+    of KV head 0), readable rows N, the elements between KV heads, KV heads, the buffer row of the
+    first readable one, the ring's rows (0: none), and the column of knew, vnew to write as the last
+    readable row first (-1: the store wrote it). Work items are (sequence, chunk) pairs, so one long
+    sequence spreads over the threads as well as many short ones."""
+    _write_new(knew, vnew, where)
     first, owner = _plan(where)
     nc, h, d = first[-1], q.shape[1], q.shape[2]
     m, total, acc = np.empty((nc, h), np.float32), np.empty((nc, h), np.float32), np.zeros((nc, h, d), np.float32)
     for c in prange(nc):
         _item(q, where, first, owner, c, scale, softcap, m, total, acc)
-    for s in prange(q.shape[0]):
+    for s in range(q.shape[0]):  # a few (H, D) sums: not worth waking the threads a second time
         _merge(m, total, acc, first[s], first[s + 1], out[s])
 
 
 @njit(fastmath=True, cache=True, error_model="numpy")
-def _attend_chunk(q, where, scale, softcap, out):  # pragma: no cover - jitted
+def _attend_chunk(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover - jitted
     """A single chunk in all (one sequence, <= CHUNK rows): the same arithmetic, bit for bit, without
     waking the thread pool (which costs more than such a chunk takes)."""
+    _write_new(knew, vnew, where)
     first, owner = _plan(where)
     h, d = q.shape[1], q.shape[2]
     m, total, acc = np.empty((1, h), np.float32), np.empty((1, h), np.float32), np.zeros((1, h, d), np.float32)
@@ -132,23 +170,48 @@ def takes(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype == torch.float32
 
 
-def attend_rows(q: torch.Tensor, rows: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
-                softcap: float = 0.0) -> torch.Tensor:
-    """One decode query per sequence, q (S, H, D), each over every row of its own k, v (Hkv, N_s, D),
-    all float32 on the CPU -> (S, H, D); softcap > 0 caps the scaled scores as tanh(s / cap) * cap."""
+class Span(NamedTuple):
+    """Where one sequence's decode query reads: `n` rows of k, v (Hkv, rows, D) float32 buffers with
+    contiguous rows, from buffer row `first`, wrapping at `ring` rows (0: no wrap). With `write` the
+    step's own K, V row is not stored yet: the kernel writes it as the last of the n (its store
+    reserved the row), so storing a decode step costs no tensor operation of its own."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    first: int
+    n: int
+    ring: int = 0
+    write: bool = False
+
+
+def attend_rows(q: torch.Tensor, spans: list[Span], scale: float, softcap: float = 0.0,
+                new: tuple[torch.Tensor, torch.Tensor] | None = None, cols: list[int] | None = None) -> torch.Tensor:
+    """One decode query per sequence, q (S, H, D), each over its own rows (`spans`), all float32 on
+    the CPU -> (S, H, D); softcap > 0 caps the scaled scores as tanh(s / cap) * cap. `new`: the
+    step's K, V block (Hkv, T, D) and `cols` each sequence's column in it, for spans with `write`."""
     n_seq, _, d = q.shape
-    held = []  # the tensors whose addresses the kernel reads: alive until it returns
-    for k, v in rows:
-        if k.stride(2) != 1 or k.stride(1) != d or v.stride() != k.stride():
-            k, v = k.contiguous(), v.contiguous()
-        held.append((k.data_ptr(), v.data_ptr(), k.shape[1], k.stride(0), k.shape[0], k, v))
-    where = np.array([h[:5] for h in held], np.int64)
+    rows, held = [], []  # held: tensors copied here, alive until the kernel returns
+    for sp, col in zip(spans, cols or [-1] * n_seq):
+        k, v = sp.k, sp.v
+        if not (k.is_contiguous() or (k.stride(2) == 1 and k.stride(1) == d)) or v.stride() != k.stride():
+            if sp.write or sp.ring:
+                raise ValueError("a span the kernel writes or wraps must be its store's own buffer")
+            k, v = k[:, sp.first:sp.first + sp.n].contiguous(), v[:, sp.first:sp.first + sp.n].contiguous()
+            held.append((k, v))
+            sp = Span(k, v, 0, sp.n)
+        rows.append((k.data_ptr(), v.data_ptr(), sp.n, k.stride(0), k.shape[0], sp.first, sp.ring,
+                     col if sp.write else -1))
+    where = np.array(rows, np.int64)
+    knew, vnew = (t.numpy() for t in new) if new is not None else (_NONE, _NONE)
     out = np.empty((n_seq, q.shape[1], d), np.float32)
     kernel = _attend_chunk if n_seq == 1 and where[0, 2] <= CHUNK else _attend_rows
-    kernel(q.contiguous().numpy(), where, np.float32(scale), np.float32(softcap), out)
+    kernel(q.contiguous().numpy(), knew, vnew, where, np.float32(scale), np.float32(softcap), out)
     return torch.from_numpy(out)
+
+
+_NONE = np.zeros((0, 0, 0), np.float32)  # no new rows to write
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float = 0.0) -> torch.Tensor:
     """q (H, 1, D) over every row of k, v (Hkv, N, D): `attend_rows` for one sequence -> (H, 1, D)."""
-    return attend_rows(q.transpose(0, 1), [(k, v)], scale, softcap).transpose(0, 1)
+    return attend_rows(q.transpose(0, 1), [Span(k, v, 0, k.shape[1])], scale, softcap).transpose(0, 1)

@@ -100,7 +100,8 @@ class Block(nn.Module):
             lo += n
         if steps:
             qs = q if len(steps) == len(outs) else q[:, [s[1] for s in steps]]  # (H, steps, D)
-            got = attend_rows(qs.transpose(0, 1), [s[3] for s in steps], p.scale, p.softcap or 0.0).transpose(0, 1)
+            got = attend_rows(qs.transpose(0, 1), [s[3] for s in steps], p.scale, p.softcap or 0.0,
+                              (k, v), [s[1] for s in steps]).transpose(0, 1)
             for j, (at, _, store, _) in enumerate(steps):
                 store.release()
                 outs[at] = got[:, j:j + 1]

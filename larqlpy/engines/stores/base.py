@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from larqlpy.engines.geometry import LayerGeometry
-from larqlpy.kernels.attention import attend_one, takes
+from larqlpy.kernels.attention import Span, attend_one, takes
 
 QUERY_TILE = 256  # prefill queries attended per tile
 
@@ -123,13 +123,16 @@ class LayerStore:
         raise NotImplementedError(f"{type(self).__name__} cannot be trimmed")
 
     # -- what attention calls: Block.attend, the one dispatch point ----------------------------
-    def decode_rows(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def decode_rows(self, k: torch.Tensor, v: torch.Tensor) -> Span | None:
         """A decode step (one query, float32 on the CPU) in two halves, so that many sequences' steps
-        are attended in one kernel call: append the step's k, v (Hkv, 1, D) and return the float32 rows
-        its query reads (Hkv, N, D); the caller attends them, then calls `release()`. A store that
-        attends in its own way (on codes) returns None and is called through `attend`."""
+        are attended in one kernel call: store the step's k, v (Hkv, 1, D) and say where the float32
+        rows its query reads are (a `Span`: here the rows `read` gives; a store whose buffers the
+        kernel can read in place may instead reserve the step's row and let the kernel write it);
+        the caller attends them, then calls `release()`. A store that attends in its own way (on
+        codes) returns None and is called through `attend`."""
         self.append(k, v)
-        return self.read(self.geometry.read_start(self.end - 1), torch.float32)
+        keys, values = self.read(self.geometry.read_start(self.end - 1), torch.float32)
+        return Span(keys, values, 0, keys.shape[1])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> torch.Tensor:
         """Append this block's rows and attend its queries (H, T, D) over what they may read."""

@@ -6,6 +6,7 @@ import torch
 
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.stores.rows import Rows, RowSet, RowStore
+from larqlpy.kernels.attention import Span
 
 
 class F32Store(RowStore):
@@ -15,10 +16,20 @@ class F32Store(RowStore):
         super().__init__(geometry, device)
         row = ((geometry.head_dim,), torch.float32)
         self.rows = Rows(geometry.n_kv_heads, {"k": row, "v": row}, device, keep)
+        self._sets = {"main": RowSet(self.rows, "ACTIVE", "f32")}  # asked for by every token's metrics
 
     def append(self, k, v):
         self.rows.append({"k": k.float(), "v": v.float()})
         self.end = self.rows.end
+
+    def decode_rows(self, k, v):
+        # the buffers as they are: the kernel writes the step's row into the slot claimed here (a ring
+        # of keep >= window rows never holds a readable row in that slot)
+        start = self.geometry.read_start(self.end)
+        self.rows.claim_row()
+        self.end = self.rows.end
+        r = self.rows
+        return Span(r.buf["k"], r.buf["v"], r.slot(start), self.end - start, r.keep or 0, write=True)
 
     def read(self, start, dtype):
         r = self.rows.read(start, self.end)
@@ -29,4 +40,4 @@ class F32Store(RowStore):
         self.rows.commit()
 
     def row_sets(self):
-        return {"main": RowSet(self.rows, "ACTIVE", "f32")}
+        return self._sets

@@ -52,6 +52,21 @@ class Rows:
                 self.buf[name][:, n:n + t] = v
         self.end += t
 
+    def claim_row(self) -> int:
+        """Room for the row at position `end`, which the caller writes straight into the buffers (a
+        decode kernel); the row counts as stored at once. Returns its buffer row."""
+        assert self.pending is None, "claim beside a pending block"
+        self._reserve(self.end + 1)
+        slot = self.end if self.keep is None else self.end % self.keep
+        self.end += 1
+        if self.keep is not None:
+            self.base = max(0, self.end - self.keep)
+        return slot
+
+    def slot(self, position: int) -> int:
+        """The buffer row of a retained position."""
+        return position if self.keep is None else position % self.keep
+
     def _reserve(self, rows: int, exact: bool = False) -> None:
         """Grow the buffers (doubling, or to exactly `rows` when the caller knows the final count) to
         hold `rows` rows; a ring grows this way up to `keep`, so a short sequence costs what it holds,
