@@ -102,11 +102,12 @@ class Block(nn.Module):
             qs = q if len(steps) == len(outs) else q[:, [s[1] for s in steps]]  # (H, steps, D)
             got = attend_rows(qs.transpose(0, 1), [s[3] for s in steps], p.scale, p.softcap or 0.0,
                               (k, v), [s[1] for s in steps]).transpose(0, 1)
-            for j, (at, _, store, _) in enumerate(steps):
+            for _, _, store, _ in steps:
                 store.release()
-                outs[at] = got[:, j:j + 1]
             if len(steps) == len(outs):
                 return got
+            for j, (at, _, _, _) in enumerate(steps):
+                outs[at] = got[:, j:j + 1]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stores: list, sizes: list[int]) -> torch.Tensor:

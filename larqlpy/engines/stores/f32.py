@@ -25,11 +25,11 @@ class F32Store(RowStore):
     def decode_rows(self, k, v):
         # the buffers as they are: the kernel writes the step's row into the slot claimed here (a ring
         # of keep >= window rows never holds a readable row in that slot)
-        start = self.geometry.read_start(self.end)
-        self.rows.claim_row()
-        self.end = self.rows.end
-        r = self.rows
-        return Span(r.buf["k"], r.buf["v"], r.slot(start), self.end - start, r.keep or 0, write=True)
+        r, start = self.rows, self.geometry.read_start(self.end)
+        r.claim_row()
+        self.end = r.end
+        buf = r.buf
+        return Span(buf["k"], buf["v"], r.slot(start), self.end - start, r.keep or 0, True)
 
     def read(self, start, dtype):
         r = self.rows.read(start, self.end)

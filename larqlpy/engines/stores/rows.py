@@ -56,7 +56,9 @@ class Rows:
         """Room for the row at position `end`, which the caller writes straight into the buffers (a
         decode kernel); the row counts as stored at once. Returns its buffer row."""
         assert self.pending is None, "claim beside a pending block"
-        self._reserve(self.end + 1)
+        cap = self.capacity
+        if self.end >= cap and (self.keep is None or cap < self.keep):  # full: grow (a ring up to keep)
+            self._reserve(self.end + 1)
         slot = self.end if self.keep is None else self.end % self.keep
         self.end += 1
         if self.keep is not None:
