@@ -20,7 +20,8 @@ from larqlpy.engines import EngineSpec, build_provider
 from larqlpy.engines.stores.base import EngineState
 from larqlpy.errors import LarqlError
 from larqlpy.generate import Token, stream_generate
-from larqlpy.model.chat_template import ChatTemplate, check_messages
+from larqlpy.model.chat_template import ChatTemplate
+from larqlpy.model.messages import check_messages
 from larqlpy.model.loader import LoadedModel
 from larqlpy.runner import fit_context
 from larqlpy.session import align, resume, save

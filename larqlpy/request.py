@@ -14,7 +14,7 @@ from larqlpy.engines import EngineSpec, parse_engine_spec
 from larqlpy.engines.options import parse_size
 from larqlpy.errors import LarqlError
 from larqlpy.files import check_output, utf8
-from larqlpy.model.chat_template import check_messages
+from larqlpy.model.messages import check_messages
 
 
 @dataclass(frozen=True)

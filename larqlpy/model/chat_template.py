@@ -18,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from larqlpy.errors import LarqlError
 from larqlpy.files import read_text
+from larqlpy.model.messages import check_messages
 
 
 def _raise_exception(message):
@@ -112,12 +113,3 @@ class ChatTemplate:
                                         add_generation_prompt=add_generation_prompt, **{**self.special, **kwargs})
         except jinja2.exceptions.TemplateError as e:  # raise_exception(...) in the template, or a sandbox refusal
             raise LarqlError(f"{self.origin}: {e.message or e}") from None
-
-
-def check_messages(messages: Any) -> None:
-    """Messages as chat templates take them: a non-empty list of {"role": str, "content": str}."""
-    if not isinstance(messages, list) or not messages:
-        raise LarqlError("`messages` must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise LarqlError(f"`messages`[{i}] must be an object with string \"role\" and \"content\"")

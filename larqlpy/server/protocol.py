@@ -12,7 +12,7 @@ from typing import Any
 from larqlpy.config import GenerationConfig
 from larqlpy.engines import EngineSpec, parse_engine_spec
 from larqlpy.errors import LarqlError
-from larqlpy.model.chat_template import check_messages
+from larqlpy.model.messages import check_messages
 
 # Fields that would change what is generated and that larqlpy does not implement: refused, not
 # ignored. Anything else unknown (user, metadata, ...) is ignored, as OpenAI ignores it.
