@@ -27,8 +27,8 @@ from larqlpy.files import atomic_path
 from larqlpy.kernels.qweight import PACK_VERSION, PackedWeight
 from larqlpy.model.files import MappedSafetensors
 
-FORMAT = "larqlpy-packed/2"  # 2: xxh3-64 checksums (1: CRC32)
-LAYOUT = 2  # the file layout (FORMAT's number), in the file name: a cache of another layout is stale
+LAYOUT = 2  # the file layout (2: xxh3-64 checksums; 1: CRC32), in the file name: another layout is stale
+FORMAT = f"larqlpy-packed/{LAYOUT}"
 DIR = ".larqlpy-cache"
 FIELDS = ("codes", "scale", "minimum")
 

@@ -59,7 +59,7 @@ class Rows:
         cap = self.capacity
         if self.end >= cap and (self.keep is None or cap < self.keep):  # full: grow (a ring up to keep)
             self._reserve(self.end + 1)
-        slot = self.end if self.keep is None else self.end % self.keep
+        slot = self.slot(self.end)
         self.end += 1
         if self.keep is not None:
             self.base = max(0, self.end - self.keep)
