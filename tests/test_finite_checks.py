@@ -73,3 +73,21 @@ def test_a_damaged_record_means_every_file_is_checked(tiny_dir, checked, monkeyp
     checked.clear()
     load(tiny_dir, device="cpu")
     assert checked
+
+
+def test_a_load_vouches_only_for_the_tensors_it_checked(tiny_dir, checked, monkeypatch):
+    """A low-bit load takes its matrices from the packed cache and checks only the rest of the file
+    (the norms): a later f32 load still checks the matrices."""
+    monkeypatch.setattr(finite_checks, "RACY_NS", 0)
+    load(tiny_dir, device="cpu", weights="int8")  # builds the packed cache: every tensor checked
+    (packed_cache.cache_dir(tiny_dir) / finite_checks.NAME).unlink()
+    checked.clear()
+    load(tiny_dir, device="cpu", weights="int8")  # from the cache: the norms alone
+    assert checked and not any(n.endswith("proj.weight") or "embed" in n for n in checked)
+    checked.clear()
+    f32 = load(tiny_dir, device="cpu")
+    assert any(n.endswith("q_proj.weight") for n in checked) and "model.embed_tokens.weight" in checked
+    assert not any(n.endswith("norm.weight") for n in checked)  # those passed in the int8 load
+    checked.clear()
+    load(tiny_dir, device="cpu")
+    assert checked == [] and len(f32.held_weights()) > 0

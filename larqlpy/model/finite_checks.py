@@ -31,7 +31,9 @@ def identity(file: Path) -> list[int]:
 
 
 class FiniteChecks:
-    """The record in one cache directory (the packed-weight cache's): file name -> identity when checked."""
+    """The record in one cache directory (the packed-weight cache's): file name -> its identity and
+    the tensors that passed while it had that identity. A load that read only some of a file's
+    tensors (a low-bit load takes its matrices from the packed cache) vouches for those alone."""
 
     def __init__(self, cache_dir: Path):
         self.path = cache_dir / NAME
@@ -39,27 +41,40 @@ class FiniteChecks:
             known = json.loads(self.path.read_text())
         except (OSError, ValueError):  # none yet, or unreadable: every file is checked
             known = {}
-        self.known = known if isinstance(known, dict) else {}
+        self.known: dict[str, tuple[list, set]] = {}
+        for name, entry in (known.items() if isinstance(known, dict) else ()):
+            if isinstance(entry, dict) and isinstance(entry.get("id"), list) and isinstance(entry.get("tensors"), list):
+                self.known[name] = (entry["id"], set(entry["tensors"]))
         self.seen: dict[Path, list[int]] = {}  # files this load looked at -> their identity now
+        self.passed: dict[Path, set[str]] = {}  # tensors this load checked, per file
 
     def check(self, file: Path, name: str, a: np.ndarray) -> None:
-        """`check_finite`, unless `file` is unchanged since a recorded check."""
+        """`check_finite`, unless this tensor of `file` passed while the file had the identity it has now."""
         if file not in self.seen:
             self.seen[file] = identity(file)
-        if self.known.get(file.name) != self.seen[file]:
-            check_finite(file, name, a)
+        ident, tensors = self.known.get(file.name, (None, set()))
+        if ident == self.seen[file] and name in tensors:
+            return
+        check_finite(file, name, a)
+        self.passed.setdefault(file, set()).add(name)
 
     def record(self) -> None:
-        """After a load whose every tensor passed: remember the files it checked. A cache directory
-        that cannot be written costs the skip, not the load."""
+        """After a load whose every tensor passed: remember what it checked. A cache directory that
+        cannot be written costs the skip, not the load."""
         now = time.time_ns()
-        fresh = {f.name: ident for f, ident in self.seen.items()
-                 if self.known.get(f.name) != ident and now - max(ident[3], ident[4]) > RACY_NS}
+        fresh = {}
+        for f, names in self.passed.items():
+            ident = self.seen[f]
+            if now - max(ident[3], ident[4]) <= RACY_NS:
+                continue
+            old_ident, old = self.known.get(f.name, (None, set()))
+            fresh[f.name] = (ident, names | (old if old_ident == ident else set()))
         if not fresh:
             return
+        out = {name: {"id": ident, "tensors": sorted(tensors)} for name, (ident, tensors) in {**self.known, **fresh}.items()}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_write(self.path) as f:
-                f.write(json.dumps({**self.known, **fresh}, sort_keys=True).encode())
+                f.write(json.dumps(out, sort_keys=True).encode())
         except (OSError, LarqlError):
             pass
