@@ -157,3 +157,37 @@ def test_console_script_in_a_pipe(tiny_dir):
     assert ok.returncode == 0 and len(json.loads(ok.stdout)["tokens"]) == 3
     bad = subprocess.run([*exe, "run", str(tiny_dir), "hi", "--bogus"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_start_up_ends_with_the_collector_on():
+    """entry() turns the garbage collector off for start-up; common.started() freezes what start-up
+    made and turns it back on. Every command that loads weights does so through load_model, which
+    calls it (a command that forgot would run its whole generation without a collector)."""
+    import gc
+    from pathlib import Path
+
+    from larqlpy.cli.common import started
+
+    started()  # on already (pytest's process): nothing frozen
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()
+    try:
+        started()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    cli_dir = Path(__file__).resolve().parent.parent / "larqlpy" / "cli"
+    direct = [f.name for f in cli_dir.glob("*.py") if f.name != "common.py" and "model.loader import" in f.read_text()]
+    assert not direct, f"load weights through common.load_model: {direct}"
+
+
+def test_the_console_script_collects_garbage_after_start_up(tiny_dir):
+    """Through the real entry point: the command's generation runs with the collector on."""
+    code = ("import gc, sys; from larqlpy.cli import main as m; import larqlpy.runner as r; run = r.execute\n"
+            "def execute(*a, **k):\n    sys.stderr.write(f'collector {gc.isenabled()} frozen {gc.get_freeze_count() > 0}\\n')\n"
+            "    return run(*a, **k)\n"
+            f"r.execute = execute; sys.argv = ['larqlpy', 'run', {str(tiny_dir)!r}, 'hi', '-n', '2']; m.entry()")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert "collector True frozen True" in got.stderr

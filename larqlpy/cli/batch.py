@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from larqlpy.cli.common import DEVICE, DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, err, monitored
+from larqlpy.cli.common import DEVICE, DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, err, monitored, started
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write, check_output, read_bytes
 
@@ -120,6 +120,7 @@ class _Run:
                  actor_cpus=1, worker_model=None):
         from larqlpy.tools.batch_run import Setup, cores
 
+        started()  # the weights load with the first lines: the long-lived imports are in
         threads = max(1, cores() // workers) if workers > 1 else None
         self.setup = Setup(model, device, dtype, weights, parallel, kv_budget, threads)
         self.workers, self.ray_address, self.actors, self.actor_cpus = workers, ray_address, actors, actor_cpus

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from larqlpy.cli.common import (CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS,
-                                check_paths, err, fmt_bytes, monitored, one_engine, out)
+                                check_paths, err, fmt_bytes, load_model, monitored, one_engine, out)
 from larqlpy.errors import LarqlError
 from larqlpy.files import check_output
 
@@ -38,7 +38,6 @@ def bench_ladder(
     weights: str = WEIGHTS,
 ):
     """Each engine at several lengths: live KV bytes, speed, row cosine and KL against canonical/v1."""
-    from larqlpy.model.loader import load
     from larqlpy.tools.ladder import ladder
     from larqlpy.tools.ladder import plot as draw
 
@@ -58,7 +57,7 @@ def bench_ladder(
         with monitored(monitor, monitor_plot):
             return _ladder_budget(model, budget, specs, max_positions, as_json, device, dtype, weights)
     with monitored(monitor, monitor_plot) as mon:
-        loaded = load(model, device=device, dtype=dtype, weights=weights)
+        loaded = load_model(model, device=device, dtype=dtype, weights=weights)
         result = ladder(loaded, lengths, specs, steps, on_length=lambda n: setattr(mon, "position", n))
     if plot is not None:
         draw(result, plot)
@@ -88,7 +87,6 @@ def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json:
     from larqlpy.engines import preset_spec
     from larqlpy.engines.options import parse_size
     from larqlpy.engines.presets import LADDER
-    from larqlpy.model.loader import load
     from larqlpy.tools.ladder import until_budget
     from larqlpy.tools.residency import capacity
 
@@ -99,7 +97,7 @@ def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json:
     if max_positions < 1:
         raise LarqlError("--max-positions must be >= 1")
     specs = specs or [preset_spec(p) for p in LADDER]
-    loaded = load(model, device=device, dtype=dtype, weights=weights)
+    loaded = load_model(model, device=device, dtype=dtype, weights=weights)
     accounted = capacity(str(model), nbytes, specs)["engines"]
     rows = []
     for spec, acc in zip(specs, accounted):
@@ -136,7 +134,6 @@ def bench_consistency(
     """A fixed question set answered greedily by each engine, against canonical/v1."""
     from larqlpy.engines import preset_spec
     from larqlpy.engines.presets import LADDER
-    from larqlpy.model.loader import load
     from larqlpy.tools.observe import consistency, load_questions
 
     if max_tokens < 1:
@@ -146,7 +143,7 @@ def bench_consistency(
     items = load_questions(questions)
     check_paths(monitor, monitor_plot)
     with monitored(monitor, monitor_plot):
-        loaded = load(model, device=device, weights=weights)
+        loaded = load_model(model, device=device, weights=weights)
         r = consistency(loaded, items, specs, max_tokens)
     if as_json:
         sys.stdout.write(json.dumps(r) + "\n")

@@ -15,7 +15,7 @@ from typing import List, Optional
 import typer
 
 from larqlpy.cli.common import (CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, WEIGHTS,
-                                err, error_line, fmt_bytes)
+                                err, error_line, fmt_bytes, load_model)
 from larqlpy.config import GenerationConfig, SamplingConfig
 from larqlpy.errors import LarqlError
 
@@ -52,9 +52,8 @@ def chat(
 
     from larqlpy.chat import ChatSession
     from larqlpy.model.chat_template import ChatTemplate
-    from larqlpy.model.loader import load
 
-    loaded = load(model, device=device, dtype=dtype, weights=weights)
+    loaded = load_model(model, device=device, dtype=dtype, weights=weights)
     session = ChatSession(loaded, spec, req.gen, ChatTemplate.for_tokenizer(loaded.tokenizer, chat_template), system)
     if resume_from is not None:
         session.load(resume_from)

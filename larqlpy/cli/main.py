@@ -4,6 +4,7 @@ and rich live in cli/ only, and so do flag names."""
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import sys
 
@@ -78,7 +79,9 @@ def _skip_teardown() -> None:
 
 
 def entry() -> None:
-    """The console script and `python -m larqlpy.cli.main`: `main`, then a fast exit."""
+    """The console script and `python -m larqlpy.cli.main`: `main`, then a fast exit. The garbage
+    collector is off until the command's start-up is over (common.started)."""
+    gc.disable()
     atexit.register(_skip_teardown)
     try:
         main()

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from larqlpy.cli.common import DEVICE, cli_text, err, out
+from larqlpy.cli.common import DEVICE, cli_text, err, load_model, out, started
 from larqlpy.errors import LarqlError
 from larqlpy.files import check_output, read_text
 
@@ -42,6 +42,7 @@ def convert_gguf(src: Path = typer.Argument(..., help="a .gguf file (gemma3, lla
 
     from larqlpy.convert.gguf import convert_gguf as convert
 
+    started()
     with Progress(TextColumn("{task.description:<40}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=err, disable=not err.is_terminal) as bar:
         task = bar.add_task("reading", total=None)
@@ -81,11 +82,10 @@ def calibrate(
     read_config(model)
     check_output(model / calibration_file.FILE, "MODEL")  # before the measurement, not after
 
-    from larqlpy.model.loader import load
     from larqlpy.tools.calibrate import calibrate as measure
 
     t0 = time.perf_counter()
-    loaded = load(model, device=device, key_calibration=False)
+    loaded = load_model(model, device=device, key_calibration=False)
     cals, meta = measure(loaded, body)
     path = calibration_file.save(model, cals, meta)
     t = Table(title=f"{model}: key calibration over {int(meta['tokens']):,} tokens")

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from larqlpy.cli.common import DEVICE, WEIGHTS, err, out, read_prompt
+from larqlpy.cli.common import DEVICE, WEIGHTS, err, load_model, out, read_prompt
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write, check_output, read_text
 
@@ -28,7 +28,6 @@ def kv_stats(
 ):
     """Per layer, K and V: range, quantiles, outlier channels, and the per-row cosine each codec reaches."""
     from larqlpy.model.families import read_config
-    from larqlpy.model.loader import load
     from larqlpy.tools.observe import QUANTILES, QUERIES, WIDER
     from larqlpy.tools.observe import kv_stats as measure
 
@@ -42,7 +41,7 @@ def kv_stats(
     if rules_out is not None:
         check_output(rules_out, "--rules-out")
     text = read_text(prompt, "PROMPT_OR_FILE") if prompt != "-" and _names_a_file(prompt) else read_prompt(prompt)
-    loaded = load(model, device=device, weights=weights)
+    loaded = load_model(model, device=device, weights=weights)
     ids = loaded.tokenizer.encode(text)[:max_positions]
     r = measure(loaded, ids, min_cosine)
     if rules_out is not None:

@@ -10,7 +10,8 @@ from typing import List, Optional
 import typer
 
 from larqlpy.cli.common import (CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, MONITOR,
-                                MONITOR_PLOT, WEIGHTS, check_paths, cli_text, err, fmt_bytes, monitored, read_prompt)
+                                MONITOR_PLOT, WEIGHTS, check_paths, cli_text, err, fmt_bytes, load_model, monitored,
+                                read_prompt)
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
 from larqlpy.config import GenerationConfig, SamplingConfig
@@ -66,11 +67,10 @@ def run(
 
     helper = start(model)  # the tokenizer loads on another core while torch imports (before it: fork)
 
-    from larqlpy.model.loader import load
     from larqlpy.runner import execute
 
     with monitored(monitor, monitor_plot) as mon:
-        loaded = load(model, device=device, dtype=dtype, weights=weights, tokenizer=helper)
+        loaded = load_model(model, device=device, dtype=dtype, weights=weights, tokenizer=helper)
 
         def stream(tok):
             mon.position = tok.metrics.position + 1

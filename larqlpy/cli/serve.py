@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, WEIGHTS, err
+from larqlpy.cli.common import CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, WEIGHTS, err, load_model
 from larqlpy.config import ServeConfig
 from larqlpy.errors import LarqlError
 
@@ -66,13 +66,12 @@ def serve(
 
     import uvicorn
 
-    from larqlpy.model.loader import load
     from larqlpy.prefix_cache import PrefixCache
     from larqlpy.server.app import Served, build_app
     from larqlpy.server.engine import ServeEngine
     from larqlpy.server.metrics import Metrics
 
-    loaded = load(model, device=device, dtype=dtype, weights=weights)
+    loaded = load_model(model, device=device, dtype=dtype, weights=weights)
     cache = PrefixCache(loaded, cfg.kv_budget, cfg.disk_budget, cfg.state_dir)
     eng = ServeEngine(loaded, cache, cfg.parallel, cfg.queue_size)
     served = Served(loaded, Path(model).resolve().name, eng, cfg, spec, Metrics(eng))
