@@ -60,6 +60,53 @@ def test_stale_cache_is_rebuilt_and_removed(tiny_dir):
     assert not torch.equal(logits(old), logits(new))
 
 
+def _write_in_place(file: Path, name: str, values: np.ndarray) -> None:
+    """Overwrite the first values of tensor `name` where it lies in a safetensors file: same size,
+    same header, every other byte kept (as an editor of one layer's weights might)."""
+    import json
+    import struct
+
+    with open(file, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        start = json.loads(f.read(n))[name]["data_offsets"][0]
+        f.seek(8 + n + start)
+        f.write(values.astype(np.float32).tobytes())
+
+
+def test_an_edit_that_keeps_the_fingerprint_still_rebuilds(tiny_dir, monkeypatch):
+    """The fingerprint samples only each end of a weight file; a cache packed from other bytes in
+    between is stale all the same (the header holds the digest of each file it was packed from)."""
+    from larqlpy.model import files
+
+    monkeypatch.setattr(files, "SAMPLE", 64)  # the tiny file's ends: like 1 MB of a 1 GB file's
+    first = load(tiny_dir, device="cpu", weights="int8")
+    assert first.packed_from == "built"
+    name = "model.layers.1.mlp.up_proj.weight"
+    _write_in_place(tiny_dir / "model.safetensors", name, np.full(8, 0.75))
+    again = load(tiny_dir, device="cpu", weights="int8")
+    assert again.fingerprint == first.fingerprint  # the sample did not see it
+    assert again.packed_from == "built"
+    f32 = load(tiny_dir, device="cpu")
+    up = again.model.layers[1].up_proj
+    rows = up.whole.rows(torch.arange(up.lo, up.lo + 1))[0, :8]
+    assert torch.equal(f32.model.layers[1].up_proj[0, :8], torch.full((8,), 0.75))
+    assert torch.allclose(rows, torch.full((8,), 0.75), atol=0.02)  # packed from the edited bytes
+    assert load(tiny_dir, device="cpu", weights="int8").packed_from == "cache"
+
+
+def test_a_copy_of_the_same_bytes_keeps_the_cache(tiny_dir):
+    """A weight file rewritten with the same bytes (a copy, a checkout) has a new identity: it is
+    hashed again, found the same, and the cache serves."""
+    first = load(tiny_dir, device="cpu", weights="int4")
+    f = tiny_dir / "model.safetensors"
+    data = f.read_bytes()
+    f.unlink()
+    f.write_bytes(data)  # another inode, other times
+    again = load(tiny_dir, device="cpu", weights="int4")
+    assert again.packed_from == "cache"
+    assert torch.equal(logits(first), logits(again))
+
+
 def test_cache_of_an_older_layout_is_stale_not_damaged(tiny_dir):
     """A cache written before the file layout changed (CRC32 checksums, no layout in its name) is
     rebuilt and removed, not refused."""

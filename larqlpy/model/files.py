@@ -100,6 +100,9 @@ def wanted_tensors(path: Path, cfg: ModelConfig, files: dict[str, Path]) -> Want
     return wanted
 
 
+SAMPLE = 1 << 20  # bytes the fingerprint reads from each end of each weight file
+
+
 class Checkpoint:
     """The safetensors files behind a model: headers checked against the wanted shapes, and the
     fingerprint of config + headers + a sample of each file's bytes (what a saved state, a key
@@ -122,9 +125,9 @@ class Checkpoint:
         for f in self.handles:  # the bytes themselves: a sample from each end of every file, and its size
             size = f.stat().st_size
             with open(f, "rb") as fh:
-                hasher.update(fh.read(1 << 20))
-                fh.seek(max(0, size - (1 << 20)))
-                hasher.update(fh.read(1 << 20))
+                hasher.update(fh.read(SAMPLE))
+                fh.seek(max(0, size - SAMPLE))
+                hasher.update(fh.read(SAMPLE))
             hasher.update(f"{f.name}:{size}".encode())
         self.fingerprint = hasher.hexdigest()[:16]
         self._maps: dict[Path, MappedSafetensors] = {}

@@ -14,13 +14,13 @@ from safetensors import safe_open
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.qweight import PackedPart, PackedWeight, check_format, stack
-from larqlpy.model import calibration_file, packed_cache
+from larqlpy.model import calibration_file, native_file, packed_cache
 from larqlpy.model.native_file import NativeFile
 from larqlpy.model.config import ModelConfig
 from larqlpy.model.decoder import Block, Decoder
 from larqlpy.model.families import read_config
 from larqlpy.model.files import Checkpoint, block_weights
-from larqlpy.model.finite_checks import FiniteChecks
+from larqlpy.model.known_files import KnownFiles
 from larqlpy.model.tokenizer import Tokenizer
 from larqlpy.model.tokenizer_process import TokenizerProcess
 
@@ -61,7 +61,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     the directory has one (a stale or damaged one is reported on the model, not raised); tokenizer: a
     helper already loading it (tokenizer_process.start), else it is loaded here.
     Every weight read is checked finite (a file unchanged since it passed once is not read again:
-    finite_checks.py); a NaN or infinity is refused naming its tensor."""
+    known_files.py); a NaN or infinity is refused naming its tensor."""
     path = Path(path)
     check_format(weights)
     dev = resolve_device(device)
@@ -72,11 +72,13 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     model = Decoder(cfg, device=dev, dtype=tdtype)
     packed_from, matrices = None, set()
     handles: dict[Path, object] = {}
-    checks = FiniteChecks(packed_cache.cache_dir(path))
+    checks = KnownFiles(packed_cache.cache_dir(path))
     if weights != "f32":
         build = (lambda: _pack_native(ckpt, NativeFile(path, ckpt.fingerprint), cfg)) if weights == "native" else \
             (lambda: _pack(ckpt, handles, checks, cfg, weights))
-        packed, packed_from = packed_cache.load_or_build(path, weights, ckpt.fingerprint, build)
+        reads = [*ckpt.handles, *([path / native_file.FILE] if weights == "native" else [])]
+        sources = {f.name: checks.digest(f) for f in reads if f.is_file()}  # what the cache must be packed from
+        packed, packed_from = packed_cache.load_or_build(path, weights, ckpt.fingerprint, sources, build)
         matrices = _install_packed(model, packed, dev)
     for ours, (hf, _) in ckpt.wanted.items():
         if ours in matrices:
@@ -108,7 +110,7 @@ def _read_tensor(handles: dict, file: Path, hf: str) -> torch.Tensor:
         raise LarqlError(f"{file}: cannot read tensor {hf} ({str(e).splitlines()[0]})") from None
 
 
-def _float32(ckpt: Checkpoint, handles: dict, checks: FiniteChecks, ours: str) -> torch.Tensor:
+def _float32(ckpt: Checkpoint, handles: dict, checks: KnownFiles, ours: str) -> torch.Tensor:
     """A weight as float32, checked finite: zero-copy when the file holds float32."""
     hf = ckpt.wanted[ours][0]
     file = ckpt.files[hf]
@@ -117,7 +119,7 @@ def _float32(ckpt: Checkpoint, handles: dict, checks: FiniteChecks, ours: str) -
     return torch.from_numpy(a)
 
 
-def _pack(ckpt: Checkpoint, handles: dict, checks: FiniteChecks, cfg: ModelConfig, fmt: str) -> dict[str, PackedWeight]:
+def _pack(ckpt: Checkpoint, handles: dict, checks: KnownFiles, cfg: ModelConfig, fmt: str) -> dict[str, PackedWeight]:
     """Every matrix packed from float32 on the CPU (the same codes on every device): q|k|v and
     gate|up stacked into one matrix each, so decode calls one kernel per group."""
     out = {name: PackedWeight.quantize(_float32(ckpt, handles, checks, name), fmt, name)

@@ -4,9 +4,11 @@ writable), then memory-mapped at every later load instead of packed again.
 
 One safetensors file per model fingerprint, format, packing version and file layout, written
 atomically. A file of another fingerprint, packing version or layout is stale: it is removed and
-rebuilt. A file whose header or checksums do not hold is damaged: it is refused, naming the file to
-delete. The checksums are xxh3-64 (xxhash): every load checks every byte, and zlib's CRC32 took
-0.19 s of a 536 MB bf16 load where xxh3 takes 0.02 s.
+rebuilt. So is one built from other bytes: its header holds the digest of each file it was packed
+from (model/known_files.py; the fingerprint samples only each end of a file, and an edit of a
+middle layer's matrix in place keeps it). A file whose header or checksums do not hold is damaged:
+it is refused, naming the file to delete. The checksums are xxh3-64 (xxhash): every load checks
+every byte, and zlib's CRC32 took 0.19 s of a 536 MB bf16 load where xxh3 takes 0.02 s.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from larqlpy.files import atomic_path
 from larqlpy.kernels.qweight import PACK_VERSION, PackedWeight
 from larqlpy.model.files import MappedSafetensors
 
-LAYOUT = 2  # the file layout (2: xxh3-64 checksums; 1: CRC32), in the file name: another layout is stale
+LAYOUT = 3  # the file layout (3: the sources' digests; 2: xxh3-64 checksums; 1: CRC32), in the file name: another is stale
 FORMAT = f"larqlpy-packed/{LAYOUT}"
 DIR = ".larqlpy-cache"
 FIELDS = ("codes", "scale", "minimum")
@@ -46,16 +48,19 @@ def cache_path(model_dir: Path, fmt: str, fingerprint: str) -> Path:
     return cache_dir(model_dir) / f"packed-{fmt}-{fingerprint}-v{PACK_VERSION}.{LAYOUT}.safetensors"
 
 
-def load_or_build(model_dir: Path, fmt: str, fingerprint: str,
+def load_or_build(model_dir: Path, fmt: str, fingerprint: str, sources: dict[str, str],
                   build: Callable[[], dict[str, PackedWeight]]) -> tuple[dict[str, PackedWeight], str]:
-    """The packed matrices by name, from the cache when it holds them (else built and cached), and
-    where they came from: "cache", "built" or "built, not cached (...)"."""
+    """The packed matrices by name, from the cache when it holds them and was packed from `sources`
+    (file name -> digest of the files `build` reads), else built and cached; and where they came
+    from: "cache", "built" or "built, not cached (...)"."""
     path = cache_path(model_dir, fmt, fingerprint)
     if path.is_file():
-        return read(path, fmt, fingerprint), "cache"
+        got = read(path, fmt, fingerprint, sources)
+        if got is not None:
+            return got, "cache"
     packed = build()
     try:
-        write(path, packed, fmt, fingerprint)
+        write(path, packed, fmt, fingerprint, sources)
     except (OSError, LarqlError) as e:  # a read-only disk costs the cache, not the run
         return packed, f"built, not cached ({e})"
     for old in path.parent.glob(f"packed-{fmt}-*.safetensors"):
@@ -64,7 +69,7 @@ def load_or_build(model_dir: Path, fmt: str, fingerprint: str,
     return packed, "built"
 
 
-def write(path: Path, packed: dict[str, PackedWeight], fmt: str, fingerprint: str) -> None:
+def write(path: Path, packed: dict[str, PackedWeight], fmt: str, fingerprint: str, sources: dict[str, str]) -> None:
     tensors, matrices = {}, {}
     for name, w in packed.items():
         matrices[name] = w.meta()
@@ -74,7 +79,7 @@ def write(path: Path, packed: dict[str, PackedWeight], fmt: str, fingerprint: st
                 tensors[f"{name}.{field}"] = t.contiguous().cpu().numpy()
     sums = {k: checksum(a) for k, a in tensors.items()}
     meta = {"format": FORMAT, "weights": fmt, "fingerprint": fingerprint, "pack_version": str(PACK_VERSION),
-            "matrices": json.dumps(matrices), "xxh3_64": json.dumps(sums)}
+            "matrices": json.dumps(matrices), "xxh3_64": json.dumps(sums), "sources": json.dumps(sources, sort_keys=True)}
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
@@ -85,7 +90,8 @@ def checksum(a) -> int:
     return xxhash.xxh3_64_intdigest(a)
 
 
-def read(path: Path, fmt: str, fingerprint: str) -> dict[str, PackedWeight]:
+def read(path: Path, fmt: str, fingerprint: str, sources: dict[str, str]) -> dict[str, PackedWeight] | None:
+    """The packed matrices, or None when the file was packed from other bytes than `sources` (stale)."""
     def damaged(why: str) -> LarqlError:
         return LarqlError(f"{path}: damaged packed-weight cache ({why}); delete it and the next load rebuilds it")
 
@@ -95,7 +101,9 @@ def read(path: Path, fmt: str, fingerprint: str) -> dict[str, PackedWeight]:
         if (meta.get("format"), meta.get("weights"), meta.get("fingerprint"), meta.get("pack_version")) != \
                 (FORMAT, fmt, fingerprint, str(PACK_VERSION)):
             raise damaged("its header names other weights")
-        matrices, sums = json.loads(meta["matrices"]), json.loads(meta["xxh3_64"])
+        matrices, sums, built_from = json.loads(meta["matrices"]), json.loads(meta["xxh3_64"]), json.loads(meta["sources"])
+        if built_from != sources:
+            return None
         mapped = MappedSafetensors(path)
     except LarqlError:
         raise

@@ -1,5 +1,6 @@
-"""The record of weight files already checked finite: an unchanged file is not read again, a changed
-one is, and a file changed just before its check is not recorded at all."""
+"""The record of what is known about weight files (the tensors checked finite, the file's digest): an
+unchanged file is not read again, a changed one is, and a file changed just before it was read is not
+recorded at all."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from larqlpy.errors import LarqlError
-from larqlpy.model import finite_checks, packed_cache
+from larqlpy.model import known_files, packed_cache
 from larqlpy.model.loader import load
 from tiny import make_tiny
 
@@ -24,21 +25,21 @@ def tiny_dir(tmp_path):
 def checked(monkeypatch):
     """The names of the tensors `check_finite` reads, per load."""
     seen: list[str] = []
-    real = finite_checks.check_finite
+    real = known_files.check_finite
 
     def counting(file, name, a):
         seen.append(name)
         real(file, name, a)
 
-    monkeypatch.setattr(finite_checks, "check_finite", counting)
+    monkeypatch.setattr(known_files, "check_finite", counting)
     return seen
 
 
 def test_an_unchanged_file_is_not_checked_again(tiny_dir, checked, monkeypatch):
-    monkeypatch.setattr(finite_checks, "RACY_NS", 0)  # the file was written a moment ago
+    monkeypatch.setattr(known_files, "RACY_NS", 0)  # the file was written a moment ago
     first = load(tiny_dir, device="cpu")
     assert len(checked) == len(first.held_weights())
-    record = packed_cache.cache_dir(tiny_dir) / finite_checks.NAME
+    record = packed_cache.cache_dir(tiny_dir) / known_files.NAME
     assert record.is_file()
     checked.clear()
     again = load(tiny_dir, device="cpu")
@@ -47,7 +48,7 @@ def test_an_unchanged_file_is_not_checked_again(tiny_dir, checked, monkeypatch):
 
 
 def test_a_changed_file_is_checked_again_and_refused(tiny_dir, checked, monkeypatch):
-    monkeypatch.setattr(finite_checks, "RACY_NS", 0)
+    monkeypatch.setattr(known_files, "RACY_NS", 0)
     load(tiny_dir, device="cpu")
     w = load_file(str(tiny_dir / "model.safetensors"))
     w["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan  # same size, same name, other bytes
@@ -60,16 +61,16 @@ def test_a_changed_file_is_checked_again_and_refused(tiny_dir, checked, monkeypa
 
 def test_a_file_changed_just_before_its_check_is_not_recorded(tiny_dir, checked):
     load(tiny_dir, device="cpu")  # make_tiny wrote it well inside RACY_NS
-    assert not (packed_cache.cache_dir(tiny_dir) / finite_checks.NAME).exists()
+    assert not (packed_cache.cache_dir(tiny_dir) / known_files.NAME).exists()
     checked.clear()
     load(tiny_dir, device="cpu")
     assert checked
 
 
 def test_a_damaged_record_means_every_file_is_checked(tiny_dir, checked, monkeypatch):
-    monkeypatch.setattr(finite_checks, "RACY_NS", 0)
+    monkeypatch.setattr(known_files, "RACY_NS", 0)
     load(tiny_dir, device="cpu")
-    (packed_cache.cache_dir(tiny_dir) / finite_checks.NAME).write_text("[not json")
+    (packed_cache.cache_dir(tiny_dir) / known_files.NAME).write_text("[not json")
     checked.clear()
     load(tiny_dir, device="cpu")
     assert checked
@@ -78,9 +79,9 @@ def test_a_damaged_record_means_every_file_is_checked(tiny_dir, checked, monkeyp
 def test_a_load_vouches_only_for_the_tensors_it_checked(tiny_dir, checked, monkeypatch):
     """A low-bit load takes its matrices from the packed cache and checks only the rest of the file
     (the norms): a later f32 load still checks the matrices."""
-    monkeypatch.setattr(finite_checks, "RACY_NS", 0)
+    monkeypatch.setattr(known_files, "RACY_NS", 0)
     load(tiny_dir, device="cpu", weights="int8")  # builds the packed cache: every tensor checked
-    (packed_cache.cache_dir(tiny_dir) / finite_checks.NAME).unlink()
+    (packed_cache.cache_dir(tiny_dir) / known_files.NAME).unlink()
     checked.clear()
     load(tiny_dir, device="cpu", weights="int8")  # from the cache: the norms alone
     assert checked and not any(n.endswith("proj.weight") or "embed" in n for n in checked)
@@ -91,3 +92,21 @@ def test_a_load_vouches_only_for_the_tensors_it_checked(tiny_dir, checked, monke
     checked.clear()
     load(tiny_dir, device="cpu")
     assert checked == [] and len(f32.held_weights()) > 0
+
+
+def test_a_digest_is_kept_while_the_file_is_unchanged(tiny_dir, monkeypatch):
+    """The packed-weight cache is checked against each source file's digest: taken from the record
+    while the file keeps its identity, hashed again once it has a new one (a touch: same bytes, the
+    cache still serves)."""
+    import os
+
+    monkeypatch.setattr(known_files, "RACY_NS", 0)
+    hashed: list[str] = []
+    real = known_files.file_digest
+    monkeypatch.setattr(known_files, "file_digest", lambda f: hashed.append(f.name) or real(f))
+    load(tiny_dir, device="cpu", weights="int8")
+    assert hashed == ["model.safetensors"]
+    hashed.clear()
+    assert load(tiny_dir, device="cpu", weights="int8").packed_from == "cache" and hashed == []
+    os.utime(tiny_dir / "model.safetensors")
+    assert load(tiny_dir, device="cpu", weights="int8").packed_from == "cache" and hashed == ["model.safetensors"]
