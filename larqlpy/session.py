@@ -100,4 +100,5 @@ def save(loaded: LoadedModel, path: str | Path, state: EngineState, tokens: list
 def numerics(loaded: LoadedModel) -> dict[str, str]:
     """What the rows' numbers depend on beyond the model: saved with a state, checked on resume."""
     return {"weights": loaded.weights, "dtype": str(loaded.model.dtype).removeprefix("torch."),
-            "device": loaded.device.type}
+            "device": loaded.device.type,
+            **({"weights_digest": loaded.weights_digest} if loaded.weights_digest is not None else {})}

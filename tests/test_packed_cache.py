@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 from larqlpy.errors import LarqlError
 from larqlpy.model import packed_cache
 from larqlpy.model.loader import load
-from tiny import make_tiny
+from tiny import make_tiny, write_in_place
 
 KERNELS = Path(__file__).resolve().parent.parent / "larqlpy" / "kernels"
 
@@ -60,19 +60,6 @@ def test_stale_cache_is_rebuilt_and_removed(tiny_dir):
     assert not torch.equal(logits(old), logits(new))
 
 
-def _write_in_place(file: Path, name: str, values: np.ndarray) -> None:
-    """Overwrite the first values of tensor `name` where it lies in a safetensors file: same size,
-    same header, every other byte kept (as an editor of one layer's weights might)."""
-    import json
-    import struct
-
-    with open(file, "r+b") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        start = json.loads(f.read(n))[name]["data_offsets"][0]
-        f.seek(8 + n + start)
-        f.write(values.astype(np.float32).tobytes())
-
-
 def test_an_edit_that_keeps_the_fingerprint_still_rebuilds(tiny_dir, monkeypatch):
     """The fingerprint samples only each end of a weight file; a cache packed from other bytes in
     between is stale all the same (the header holds the digest of each file it was packed from)."""
@@ -82,7 +69,7 @@ def test_an_edit_that_keeps_the_fingerprint_still_rebuilds(tiny_dir, monkeypatch
     first = load(tiny_dir, device="cpu", weights="int8")
     assert first.packed_from == "built"
     name = "model.layers.1.mlp.up_proj.weight"
-    _write_in_place(tiny_dir / "model.safetensors", name, np.full(8, 0.75))
+    write_in_place(tiny_dir / "model.safetensors", name, np.full(8, 0.75))
     again = load(tiny_dir, device="cpu", weights="int8")
     assert again.fingerprint == first.fingerprint  # the sample did not see it
     assert again.packed_from == "built"

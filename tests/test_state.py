@@ -26,7 +26,7 @@ from larqlpy.generate import GenerationConfig, stream_generate
 from larqlpy.model.loader import load
 from larqlpy.session import resume, save
 from larqlpy.state.format import PREFIX, load_state
-from tiny import make_tiny
+from tiny import make_tiny, write_in_place
 
 WORKERS = str(Path(__file__).with_name("workers.py"))
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
@@ -192,6 +192,35 @@ def test_load_refusals(tiny, tmp_path, saved, tiny_dir):
     (retok / "tokenizer.json").write_text((retok / "tokenizer.json").read_text() + "\n")
     with pytest.raises(LarqlError, match="made with a different tokenizer"):
         resume(load(retok), path, None, None)
+
+
+def test_a_state_of_other_weight_bytes_is_refused(tmp_path, monkeypatch):
+    """The fingerprint samples each end of a weight file: a state made before an edit between them
+    is refused all the same (the header holds the digest of the weight files' bytes); one written
+    before states held it still resumes, on the sample alone."""
+    import dataclasses
+
+    import numpy as np
+
+    from larqlpy.model import files
+
+    monkeypatch.setattr(files, "SAMPLE", 64)  # the tiny file's ends: like 1 MB of a 1 GB file's
+    d = tmp_path / "m"
+    make_tiny(d, sliding_window=16)
+    loaded = load(d)
+    _, state = run(loaded, EngineSpec(), PROMPT, 3)
+    path, older = tmp_path / "s.kv", tmp_path / "older.kv"
+    save(loaded, path, state, PROMPT + [1, 2, 3])
+    save(dataclasses.replace(loaded, weights_digest=None), older, state, PROMPT + [1, 2, 3])
+    assert "weights_digest" in load_state(path).header and "weights_digest" not in load_state(older).header
+    resume(loaded, path, None, None)
+    write_in_place(d / "model.safetensors", "model.layers.1.mlp.up_proj.weight", np.full(8, 0.75))
+    edited = load(d)
+    assert edited.fingerprint == loaded.fingerprint and edited.weights_digest != loaded.weights_digest
+    with pytest.raises(LarqlError, match="made with other weights") as e:
+        resume(edited, path, None, None)
+    assert "--resume" in error_line(e.value)
+    resume(edited, older, None, None)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
+import numpy as np
 import torch
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
@@ -97,3 +99,13 @@ def make_tiny_family(path: Path, family: str, seed: int = 0, **overrides):
                 p.add_(1.0)  # a gain near one, as trained Llama-style norms are
     model.save_pretrained(str(path), safe_serialization=True)
     return model
+
+
+def write_in_place(file: Path, name: str, values: np.ndarray) -> None:
+    """Overwrite the first values of float32 tensor `name` where it lies in a safetensors file: same
+    size, same header, every other byte kept (as an editor of one layer's weights might)."""
+    with open(file, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        start = json.loads(f.read(n))[name]["data_offsets"][0]
+        f.seek(8 + n + start)
+        f.write(values.astype(np.float32).tobytes())

@@ -4,11 +4,13 @@ the key calibration; low-bit weight formats come packed from the packed-weight c
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 from safetensors import safe_open
 
 from larqlpy.engines.stores.calibration import KeyCalibration
@@ -34,6 +36,7 @@ class LoadedModel:
     fingerprint: str  # config + weight file headers: what a saved state must match
     weights: str = "f32"  # f32 | bf16 | int8 | int4 | native: the precision the matrices run at
     packed_from: str | None = None  # low-bit formats: "cache" or "built" (model/packed_cache.py)
+    weights_digest: str | None = None  # of every byte the weights were read from (the fingerprint samples them)
 
     def held_weights(self) -> list:
         """Every weight as the model holds it: float tensors, packed matrices (not nn.Parameters), and
@@ -73,11 +76,11 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     packed_from, matrices = None, set()
     handles: dict[Path, object] = {}
     checks = KnownFiles(packed_cache.cache_dir(path))
+    reads = [*ckpt.handles, *([path / native_file.FILE] if weights == "native" else [])]
+    sources = {f.name: checks.digest(f) for f in reads if f.is_file()}  # from the record while unchanged
     if weights != "f32":
         build = (lambda: _pack_native(ckpt, NativeFile(path, ckpt.fingerprint), cfg)) if weights == "native" else \
             (lambda: _pack(ckpt, handles, checks, cfg, weights))
-        reads = [*ckpt.handles, *([path / native_file.FILE] if weights == "native" else [])]
-        sources = {f.name: checks.digest(f) for f in reads if f.is_file()}  # what the cache must be packed from
         packed, packed_from = packed_cache.load_or_build(path, weights, ckpt.fingerprint, sources, build)
         matrices = _install_packed(model, packed, dev)
     for ours, (hf, _) in ckpt.wanted.items():
@@ -97,7 +100,8 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
             path, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, ckpt.fingerprint)
         if pairs is not None:
             model.key_calibration = [KeyCalibration.of(torch.from_numpy(m), torch.from_numpy(s)) for m, s in pairs]
-    return LoadedModel(path, cfg, model, tokenizer, ckpt.fingerprint, weights, packed_from)
+    digest = xxhash.xxh3_128_hexdigest(json.dumps(sources, sort_keys=True).encode())
+    return LoadedModel(path, cfg, model, tokenizer, ckpt.fingerprint, weights, packed_from, digest)
 
 
 def _read_tensor(handles: dict, file: Path, hf: str) -> torch.Tensor:
