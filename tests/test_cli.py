@@ -178,7 +178,8 @@ def test_start_up_ends_with_the_collector_on():
         gc.unfreeze()
         gc.enable()
     cli_dir = Path(__file__).resolve().parent.parent / "larqlpy" / "cli"
-    direct = [f.name for f in cli_dir.glob("*.py") if f.name != "common.py" and "model.loader import" in f.read_text()]
+    direct = [f.name for f in cli_dir.glob("*.py")
+              if f.name != "common.py" and "model.loader import" in f.read_text()]
     assert not direct, f"load weights through common.load_model: {direct}"
 
 

@@ -62,7 +62,7 @@ def started() -> None:
     """Start-up is over: what the command has imported and loaded lives until it exits. `entry` keeps
     the garbage collector off until here -- torch's, numba's and the model's imports make ~380,000
     objects that live as long as the process, and the collector's full passes over them while they
-    are made (0.2 s each on 2 cores) cost a fresh `run` ~0.8 s before its first token. From here they
+    are made (0.2 s each on 2 cores) cost a fresh `run` 0.25-0.6 s before its first token. From here they
     are frozen out of every later pass (the ~8,000 cyclic scraps start-up left stay) and the
     collector runs as usual. Nothing to do where the collector is on (`main` called in-process: the
     tests, an embedder), whose objects are not ours to freeze."""

@@ -29,7 +29,8 @@ from larqlpy.files import atomic_path
 from larqlpy.kernels.qweight import PACK_VERSION, PackedWeight
 from larqlpy.model.files import MappedSafetensors
 
-LAYOUT = 3  # the file layout (3: the sources' digests; 2: xxh3-64 checksums; 1: CRC32), in the file name: another is stale
+# the file layout, in the file name (another is stale): 3 the sources' digests, 2 xxh3-64 checksums, 1 CRC32
+LAYOUT = 3
 FORMAT = f"larqlpy-packed/{LAYOUT}"
 DIR = ".larqlpy-cache"
 FIELDS = ("codes", "scale", "minimum")
@@ -79,7 +80,8 @@ def write(path: Path, packed: dict[str, PackedWeight], fmt: str, fingerprint: st
                 tensors[f"{name}.{field}"] = t.contiguous().cpu().numpy()
     sums = {k: checksum(a) for k, a in tensors.items()}
     meta = {"format": FORMAT, "weights": fmt, "fingerprint": fingerprint, "pack_version": str(PACK_VERSION),
-            "matrices": json.dumps(matrices), "xxh3_64": json.dumps(sums), "sources": json.dumps(sources, sort_keys=True)}
+            "matrices": json.dumps(matrices), "xxh3_64": json.dumps(sums),
+            "sources": json.dumps(sources, sort_keys=True)}
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
@@ -101,8 +103,8 @@ def read(path: Path, fmt: str, fingerprint: str, sources: dict[str, str]) -> dic
         if (meta.get("format"), meta.get("weights"), meta.get("fingerprint"), meta.get("pack_version")) != \
                 (FORMAT, fmt, fingerprint, str(PACK_VERSION)):
             raise damaged("its header names other weights")
-        matrices, sums, built_from = json.loads(meta["matrices"]), json.loads(meta["xxh3_64"]), json.loads(meta["sources"])
-        if built_from != sources:
+        matrices, sums = json.loads(meta["matrices"]), json.loads(meta["xxh3_64"])
+        if json.loads(meta["sources"]) != sources:
             return None
         mapped = MappedSafetensors(path)
     except LarqlError:

@@ -151,8 +151,8 @@ def check_compatible(saved: SavedState, *, model_fingerprint: str, tokenizer_fin
                              f"resume with the same `{name}`")
     made = h.get("weights_digest")  # a state that predates it: the fingerprint's sample of the bytes alone
     if made is not None and numerics.get("weights_digest", made) != made:
-        raise LarqlError(f"{p}: made with other weights (the bytes of the model's weight files changed since, "
-                         "where the fingerprint does not sample them); drop `resume` to prefill afresh")
+        raise LarqlError(f"{p}: made with other weights (the model's weight files have changed since it was "
+                         "saved); drop `resume` to prefill afresh")
     if h["tokenizer_fingerprint"] != tokenizer_fingerprint:
         raise LarqlError(f"{p}: made with a different tokenizer (fingerprint {h['tokenizer_fingerprint']}, "
                          f"this one {tokenizer_fingerprint})")
