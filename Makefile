@@ -38,6 +38,7 @@ run: model
 	$(BIN)/larqlpy run $(MODEL_DIR) "$(PROMPT)" -n 16 --stats
 
 test: model
+	$(BIN)/ruff check larqlpy tests bench
 	$(BIN)/python -m pytest -q
 
 # The device-parametrized tests on CUDA (skipped, with the reason, where torch sees no GPU).

@@ -11,7 +11,8 @@ nothing.
 - throughput: 32 lines of 64 tokens through `--parallel 8`, and llama.cpp on the GGUF, one line after
   another.
 
-    python bench/batch.py --model models/gemma-3-270m [--weights int8,int4] [--tokens 64] [--plot docs/img/batch-scaling.png]
+    python bench/batch.py --model models/gemma-3-270m [--weights int8,int4] [--tokens 64]
+        [--plot docs/img/batch-scaling.png]
 """
 
 from __future__ import annotations
@@ -32,39 +33,40 @@ SIZES = (1, 2, 4, 8, 16)
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
-    qs = [json.loads(line)["question"] for line in (ROOT / "larqlpy" / "data" / "questions.jsonl").read_text().splitlines()]
+    qs = [json.loads(line)["question"]
+          for line in (ROOT / "larqlpy" / "data" / "questions.jsonl").read_text().splitlines()]
     return [tokenizer.encode(f"Question: {qs[i % len(qs)]}{' Explain.' * (i // len(qs))} Answer:") for i in range(n)]
 
 
-def jobs(ids: list[list[int]], tokens: int):
+def sequences(model, ids: list[list[int]], tokens: int):
     from larqlpy.config import GenerationConfig
-    from larqlpy.scheduler import Job
+    from larqlpy.decode.sequence import Sequence
 
     gen = GenerationConfig(max_tokens=tokens, stop_at_eos=False)
-    return [Job(p, gen=gen, key=i) for i, p in enumerate(ids)]
+    return [Sequence(model, p, gen=gen, key=i) for i, p in enumerate(ids)]
 
 
 def scheduled(loaded, ids, tokens: int, parallel: int, decode_only: bool = False) -> float:
     """Generated tokens/s of `ids` through one scheduler of `parallel` slots: end to end (prefill
     included), or with `decode_only` from the step after which every sequence has its first token
     (the prompts prefilled) to the end -- the aggregate decode rate."""
-    from larqlpy.scheduler import Scheduler
+    from larqlpy.decode.scheduler import Scheduler
 
     sched = Scheduler(loaded.model, parallel=parallel)
-    for job in jobs(ids, tokens):
-        sched.submit(job)
+    for seq in sequences(loaded.model, ids, tokens):
+        sched.submit(seq)
     t0, n, started = time.perf_counter(), 0, not decode_only
     while not sched.idle():
         got = sum(e.token is not None for e in sched.step())
         if started:
             n += got
-        elif all(s.index > 0 for s in sched.live) and not sched.queue:
+        elif all(s.generated for s in sched.live) and not sched.waiting:
             started, t0 = True, time.perf_counter()
     return n / (time.perf_counter() - t0)
 
 
 def _worker(model: str, weights: str, ids, tokens: int, barrier, out) -> None:
-    from larqlpy.model.loader import load
+    from larqlpy.weights.loader import load
 
     import numba
 
@@ -120,7 +122,7 @@ def main() -> None:
     from stream import cpu_name
 
     from larqlpy.kernels import cpu
-    from larqlpy.model.loader import load
+    from larqlpy.weights.loader import load
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "models" / "gemma-3-270m"))
@@ -167,7 +169,8 @@ def main() -> None:
     loaded = load(args.model, device="cpu", weights=weights)
     lines = prompts(loaded.tokenizer, args.lines)
     ours = scheduled(loaded, lines, args.tokens, 8)
-    print(f"\nthroughput: {args.lines} lines x {args.tokens} tokens, --weights {weights} --parallel 8: {ours:.1f} tok/s")
+    print(f"\nthroughput: {args.lines} lines x {args.tokens} tokens, --weights {weights} --parallel 8: "
+          f"{ours:.1f} tok/s")
     try:
         theirs = llama_lines(gguf, lines, args.tokens) if gguf is not None else None
     except ImportError:

@@ -49,12 +49,12 @@ def kernels(rows: int = 65536, d: int = 256) -> None:
 
 
 def decode_speed(model_dir: Path, contexts: list[int], steps: int) -> None:
-    from larqlpy.engines import build_provider, parse_engine_spec
+    from larqlpy.engines import new_state, parse_engine_spec
     from larqlpy.engines import preset_spec
     from larqlpy.engines.presets import RECOMMENDED
-    from larqlpy.generate import prefill
+    from larqlpy.decode.stream import prefill
 
-    from larqlpy.model.loader import load
+    from larqlpy.weights.loader import load
 
     loaded = load(model_dir, device="cpu")
     text = (ROOT / "larqlpy" / "data" / "long.txt").read_text()
@@ -67,7 +67,7 @@ def decode_speed(model_dir: Path, contexts: list[int], steps: int) -> None:
     for n in contexts:
         results = {}
         for name, spec, fused in specs:
-            state = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
+            state = new_state(spec, loaded.model.geometries(), loaded.device)
             prefill(loaded.model, state, ids[:n], 1024)
             for s in state.layers:
                 if hasattr(s, "fused"):  # the store decides per step whether to attend on codes

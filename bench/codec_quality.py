@@ -32,11 +32,11 @@ ENGINES = [
 
 
 def cosine_table(loaded) -> None:
-    from larqlpy.engines import build_provider, parse_engine_spec
+    from larqlpy.engines import new_state, parse_engine_spec
     from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
 
     ids = loaded.tokenizer.encode((ROOT / "larqlpy" / "data" / "long.txt").read_text())[:1024]
-    state = build_provider(parse_engine_spec()).new_state(loaded.model.geometries(), loaded.device)
+    state = new_state(parse_engine_spec(), loaded.model.geometries(), loaded.device)
     loaded.model(torch.tensor(ids), state)
     cpu = torch.device("cpu")
     d = loaded.config.head_dim
@@ -84,7 +84,7 @@ def drift_table(loaded, tokens: int) -> None:
 
 
 def main() -> None:
-    from larqlpy.model.loader import load
+    from larqlpy.weights.loader import load
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "models" / "gemma-3-270m"))

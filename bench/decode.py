@@ -50,7 +50,7 @@ def stream_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 class Larqlpy:
     def __init__(self, path: Path, weights: str, engine: str):
         from larqlpy.engines import build_provider, parse_engine_spec
-        from larqlpy.model.loader import load
+        from larqlpy.weights.loader import load
 
         self.loaded = load(path, device="cpu", weights=weights)
         self.provider = build_provider(parse_engine_spec(continuation=engine))
@@ -59,7 +59,8 @@ class Larqlpy:
         self.bytes_per_token = self.loaded.weight_bytes
 
     def prefill(self, ids):
-        from larqlpy.generate import GenerationConfig, prefill
+        from larqlpy.config import GenerationConfig
+        from larqlpy.decode.stream import prefill
 
         state = self.provider.new_state(self.loaded.model.geometries(), self.loaded.device)
         logits = prefill(self.loaded.model, state, ids, GenerationConfig().prefill_chunk)
@@ -239,7 +240,8 @@ def main() -> None:
           f"{len(long_ids)} tokens; {args.decode} greedy decode steps after each; median of {args.repeats}")
     print(f"stream read bandwidth {bw:.1f} GB/s\n")
     cols = COLUMNS
-    print(f"| runner | weights MB read per token | {' | '.join(c + ' tok/s' for c in cols)} | decode GB/s (of stream) |")
+    print(f"| runner | weights MB read per token | {' | '.join(c + ' tok/s' for c in cols)} "
+          "| decode GB/s (of stream) |")
     print("|---|---|" + "---|" * (len(cols) + 1))
     for r in runners:
         m = results[r.name]
@@ -262,7 +264,8 @@ def main() -> None:
             continue
         ratios = [results[name][c] / bases[base][c] for c in acols]
         verdict = "met" if min(ratios) >= least else "MISSED"
-        print(f"  {what} >= {least}x {base}: " + ", ".join(f"{c} {x:.2f}x" for c, x in zip(acols, ratios)) + f" -> {verdict}")
+        print(f"  {what} >= {least}x {base}: " + ", ".join(f"{c} {x:.2f}x" for c, x in zip(acols, ratios))
+              + f" -> {verdict}")
     print("\none decode step, ms (each part timed alone; rest = norms, RoPE, attention, Python):")
     splits = {r.name: decode_split(r) for r in runners if r.name.startswith("larqlpy")}
     for name, sp in splits.items():

@@ -50,7 +50,8 @@ QUOTED = [  # llama.cpp's quantized KV cache on the same model (quoted from the 
 
 
 def greedy(model, spec, prompt_ids: list[int], n: int) -> tuple[list[int], float]:
-    from larqlpy.generate import GenerationConfig, stream_generate
+    from larqlpy.config import GenerationConfig
+    from larqlpy.decode.stream import stream_generate
 
     toks = list(stream_generate(model, prompt_ids, spec, GenerationConfig(max_tokens=n, stop_at_eos=False)))
     return [t.id for t in toks], toks[-1].metrics.decode_tps
@@ -58,7 +59,7 @@ def greedy(model, spec, prompt_ids: list[int], n: int) -> tuple[list[int], float
 
 def main() -> None:
     from larqlpy.engines import build_provider, parse_engine_spec
-    from larqlpy.model.loader import load
+    from larqlpy.weights.loader import load
     from larqlpy.tools.quality import agreement, forced_score, teacher_forced_logits
     from larqlpy.tools.residency import bits_per_value
 
@@ -79,9 +80,11 @@ def main() -> None:
     prompt, forced = ids[:args.prompt], ids[args.prompt:]
     ref = teacher_forced_logits(model, ref_spec, prompt, forced)
     ref_ids, _ = greedy(model, ref_spec, ids[:args.prompt], args.greedy)
-    print(f"\n{Path(args.model).name} ({model.cfg.num_hidden_layers} layers), {n} tokens of larqlpy/data/long.txt: {args.prompt} prefilled, "
-          f"{n - args.prompt} teacher-forced decode steps; greedy: {args.greedy} tokens after the prompt\n")
-    print("| engine | bits/value stored | mean KL | max KL | top-1 | loss/token | vs exact | greedy match | decode tok/s |")
+    print(f"\n{Path(args.model).name} ({model.cfg.num_hidden_layers} layers), {n} tokens of larqlpy/data/long.txt: "
+          f"{args.prompt} prefilled, {n - args.prompt} teacher-forced decode steps; greedy: {args.greedy} tokens "
+          "after the prompt\n")
+    print("| engine | bits/value stored | mean KL | max KL | top-1 | loss/token | vs exact | greedy match "
+          "| decode tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     exact_loss = None
     for i, (identity, opts) in enumerate(CONFIGS):

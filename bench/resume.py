@@ -18,10 +18,12 @@ ENGINES = [("canonical/v1", []), ("window/v1", []), ("codec/v1", ["bits=4"]), ("
 
 
 def main() -> None:
-    from larqlpy.engines import build_provider, parse_engine_spec
-    from larqlpy.generate import GenerationConfig, stream_generate
-    from larqlpy.model.loader import load
-    from larqlpy.session import resume, save
+    from larqlpy.config import GenerationConfig
+    from larqlpy.decode.sequence import Sequence
+    from larqlpy.decode.stream import generate_step, stream_generate
+    from larqlpy.engines import parse_engine_spec
+    from larqlpy.session import FileSource, save
+    from larqlpy.weights.loader import load
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "models" / "gemma-3-270m"))
@@ -40,9 +42,9 @@ def main() -> None:
         for identity, opts in ENGINES:
             spec = parse_engine_spec(continuation=identity, options=opts)
             path = Path(tmp) / "s.kv"
-            state = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
-            first = list(stream_generate(loaded.model, ids, spec, GenerationConfig(max_tokens=1), state=state))
-            save(loaded, path, state, ids + [first[0].id])
+            seq = Sequence(loaded.model, ids, spec, GenerationConfig(max_tokens=1))
+            list(generate_step(loaded.model, seq))
+            save(loaded, path, seq.held())  # the prompt's state, with its last position's logits
 
             def fresh():
                 t0 = time.perf_counter()
@@ -55,8 +57,8 @@ def main() -> None:
 
             def resumed():
                 t0 = time.perf_counter()
-                plan, rids = resume(loaded, path, ids, None)
-                it = stream_generate(loaded.model, rids, plan.spec, cfg, state=plan.state, logits=plan.logits)
+                source = FileSource(loaded, path)
+                it = generate_step(loaded.model, Sequence(loaded.model, ids, source.spec(None), cfg, source=source))
                 next(it)
                 t1 = time.perf_counter()
                 for _ in it:
@@ -69,7 +71,8 @@ def main() -> None:
             r_first, r_total = statistics.median(x[0] for x in r), statistics.median(x[1] for x in r)
             name = identity + "".join(f" {o}" for o in opts)
             print(f"{name:28}{f_total:14.2f}{r_total:13.2f}{f_first:19.3f}{r_first:18.3f}"
-                  f"{f_first / r_first:10.0f}x{f_total / r_total:11.1f}x{path.stat().st_size / 2**20:10.1f}", flush=True)
+                  f"{f_first / r_first:10.0f}x{f_total / r_total:11.1f}x{path.stat().st_size / 2**20:10.1f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -30,16 +30,21 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--weights", default="int8")
     args = ap.parse_args()
-    qs = [json.loads(line)["question"] for line in (ROOT / "larqlpy" / "data" / "questions.jsonl").read_text().splitlines()]
+    qs = [json.loads(line)["question"]
+          for line in (ROOT / "larqlpy" / "data" / "questions.jsonl").read_text().splitlines()]
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "in.jsonl"
-        src.write_text("\n".join(json.dumps({"prompt": f"Question {i}: {qs[i % len(qs)]} Answer:", "max_tokens": args.tokens,
-                                             "temperature": 0}) for i in range(args.lines)) + "\n")
+        src.write_text("\n".join(json.dumps({"prompt": f"Question {i}: {qs[i % len(qs)]} Answer:",
+                                             "max_tokens": args.tokens, "temperature": 0})
+                                 for i in range(args.lines)) + "\n")
         runs = {"one process (--parallel 8)": ["--parallel", "8"],
                 "--workers 2 (--parallel 4 each)": ["--workers", "2", "--parallel", "4"],
-                "--ray local --actors 1 --actor-cpus 2": ["--ray", "local", "--actors", "1", "--actor-cpus", "2", "--parallel", "8"],
-                "--ray local --actors 2 --actor-cpus 1": ["--ray", "local", "--actors", "2", "--actor-cpus", "1", "--parallel", "4"]}
-        print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; {args.lines} lines x {args.tokens} tokens, --weights {args.weights}\n")
+                "--ray local --actors 1 --actor-cpus 2": ["--ray", "local", "--actors", "1", "--actor-cpus", "2",
+                                                          "--parallel", "8"],
+                "--ray local --actors 2 --actor-cpus 1": ["--ray", "local", "--actors", "2", "--actor-cpus", "1",
+                                                          "--parallel", "4"]}
+        print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; {args.lines} lines x {args.tokens} tokens, "
+              f"--weights {args.weights}\n")
         print("| run | wall s | generated tokens/s (wall) |\n|---|---|---|")
         for name, extra in runs.items():
             out = Path(d) / "out.jsonl"

@@ -72,7 +72,7 @@ def main() -> None:
     from serving import Server
     from stream import cpu_name
 
-    from larqlpy.model.loader import load as load_model
+    from larqlpy.weights.loader import load as load_model
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "models" / "gemma-3-270m"))
@@ -100,7 +100,8 @@ def main() -> None:
         ratio = statistics.median(cold) / statistics.median(warm)
         print(f"prefix reuse: time to first token cold {statistics.median(cold) * 1e3:.0f} ms, warm "
               f"{statistics.median(warm) * 1e3:.0f} ms -> {ratio:.1f}x shorter")
-        qs = [json.loads(line)["question"] for line in (ROOT / "larqlpy" / "data" / "questions.jsonl").read_text().splitlines()]
+        qs = [json.loads(line)["question"]
+              for line in (ROOT / "larqlpy" / "data" / "questions.jsonl").read_text().splitlines()]
         prompts = [f"Question {i}: {qs[i % len(qs)]} Answer:" for i in range(args.requests)]
         print(f"\nload: {args.requests} requests of {args.tokens} tokens each\n")
         print("| clients | requests | tokens/s | p50 latency s | p99 latency s |\n|---|---|---|---|---|")

@@ -36,10 +36,10 @@ TIMER = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
 STAGES = """
 import gc, time; t0 = time.perf_counter(); marks = []; gc.disable()  # as the CLI's entry does
 def mark(n): marks.append((n, time.perf_counter() - t0))
-from larqlpy.model.tokenizer_process import start; helper = start(MODEL); mark("fork the tokenizer's helper")
+from larqlpy.text.tokenizer_process import start; helper = start(MODEL); mark("fork the tokenizer's helper")
 import torch; mark("import torch (the helper loads tokenizer.json meanwhile)")
 import numba; mark("import numba")
-import larqlpy.cli.main, larqlpy.runner, larqlpy.model.loader as L; mark("import larqlpy (cli, runner, loader)")
+import larqlpy.cli.main, larqlpy.runner, larqlpy.weights.loader as L; mark("import larqlpy (cli, runner, loader)")
 m = L.load(MODEL, device="cpu", weights=WEIGHTS, tokenizer=helper); mark("load: weights, calibration, the tokenizer's answer")
 gc.freeze(); gc.enable()  # start-up is over (cli.common.started)
 from larqlpy.request import Request; from larqlpy.runner import execute
@@ -47,10 +47,10 @@ execute(m, Request.from_dict({"prompt": "Hello", "max_tokens": 1})); mark("first
 prev = 0
 for n, t in marks:
     print(f"  {n:58} {t - prev:5.2f} s"); prev = t
-from pathlib import Path; from larqlpy.model.families import read_config; from larqlpy.model.tokenizer import Tokenizer
+from pathlib import Path; from larqlpy.model.families import read_config; from larqlpy.text.tokenizer import Tokenizer
 t = time.perf_counter(); Tokenizer.from_dir(Path(MODEL), read_config(Path(MODEL)))
 print(f"  (tokenizer.json loaded in this process instead, after the run: {time.perf_counter() - t:.2f} s)")
-"""
+"""  # noqa: E501
 
 
 def run(cmd: list[str]) -> tuple[float, float, float]:
@@ -70,7 +70,8 @@ def measure(rows: list[tuple[str, list[str]]], repeats: int) -> dict[str, tuple[
     for _ in range(repeats):
         for name, cmd in rows:
             got[name].append(run(cmd))
-    return {name: (statistics.median(g[0] for g in runs), statistics.median(g[1] for g in runs), max(g[2] for g in runs))
+    return {name: (statistics.median(g[0] for g in runs), statistics.median(g[1] for g in runs),
+                   max(g[2] for g in runs))
             for name, runs in got.items()}
 
 

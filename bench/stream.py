@@ -1,9 +1,10 @@
 """Streaming cost per token: the token stream over 2,000 generated ids, at its start and at its end.
 
-The layer above the model (`generate.stream_tokens`: detokenizing, a metrics snapshot and a Token per
-id) is timed alone, fed real ids of larqlpy/data/long.txt with the 270M's tokenizer, so the model's
-own cost (which grows with the context through attention) does not hide it. Beside it, the loop this
-replaced: decoding the whole output again for every token. Asserts nothing.
+The layer above the model (`Sequence.feed`: sampling, detokenizing, stop strings, a metrics snapshot
+and a Token per id) is timed alone, fed logits that pick the real ids of larqlpy/data/long.txt with
+the 270M's tokenizer, so the model's own cost (which grows with the context through attention) does
+not hide it; with and without stop strings to watch for. Beside it, the loop the incremental
+detokenizer replaced: decoding the whole output again for every token. Asserts nothing.
 
     python bench/stream.py --model models/gemma-3-270m [--tokens 2000]
 """
@@ -31,21 +32,37 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def per_token_times(tokenizer, ids: list[int]) -> list[float]:
-    from larqlpy.generate import Metrics, stream_tokens
+class NoLayers:
+    """A model of no layers: what a sequence asks of it beside the forward pass, which is not timed."""
 
-    logits = torch.zeros(8)
-    clock = []
+    device = torch.device("cpu")
 
-    def steps():
-        for i in ids:
-            clock.append(time.perf_counter())
-            yield i, logits
+    def geometries(self):
+        return []
 
-    times = []
-    for tok in stream_tokens(steps(), len(ids), set(), tokenizer.stream(), lambda i: Metrics(decode_tokens=i + 1)):
-        times.append(time.perf_counter() - clock[-1])
+
+def sequence_times(tokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> list[float]:
+    from larqlpy.config import GenerationConfig
+    from larqlpy.decode.sequence import Sequence
+
+    seq = Sequence(NoLayers(), [0], gen=GenerationConfig(max_tokens=len(ids) + 1, stop=stop), tokenizer=tokenizer)
+    seq.start()
+    logits = torch.zeros(1, tokenizer.vocab_size)
+    times, prev = [], 0
+    for i in ids:
+        logits[0, prev], logits[0, i], prev = 0.0, 1.0, i  # argmax picks i
+        t0 = time.perf_counter()
+        seq.feed(logits)
+        times.append(time.perf_counter() - t0)
     return times
+
+
+def per_token_times(tokenizer, ids: list[int]) -> list[float]:
+    return sequence_times(tokenizer, ids)
+
+
+def with_stop_strings(tokenizer, ids: list[int]) -> list[float]:
+    return sequence_times(tokenizer, ids, ("\n\nQuestion:", "THE END"))
 
 
 def full_redecode_times(tokenizer, ids: list[int]) -> list[float]:
@@ -62,7 +79,7 @@ def full_redecode_times(tokenizer, ids: list[int]) -> list[float]:
 
 def main() -> None:
     from larqlpy.model.families import read_config
-    from larqlpy.model.tokenizer import Tokenizer
+    from larqlpy.text.tokenizer import Tokenizer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "models" / "gemma-3-270m"))
@@ -74,7 +91,8 @@ def main() -> None:
     ids = tok.encode(text * (1 + args.tokens // 2000))[1:args.tokens + 1]
     window = min(200, len(ids) // 4)
     print(f"streaming {len(ids):,} tokens, {cpu_name()}; per-token microseconds, median of the first and last {window}")
-    for name, fn in (("stream_tokens (incremental)", per_token_times), ("full re-decode (before)", full_redecode_times)):
+    for name, fn in (("Sequence.feed (incremental)", per_token_times), ("  with 2 stop strings", with_stop_strings),
+                     ("full re-decode (before)", full_redecode_times)):
         fn(tok, ids[:50])  # warm-up
         t = fn(tok, ids)
         first, last = statistics.median(t[:window]) * 1e6, statistics.median(t[-window:]) * 1e6

@@ -31,8 +31,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from larqlpy.engines import EngineSpec
-    from larqlpy.generate import GenerationConfig, stream_generate
-    from larqlpy.model.loader import load
+    from larqlpy.config import GenerationConfig
+    from larqlpy.decode.stream import stream_generate
+    from larqlpy.weights.loader import load
     from larqlpy.tools.quality import agreement, score_text
 
     t0 = time.time()

@@ -10,7 +10,7 @@ from larqlpy._version import __version__
 
 _EXPORTS = {
     "GenerationConfig": "larqlpy.config", "SamplingConfig": "larqlpy.config", "LarqlError": "larqlpy.errors",
-    "Model": "larqlpy.api", "engine_spec": "larqlpy.api", "load": "larqlpy.api", "Token": "larqlpy.generate",
+    "Model": "larqlpy.api", "engine_spec": "larqlpy.api", "load": "larqlpy.api", "Token": "larqlpy.decode.sequence",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

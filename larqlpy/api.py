@@ -1,4 +1,5 @@
-"""The Python API: `larqlpy.load(path).generate(prompt, continuation=..., options=...)`."""
+"""The Python API: `larqlpy.load(path).generate(prompt, continuation=..., options=..., stop=...)`.
+Each call is a request (`Request.from_api`) through the same `prepare` and decode loop as the CLI."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ from typing import Iterator, Mapping
 
 from larqlpy.chat import ChatSession
 from larqlpy.config import GenerationConfig
+from larqlpy.decode.sequence import Token
+from larqlpy.decode.stream import generate_step
 from larqlpy.engines import EngineSpec, parse_engine_spec
-from larqlpy.generate import Token, stream_generate
-from larqlpy.model.chat_template import ChatTemplate
-from larqlpy.model.loader import LoadedModel
-from larqlpy.model.loader import load as load_dir
+from larqlpy.prepare import prepare
+from larqlpy.request import Request
+from larqlpy.weights.loader import LoadedModel
+from larqlpy.weights.loader import load as load_dir
 
 
 def engine_spec(engine: str | None = None, continuation: str | None = None,
@@ -26,32 +29,31 @@ class Model:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
 
-    def generate(self, prompt: str | list[int], *, engine: str | None = None, continuation: str | None = None,
-                 options: Mapping[str, object] | None = None, **gen: object) -> Iterator[Token]:
-        """Yield tokens; `gen` takes GenerationConfig / SamplingConfig fields (max_tokens, temperature, ...)."""
-        spec = engine_spec(engine, continuation, options)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return stream_generate(self.loaded.model, ids, spec, GenerationConfig.from_dict(dict(gen)),
-                               stop_ids=self.tokenizer.stop_ids, tokenizer=self.tokenizer)
+    def generate(self, prompt: str | list[int], **kw: object) -> Iterator[Token]:
+        """Yield tokens. `kw`: engine / continuation / options, and GenerationConfig / SamplingConfig
+        fields (max_tokens, temperature, stop, ...)."""
+        return self._run(Request.from_api(prompt, **kw))
 
-    def chat(self, messages: list[dict], *, chat_template: str | None = None, engine: str | None = None,
-             continuation: str | None = None, options: Mapping[str, object] | None = None, **gen: object) -> Iterator[Token]:
+    def chat(self, messages: list[dict], **kw: object) -> Iterator[Token]:
         """The assistant's reply to a conversation ([{"role": ..., "content": ...}, ...]) rendered with
         the model's chat template (or the file `chat_template`); it stops at the end of its turn."""
-        text = ChatTemplate.for_tokenizer(self.tokenizer, chat_template).render(messages)
-        return self.generate(self.tokenizer.encode(text, add_bos=False), engine=engine, continuation=continuation,
-                             options=options, **gen)
+        return self._run(Request.from_api(messages=messages, **kw))
 
     def session(self, system: str | None = None, **kw) -> ChatSession:
         """A conversation that keeps its attention state across turns (larqlpy.chat.ChatSession)."""
         spec = engine_spec(kw.pop("engine", None), kw.pop("continuation", None), kw.pop("options", None)) \
             if {"engine", "continuation", "options"} & kw.keys() else None
-        return ChatSession(self.loaded, spec, GenerationConfig.from_dict(kw), system=system)
+        template = kw.pop("chat_template", None)
+        return ChatSession(self.loaded, spec, GenerationConfig.from_dict(kw), template, system=system)
 
     def complete(self, prompt: str | list[int], **kw) -> str:
         return "".join(t.text for t in self.generate(prompt, **kw))
 
+    def _run(self, req: Request) -> Iterator[Token]:
+        seq = prepare(self.loaded, req)  # refusals now, not at the first token
+        return generate_step(self.loaded.model, seq)
+
 
 def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str = "f32") -> Model:
-    """weights: f32 | bf16 | int8 | int4 (weight-only quantization at load; see docs/weights.md)."""
+    """weights: f32 | bf16 | int8 | int4 | native (weight-only quantization at load; see docs/weights.md)."""
     return Model(load_dir(path, device=device, dtype=dtype, weights=weights))

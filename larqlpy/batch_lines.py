@@ -93,7 +93,8 @@ def read_records(path: str | os.PathLike, strict: bool) -> tuple[list[dict], int
             rec = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise LarqlError(f"{path}: line {n} is not a JSON record; is this a batch output?") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("line"), int) or not isinstance(rec.get("line_hash"), str):
+        if not isinstance(rec, dict) or not isinstance(rec.get("line"), int) or \
+                not isinstance(rec.get("line_hash"), str):
             raise LarqlError(f"{path}: line {n} has no \"line\" and \"line_hash\"; is this a batch output?")
         records.append(rec)
     return records, end

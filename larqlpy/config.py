@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from larqlpy.engines import EngineSpec, parse_engine_spec
 from larqlpy.errors import LarqlError
 
 
@@ -40,13 +41,21 @@ class GenerationConfig:
     max_tokens: int = 64
     prefill_chunk: int = 1024
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop_at_eos: bool = True
+    stop_at_eos: bool = True  # end at the model's EOS and end-of-turn ids
+    stop: tuple[str, ...] = ()  # end where one of these strings appears in the text (which stops before it)
 
     def __post_init__(self):
         if self.max_tokens < 0:
             raise LarqlError(f"`max_tokens` must be >= 0, got {self.max_tokens}")
         if self.prefill_chunk < 1:
             raise LarqlError(f"`prefill_chunk` must be >= 1, got {self.prefill_chunk}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if not isinstance(self.stop, (tuple, list)) or not all(isinstance(s, str) for s in self.stop):
+            raise LarqlError("`stop` must be a string or a list of strings")
+        if any(s == "" for s in self.stop):
+            raise LarqlError("`stop` strings must not be empty")
+        object.__setattr__(self, "stop", tuple(self.stop))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "GenerationConfig":
@@ -77,7 +86,7 @@ class BatchConfig:
         return cls(**_own(cls, raw))
 
 
-PARALLEL_PER_CORE = 4  # decode at 8 rows costs ~1.5x one row on 2 cores: 4 sequences a core keep it near that
+PARALLEL_PER_CORE = 4  # where the scaling curve flattens (docs/batch.md)
 PARALLEL_MAX = 16  # past here a step's attention and sampling, per sequence, outgrow the shared matrix work
 
 
@@ -104,6 +113,10 @@ class ServeConfig:
     disk_budget: int = 4 << 30  # kept states persisted to disk, all together
     state_dir: str | None = None  # keep states across restarts here; None: a temporary directory
     shutdown_grace_s: float = 10.0  # in-flight requests get this long to finish on shutdown
+    name: str | None = None  # the model's name in the API; None: its directory's name
+    engine: str | None = None  # the engine of requests that name none (as a run spells it)
+    continuation: str | None = None
+    options: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -117,6 +130,14 @@ class ServeConfig:
             raise LarqlError(f"`parallel` must be >= 1, got {self.parallel}")
         if self.api_key is not None and not self.api_key:
             raise LarqlError("`api_key` must not be empty")
+        object.__setattr__(self, "options", tuple(self.options))
+        self.spec()
+
+    def spec(self) -> EngineSpec:
+        """The engine of requests that name none; a server keeps every request's state for later ones."""
+        spec = parse_engine_spec(self.engine, self.continuation, list(self.options)) \
+            if self.engine or self.continuation or self.options else EngineSpec()
+        return spec.stateful("be served (a server keeps each request's state for later ones)")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ServeConfig":

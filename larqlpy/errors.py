@@ -43,3 +43,8 @@ def _describe(preset: tuple) -> str:
 def spell(text: str, name: Callable[[str], str | None]) -> str:
     """Library text with each `parameter` spelled `name(parameter)` (None: kept as it is)."""
     return NAMED.sub(lambda m: name(m.group(1)) or m.group(0), text)
+
+
+def failure(e: Exception) -> str:
+    """What a record or a response says of an exception: a refusal's own line, or the error's kind."""
+    return str(e) if isinstance(e, LarqlError) else f"{type(e).__name__}: {e}"

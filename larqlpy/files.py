@@ -170,7 +170,8 @@ def utf8(data: bytes | str, where: str) -> str:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         at = f"line {line}, " if b"\n" in data[:e.start] else ""
-        raise LarqlError(f"{where}: not valid UTF-8 (byte 0x{data[e.start]:02x} at {at}byte offset {e.start})") from None
+        raise LarqlError(f"{where}: not valid UTF-8 "
+                         f"(byte 0x{data[e.start]:02x} at {at}byte offset {e.start})") from None
 
 
 def read_bytes(path: str | os.PathLike, what: str = "") -> bytes:

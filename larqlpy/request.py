@@ -1,32 +1,44 @@
-"""One generation request, as a run and each line of a batch describe it (plain Python, no torch).
-
-`Request.from_dict` reads the flat JSON / CLI spelling (unknown keys ignored); `spec()` makes every
-refusal before any weights load. runner.py runs it. Every problem is a LarqlError.
+"""One generation request, however it arrives (plain Python, no torch): built from the CLI's flags
+and a batch line (`from_dict`, the flat spelling both share), the Python API (`from_api`) or an
+OpenAI request body (`from_openai`). Every field is checked here, and `spec()` makes every engine
+refusal, before any weights load; `prepare.prepare` turns a request into a sequence.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from functools import cached_property
+from typing import Any, Mapping
 
 from larqlpy.config import GenerationConfig
 from larqlpy.engines import EngineSpec, parse_engine_spec
 from larqlpy.engines.options import parse_size
 from larqlpy.errors import LarqlError
 from larqlpy.files import check_output, utf8
-from larqlpy.model.messages import check_messages
+from larqlpy.text.messages import check_messages
+
+# OpenAI fields that would change what is generated and that larqlpy does not implement: refused,
+# not ignored. Anything else unknown (user, metadata, ...) is ignored, as OpenAI ignores it.
+UNSUPPORTED = ("logprobs", "top_logprobs", "best_of", "echo", "suffix", "logit_bias", "tools", "tool_choice",
+               "functions", "function_call", "response_format", "audio", "modalities", "prediction")
+PENALTIES = ("frequency_penalty", "presence_penalty")
+MAX_STOPS = 4  # OpenAI's limit on `stop`
+EXTENSION = ("continuation", "options", "engine", "prefill_chunk")  # the body's "larqlpy" object
 
 
 @dataclass(frozen=True)
 class Request:
-    prompt: str  # "" with `messages`
+    prompt: str = ""  # "" with `messages` or `ids`
     id: Any = None
     messages: tuple[dict, ...] | None = None  # a conversation, rendered with the model's chat template
+    ids: tuple[int, ...] | None = None  # the prompt as token ids
     chat_template: str | None = None  # a template file instead of the model's
     engine: str | None = None
     continuation: str | None = None
     options: tuple[str, ...] = ()  # "key=value" strings
-    kv_budget: str | None = None
+    kv_budget: str | None = None  # this request's cells/v1 budget (budget.py: a process's is another)
     resume: str | None = None
     save_state: str | None = None
     reprefill: bool = False
@@ -34,42 +46,79 @@ class Request:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Request":
+        """The flat spelling of the CLI's flags and of a batch line (unknown keys ignored)."""
         if not isinstance(raw, dict):
             raise LarqlError(f"expected a JSON object, got {_json_type(raw)}")
         messages = raw.get("messages")
         if messages is not None:
             if raw.get("prompt") not in (None, ""):
-                raise LarqlError("give 'prompt' or 'messages', not both")
-            check_messages(messages)
-            for m in messages:
-                utf8(m["content"], "'messages'")
-            raw = {**raw, "prompt": "", "messages": tuple(dict(m) for m in messages)}
+                raise LarqlError("give `prompt` or `messages`, not both")
+            raw = {**raw, "prompt": "", "messages": _messages(messages)}
         prompt = raw.get("prompt")
         if not isinstance(prompt, str):
             raise LarqlError("'prompt' must be a string")
-        utf8(prompt, "'prompt'")  # a JSON \\ud800 escape is a str no tokenizer can take
-        opts = raw.get("options", raw.get("continuation_options", ()))
-        if isinstance(opts, dict):
-            opts = tuple(f"{k}={v}" for k, v in opts.items())
-        elif isinstance(opts, (list, tuple)) and all(isinstance(o, str) for o in opts):
-            opts = tuple(opts)
-        else:
-            raise LarqlError("'options' must be an object or a list of 'key=value' strings")
+        utf8(prompt, "`prompt`")  # a JSON \\ud800 escape is a str no tokenizer can take
         for key in ("engine", "continuation", "kv_budget", "resume", "save_state", "chat_template"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
-                raise LarqlError(f"'{key}' must be a string")
+                raise LarqlError(f"`{key}` must be a string")
         for key in ("max_tokens", "top_k", "seed", "prefill_chunk"):
-            if raw.get(key) is not None and (not isinstance(raw[key], int) or isinstance(raw[key], bool)):
-                raise LarqlError(f"'{key}' must be an integer")
+            _integer(raw, key)
         for key in ("temperature", "top_p"):
-            if raw.get(key) is not None and (not isinstance(raw[key], (int, float)) or isinstance(raw[key], bool)):
-                raise LarqlError(f"'{key}' must be a number")
-        own = {f.name for f in fields(cls)} - {"gen", "options", "prompt"}
-        return cls(prompt=prompt, options=opts, gen=GenerationConfig.from_dict(raw),
-                   **{k: raw[k] for k in own if raw.get(k) is not None})
+            _number(raw, key)
+        own = {f.name for f in fields(cls)} - {"gen", "options", "prompt", "ids"}
+        return cls(prompt=prompt, options=_options(raw.get("options", raw.get("continuation_options", ()))),
+                   gen=_generation(raw), **{k: raw[k] for k in own if raw.get(k) is not None})
+
+    @classmethod
+    def from_api(cls, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+                 chat_template: str | None = None, engine: str | None = None, continuation: str | None = None,
+                 options: Mapping[str, object] | None = None, **gen: object) -> "Request":
+        """The Python API's spelling: a prompt (text or token ids) or messages; `gen` takes
+        GenerationConfig / SamplingConfig fields (max_tokens, temperature, stop, ...)."""
+        raw: dict[str, Any] = {"chat_template": chat_template, "engine": engine, "continuation": continuation,
+                               "options": dict(options or {}), **gen}
+        if isinstance(prompt, (list, tuple)):
+            return cls.from_dict({**raw, "prompt": ""}).with_ids(_token_ids(prompt))
+        return cls.from_dict({**raw, "prompt": prompt if prompt is not None else "", "messages": messages})
+
+    @classmethod
+    def from_openai(cls, body: dict, chat: bool, max_tokens_limit: int | None = None,
+                    default: "Request | None" = None) -> "Request":
+        """An OpenAI /v1/completions or /v1/chat/completions body (the fields that shape the answer's
+        form -- model, stream -- are the server's); `default` gives the engine when the body's
+        "larqlpy" object names none."""
+        for key in UNSUPPORTED:
+            if body.get(key) not in (None, False):
+                raise LarqlError(f"`{key}` is not supported by this server")
+        for key in PENALTIES:
+            if _number(body, key, -2.0, 2.0) not in (None, 0):
+                raise LarqlError(f"`{key}` is not supported by this server (only 0)")
+        n = _integer(body, "n")
+        if n not in (None, 1):
+            raise LarqlError(f"`n` must be 1 (one choice per request), got {n}")
+        engine = _extension(body.get("larqlpy"), default or cls())
+        gen = _generation({"max_tokens": _max_tokens(body, chat, max_tokens_limit),
+                           "temperature": _number(body, "temperature", 0.0, 2.0, default=1.0),
+                           "top_p": _number(body, "top_p", 0.0, 1.0, default=1.0, lo_open=True),
+                           "seed": _integer(body, "seed"), "stop": _stops(body.get("stop"), MAX_STOPS),
+                           "prefill_chunk": engine.pop("prefill_chunk", None)})
+        if chat:
+            req = cls(messages=_messages(body.get("messages")), gen=gen, **engine)
+        else:
+            req = _completion_prompt(cls(gen=gen, **engine), body.get("prompt"))
+        req.spec()
+        return req
+
+    def with_ids(self, ids: list[int]) -> "Request":
+        return dataclasses.replace(self, prompt="", messages=None, ids=tuple(ids))
 
     def spec(self) -> EngineSpec | None:
-        """The engine spec, or None to take a resumed state's own. Refusals happen here."""
+        """The engine spec, or None to take a resumed state's own. Refusals happen here, and the
+        request is parsed once however often it is asked."""
+        return self._spec
+
+    @cached_property
+    def _spec(self) -> EngineSpec | None:
         continuation, options = self.continuation, list(self.options)
         if self.kv_budget is not None:
             if self.engine is not None or continuation not in (None, "cells/v1"):
@@ -84,13 +133,121 @@ class Request:
             options.append(f"budget={self.kv_budget}")
         chosen = self.engine is not None or continuation is not None or options
         spec = parse_engine_spec(self.engine, continuation, options) if chosen or self.resume is None else None
-        if spec is not None and spec.replay and (self.save_state or self.resume):
-            raise LarqlError("`engine` no-cache keeps no attention state: it cannot be saved or resumed")
+        if spec is not None and (self.save_state or self.resume):
+            spec.stateful("be saved or resumed")
         if self.reprefill and self.resume is None:
             raise LarqlError("`reprefill` only makes sense with `resume`")
         if self.save_state is not None:
             check_output(self.save_state, "`save_state`")
         return spec
+
+
+# -- the checks every spelling shares ----------------------------------------------------------------
+
+def _generation(raw: dict[str, Any]) -> GenerationConfig:
+    stop = raw.get("stop")
+    if stop is not None:
+        raw = {**raw, "stop": _stops(stop)}
+    return GenerationConfig.from_dict(raw)
+
+
+def _stops(value: Any, most: int | None = None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = (value,) if isinstance(value, str) else value
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops) or \
+            (most is not None and len(stops) > most):
+        raise LarqlError("`stop` must be a string or a list of " + (f"at most {most} strings" if most else "strings"))
+    if any(s == "" for s in stops):
+        raise LarqlError("`stop` strings must not be empty")
+    return tuple(utf8(s, "`stop`") for s in stops)
+
+
+def _options(opts: Any) -> tuple[str, ...]:
+    """An engine's options as an object or a list of "key=value" strings."""
+    if isinstance(opts, dict):
+        return tuple(f"{k}={v}" for k, v in opts.items())
+    if isinstance(opts, (list, tuple)) and all(isinstance(o, str) for o in opts):
+        return tuple(opts)
+    raise LarqlError("`options` must be an object or a list of 'key=value' strings")
+
+
+def _messages(messages: Any) -> tuple[dict, ...]:
+    check_messages(messages)
+    for m in messages:
+        utf8(m["content"], "`messages`")
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+
+
+def _integer(raw: dict, key: str) -> int | None:
+    v = raw.get(key)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+        raise LarqlError(f"`{key}` must be an integer")
+    return v
+
+
+def _number(raw: dict, key: str, lo: float = -math.inf, hi: float = math.inf, default: float | None = None,
+            lo_open: bool = False) -> float | None:
+    v = raw.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise LarqlError(f"`{key}` must be a number")
+    if not math.isfinite(v):
+        raise LarqlError(f"`{key}` must be a finite number, got {v}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise LarqlError(f"`{key}` must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+    return float(v)
+
+
+def _token_ids(ids: Any) -> list[int]:
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise LarqlError("`prompt` must be a non-empty string, or a list of token ids")
+    return list(ids)
+
+
+def _max_tokens(body: dict, chat: bool, limit: int | None) -> int:
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    n = _integer(body, key)
+    if n is None:
+        n = 256 if chat else GenerationConfig.max_tokens
+        return n if limit is None else min(n, limit)
+    if n < 0:
+        raise LarqlError(f"`{key}` must be >= 0, got {n}")
+    if limit is not None and n > limit:
+        raise LarqlError(f"`{key}` is {n:,}; this server allows at most {limit:,}")
+    return n
+
+
+def _completion_prompt(req: Request, prompt: Any) -> Request:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        utf8(prompt, "`prompt`")
+        return dataclasses.replace(req, prompt=prompt)
+    return req.with_ids(_token_ids(prompt if isinstance(prompt, list) else None))
+
+
+def _extension(ext: Any, default: Request) -> dict[str, Any]:
+    """The body's `"larqlpy": {"continuation": ..., "options": {...}, "engine": ..., "prefill_chunk": ...}`
+    as Request fields (the default's engine where it names none)."""
+    if ext is None:
+        ext = {}
+    if not isinstance(ext, dict):
+        raise LarqlError("`larqlpy` must be an object")
+    unknown = set(ext) - set(EXTENSION)
+    if unknown:
+        raise LarqlError(f"`larqlpy` has unknown fields: {', '.join(sorted(unknown))}")
+    for key in ("continuation", "engine"):
+        if ext.get(key) is not None and not isinstance(ext[key], str):
+            raise LarqlError(f"`larqlpy`.{key} must be a string")
+    chunk = _integer(ext, "prefill_chunk")
+    options = _options(ext.get("options", {}))
+    if ext.get("engine") or ext.get("continuation") or options:
+        engine = {"engine": ext.get("engine"), "continuation": ext.get("continuation"), "options": options}
+    else:
+        engine = {"engine": default.engine, "continuation": default.continuation, "options": default.options}
+    return {**engine, "prefill_chunk": chunk}
 
 
 def _json_type(value: Any) -> str:

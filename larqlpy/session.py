@@ -1,100 +1,91 @@
-"""Sessions across processes: resume a saved state, reuse its prefix, save where the run stopped."""
+"""State files across processes: a file as the source of a request's state (read once, checked
+against this model and engine, restored, fitted to the prompt), and saving where a run stopped."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from larqlpy._version import __version__
-from larqlpy.engines import EngineSpec, build_provider
+from larqlpy.decode.sequence import Held, Reuse
+from larqlpy.engines import EngineSpec, new_state
 from larqlpy.engines.registry import checked_options
-from larqlpy.engines.stores.base import EngineState
 from larqlpy.errors import LarqlError
-from larqlpy.model.loader import LoadedModel
-from larqlpy.state.format import check_compatible, common_prefix, load_state
+from larqlpy.state.format import SavedState, check_compatible, common_prefix, load_state
 from larqlpy.state.store import restore_state, save_state
+from larqlpy.weights.loader import LoadedModel
 
 
-@dataclass
-class Resumed:
-    spec: EngineSpec
-    state: EngineState
-    logits: torch.Tensor | None  # set when the state already holds the whole prompt
-    reused: int  # prompt tokens the state already held (not prefilled again)
-    trimmed_from: int | None = None  # the saved position, when the state was cut back to a common prefix
-    extra: dict = field(default_factory=dict)  # what else the file carried (a chat's messages)
+class FileSource:
+    """`resume`: a state file, read when the request is prepared; its engine when the request names
+    none, its tokens when the prompt is empty (continue where it stopped)."""
+
+    def __init__(self, loaded: LoadedModel, path: str | Path, reprefill: bool = False):
+        self.loaded, self.path, self.reprefill = loaded, Path(path), reprefill
+        self.saved = load_state(path)
+
+    def spec(self, spec: EngineSpec | None) -> EngineSpec:
+        return (spec or saved_spec(self.saved)).stateful("resume a saved state")
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self.saved.tokens)
+
+    def take(self, ids: list[int], spec: EngineSpec) -> Reuse:
+        held = restore(self.loaded, self.saved, spec)
+        info = {"resumed_from": str(self.path)}
+        fit = align(held, ids)
+        if fit is not None:
+            trimmed = self.saved.processed if fit.state.position < self.saved.processed else None
+            return Reuse(fit, {**info, "reused_tokens": fit.state.position, "trimmed_from": trimmed})
+        if not self.reprefill:
+            common = common_prefix(self.saved.tokens[:self.saved.processed], ids)
+            raise LarqlError(f"{self.path}: the prompt diverges from the saved tokens at position {common}, and "
+                             f"{spec.identity} can no longer go back there (its window moved past it); "
+                             "pass `reprefill` to prefill the prompt from scratch")
+        return Reuse(None, {**info, "reused_tokens": 0, "trimmed_from": self.saved.processed})
 
 
-def resume(loaded: LoadedModel, path: str | Path, prompt_ids: list[int] | None, spec: EngineSpec | None,
-           reprefill: bool = False) -> tuple[Resumed, list[int]]:
-    """Load `path` into a fresh state of its engine; returns the plan and the ids to generate from.
-
-    prompt_ids None: continue from the saved tokens. A prompt that extends the saved tokens reuses
-    them and prefills only the suffix; one that diverges trims the state to the common prefix where
-    the engine can (else refuses, unless `reprefill`)."""
-    saved = load_state(path)
+def saved_spec(saved: SavedState) -> EngineSpec:
+    """The engine a state file was saved under, its options checked as any input's."""
     engine = saved.header["engine"]
-    if spec is None:
-        opts = checked_options(engine["identity"], [(k, str(v)) for k, v in engine["options"].items()],
-                               f"{path}: saved engine")
-        spec = EngineSpec(engine["identity"], opts)
-    if spec.replay:
-        raise LarqlError("`engine` no-cache keeps no state between steps: nothing to resume into")
+    opts = checked_options(engine["identity"], [(k, str(v)) for k, v in engine["options"].items()],
+                           f"{saved.path}: saved engine")
+    return EngineSpec(engine["identity"], opts)
+
+
+def restore(loaded: LoadedModel, saved: SavedState, spec: EngineSpec) -> Held:
+    """A state file's state, checked against this model, its weights and `spec`, in a fresh state."""
     check_compatible(saved, model_fingerprint=loaded.fingerprint, tokenizer_fingerprint=loaded.tokenizer.fingerprint,
                      identity=spec.identity, options=spec.options_dict, numerics=numerics(loaded))
-    state = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
+    state = new_state(spec, loaded.model.geometries(), loaded.device)
     restore_state(saved, state)
-    saved_logits = None if saved.logits is None else torch.from_numpy(saved.logits)
-    state.last_logits = saved_logits
-    ids = list(saved.tokens) if prompt_ids is None else list(prompt_ids)
-    if not ids:
-        raise LarqlError("empty prompt: nothing to condition on")
-    extra = {k: saved.header[k] for k in ("chat",) if k in saved.header}
-    fit = align(state, saved.tokens, ids, saved_logits)
-    if fit is not None:
-        return Resumed(spec, state, fit.logits, fit.reused, fit.trimmed_from, extra), ids
-    if not reprefill:
-        common = common_prefix(saved.tokens[:saved.processed], ids)
-        raise LarqlError(f"{path}: the prompt diverges from the saved tokens at position {common}, and "
-                         f"{spec.identity} can no longer go back there (its window moved past it); "
-                         "pass `reprefill` to prefill the prompt from scratch")
-    fresh = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
-    return Resumed(spec, fresh, None, 0, saved.processed, extra), ids
+    return Held(list(saved.tokens), state, None if saved.logits is None else torch.from_numpy(saved.logits))
 
 
-@dataclass
-class Fit:
-    reused: int  # positions of the new ids the state already holds
-    trimmed_from: int | None  # the state's position before it was cut back to them
-    logits: torch.Tensor | None  # the last position's logits, when the state holds all of the new ids
-
-
-def align(state: EngineState, held: list[int], ids: list[int], logits: torch.Tensor | None) -> Fit | None:
-    """Make `state` (holding held[:state.position]) serve `ids`: keep the prefix they share, cutting
-    the state back to it where the engine can. None: the engine cannot go back there."""
-    processed = state.position
-    common = common_prefix(held[:processed], ids)
-    if common == processed and len(ids) >= processed:
-        last = logits if len(ids) == processed else None
-        if len(ids) > processed or last is not None:
-            return Fit(processed, None, last)
+def align(held: Held, ids: list[int]) -> Held | None:
+    """`held` made to serve `ids`: its state keeps the prefix they share, cut back to it where the
+    engine can (and one position further when it holds all of `ids` without their logits). None:
+    the engine cannot go back there."""
+    state, processed = held.state, held.state.position
+    common = common_prefix(held.tokens[:processed], ids)
+    if common == processed and (len(ids) > processed or (len(ids) == processed and held.logits is not None)):
+        return Held(list(ids), state, held.logits)
     target = min(common, len(ids) - 1)
     if all(s.can_trim(target) for s in state.layers):
         for s in state.layers:
             s.trim(target)
-        return Fit(target, processed, None)
+        return Held(list(ids), state, None)
     return None
 
 
-def save(loaded: LoadedModel, path: str | Path, state: EngineState, tokens: list[int], extra: dict | None = None) -> int:
-    """Save where the run stopped: `tokens` is the whole history (the last sampled token included,
-    even though it has not been fed yet); the state holds `state.position` of them. `extra` goes
-    into the header too (a chat's messages)."""
-    return save_state(path, state, model_fingerprint=loaded.fingerprint,
-                      tokenizer_fingerprint=loaded.tokenizer.fingerprint, tokens=tokens,
-                      logits=state.last_logits, extra={"larqlpy": __version__, **numerics(loaded), **(extra or {})})
+def save(loaded: LoadedModel, path: str | Path, held: Held, extra: dict | None = None) -> int:
+    """Save a state where its run stopped: `held.tokens` is the whole history (the last sampled token
+    included, though the state has not run it); `extra` goes into the header too (a chat's messages)."""
+    return save_state(path, held.state, model_fingerprint=loaded.fingerprint,
+                      tokenizer_fingerprint=loaded.tokenizer.fingerprint, tokens=held.tokens, logits=held.logits,
+                      extra={"larqlpy": __version__, **numerics(loaded), **(extra or {})})
 
 
 def numerics(loaded: LoadedModel) -> dict[str, str]:

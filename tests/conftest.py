@@ -22,7 +22,7 @@ def real_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def real(real_dir):
-    from larqlpy.model.loader import load
+    from larqlpy.weights.loader import load
 
     return load(real_dir, device="cpu")
 
@@ -36,7 +36,7 @@ def smol_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smol(smol_dir):
-    from larqlpy.model.loader import load
+    from larqlpy.weights.loader import load
 
     return load(smol_dir, device="cpu")
 

@@ -8,7 +8,9 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
@@ -42,6 +44,12 @@ class Server:
 
     def post(self, path: str, body: dict, **kw) -> httpx.Response:
         return httpx.post(self.url + path, json=body, timeout=kw.pop("timeout", 120.0), **kw)
+
+    @contextmanager
+    def stream(self, path: str, body: dict) -> Iterator[Iterator[str]]:
+        """A streamed response's lines (server-sent events)."""
+        with httpx.stream("POST", self.url + path, json=body, timeout=120.0) as r:
+            yield r.iter_lines()
 
     def metrics(self) -> dict[str, float]:
         out = {}

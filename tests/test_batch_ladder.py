@@ -36,7 +36,7 @@ LINES = [
 
 
 def batch(tiny_dir, *args, stdin=None):
-    text = "\n".join(l if isinstance(l, str) else json.dumps(l) for l in LINES) + "\n"
+    text = "\n".join(line if isinstance(line, str) else json.dumps(line) for line in LINES) + "\n"
     return subprocess.run([*EXE, "batch", str(tiny_dir), *args], input=stdin if stdin is not None else text,
                           capture_output=True, text=True, env=ENV, timeout=600)
 
@@ -44,7 +44,7 @@ def batch(tiny_dir, *args, stdin=None):
 def test_batch_records_in_input_order_with_errors(tiny_dir, tmp_path):
     r = batch(tiny_dir, "-")
     assert r.returncode == 1  # some lines failed
-    out = [json.loads(l) for l in r.stdout.splitlines()]
+    out = [json.loads(line) for line in r.stdout.splitlines()]
     assert [o["line"] for o in out] == [1, 2, 3, 4, 5, 6, 7]
     assert [o["error"] is None for o in out] == [True, False, True, False, True, False, True]
     assert out[0]["id"] == "first" and len(out[0]["tokens"]) == 5 and out[2]["engine"] == "window/v1"
@@ -65,8 +65,8 @@ def test_batch_workers_file_output_and_quiet(tiny_dir, tmp_path):
     single = batch(tiny_dir, str(src), "-o", str(tmp_path / "one.jsonl"), stdin="")
     multi = batch(tiny_dir, str(src), "-o", str(tmp_path / "two.jsonl"), "--workers", "2", "--quiet", stdin="")
     assert single.returncode == multi.returncode == 0 and single.stdout == multi.stdout == ""
-    a = [json.loads(l) for l in (tmp_path / "one.jsonl").read_text().splitlines()]
-    b = [json.loads(l) for l in (tmp_path / "two.jsonl").read_text().splitlines()]
+    a = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
     assert [x["tokens"] for x in a] == [x["tokens"] for x in b] and len(a) == 4
 
 
@@ -113,7 +113,7 @@ def test_ladder_json_and_plot(tiny_dir, tmp_path):
 def test_ladder_refusals(tiny_dir):
     for args, needle in ((["--positions", "a,b"], "comma-separated integers"),
                          (["--plot", "x.svg"], "expected a .png"),
-                         (["--engine", "no-cache"], "no-cache keeps no KV rows")):
+                         (["--engine", "no-cache"], "no-cache keeps no state")):
         r = subprocess.run([*EXE, "bench", "ladder", str(tiny_dir), *args], capture_output=True, text=True,
                            env=ENV, timeout=300)
         assert r.returncode == 2 and needle in r.stderr, r.stderr
@@ -136,11 +136,11 @@ def test_batch_parallel_keeps_input_order_and_equals_one_at_a_time(tiny_dir, tmp
               ["canonical/v1", "window/v1"][i % 2]} for i in range(9)]
     lines.insert(4, {"prompt": "big", "max_tokens": 400})  # more KV than the whole budget: an error record
     src = tmp_path / "in.jsonl"
-    src.write_text("\n".join(json.dumps(l) for l in lines) + "\n")
+    src.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     one = batch(tiny_dir, str(src), "--parallel", "1", "--weights", "int8", stdin="")
     many = batch(tiny_dir, str(src), "--parallel", "4", "--weights", "int8", "--kv-budget", "600KiB", stdin="")
     two = batch(tiny_dir, str(src), "--parallel", "3", "--workers", "2", "--weights", "int8", stdin="")
-    a, b, c = ([json.loads(l) for l in r.stdout.splitlines()] for r in (one, many, two))
+    a, b, c = ([json.loads(line) for line in r.stdout.splitlines()] for r in (one, many, two))
     assert [x["line"] for x in b] == list(range(1, 11)) == [x["line"] for x in c]
     assert "budget of 614,400 bytes" in b[4]["error"] and b[4]["error"].startswith("line 5: needs ")
     assert many.returncode == 1 and one.returncode == two.returncode == 0

@@ -3,6 +3,8 @@ packed integer weights, the same logits bit for bit; the KV budget holds at ever
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 import torch
@@ -10,9 +12,11 @@ import torch
 from larqlpy.config import GenerationConfig
 from larqlpy.engines import EngineSpec, parse_engine_spec, preset_spec
 from larqlpy.engines.presets import RECOMMENDED
-from larqlpy.generate import stream_generate
-from larqlpy.model.loader import load
-from larqlpy.scheduler import Job, Scheduler
+from larqlpy.budget import KVBudget
+from larqlpy.decode.scheduler import Scheduler
+from larqlpy.decode.sequence import Sequence
+from larqlpy.decode.stream import stream_generate
+from larqlpy.weights.loader import load
 from tiny import make_tiny
 
 ENGINES = {
@@ -27,18 +31,30 @@ ENGINES = {
 F32_LOGIT_BOUND = 5e-4
 
 
+class Job(NamedTuple):
+    """What to generate, as often as a test needs a sequence of it (a sequence runs once)."""
+
+    prompt_ids: list[int]
+    spec: EngineSpec = EngineSpec()
+    gen: GenerationConfig = GenerationConfig()
+    key: object = None
+
+    def seq(self, loaded) -> Sequence:
+        return Sequence(loaded.model, self.prompt_ids, self.spec, self.gen, key=self.key)
+
+
 def alone(loaded, job: Job) -> tuple[list[int], list[torch.Tensor]]:
-    toks = list(stream_generate(loaded.model, job.prompt_ids, job.spec, job.gen, set(job.stop_ids)))
+    toks = list(stream_generate(loaded.model, job.prompt_ids, job.spec, job.gen))
     return [t.id for t in toks], [t.logits for t in toks]
 
 
 def batched(loaded, jobs: list[Job], parallel: int, **kw) -> dict:
     out = {j.key: ([], []) for j in jobs}
-    for e in Scheduler(loaded.model, parallel=parallel, **kw).run(jobs):
-        assert e.error is None
+    for e in Scheduler(loaded.model, parallel=parallel, **kw).run([j.seq(loaded) for j in jobs]):
+        assert e.seq.error is None
         if e.token is not None:
-            out[e.key][0].append(e.token.id)
-            out[e.key][1].append(e.token.logits)
+            out[e.seq.key][0].append(e.token.id)
+            out[e.seq.key][1].append(e.token.logits)
     return out
 
 
@@ -54,7 +70,8 @@ def mixed_jobs(tokenizer, text: str, tokens: int = 12) -> list[Job]:
     lengths = [5, 40, 600, 17, 90, 3, 230]
     names = ["canonical", "window", "window", "codec", "cells", "no-cache", "canonical"]
     gen = GenerationConfig(max_tokens=tokens, stop_at_eos=False)
-    return [Job(ids[i * 7:i * 7 + n], ENGINES[name], gen, key=(name, n)) for i, (n, name) in enumerate(zip(lengths, names))]
+    return [Job(ids[i * 7:i * 7 + n], ENGINES[name], gen, key=(name, n))
+            for i, (n, name) in enumerate(zip(lengths, names))]
 
 
 def test_a_sequence_in_a_batch_is_bit_identical_to_alone_with_int8_weights(real_int8, long_text):
@@ -94,9 +111,9 @@ def test_a_prefill_chunk_shares_steps_with_decode_rows(real_int8, long_text):
     jobs = [Job(ids[:6], gen=gen, key="a"), Job(ids[10:20], gen=gen, key="b"), Job(ids[:600], gen=gen, key="long")]
     sched = Scheduler(real_int8.model, parallel=3, step_tokens=130)
     seen = []
-    for e in sched.run(jobs):
+    for e in sched.run([j.seq(real_int8) for j in jobs]):
         if e.token is not None:
-            seen.append(e.key)
+            seen.append(e.seq.key)
     assert seen.index("a") < seen.index("long") and seen.count("a") == 8
     for job in jobs:
         assert alone(real_int8, job)[0] == batched(real_int8, [job], 1)[job.key][0]
@@ -118,16 +135,16 @@ def test_the_kv_budget_holds_at_every_step(real_int8, long_text):
     specs = [ENGINES["canonical"], ENGINES["window"], ENGINES["codec"]]
     jobs = [Job(ids[i * 50:i * 50 + 300 + 40 * i], specs[i % 3], gen, key=i) for i in range(6)]
     assert sum(len(j.prompt_ids) + gen.max_tokens for j in jobs) >= 2000
-    sched = Scheduler(real_int8.model, parallel=6)
-    peaks = [sched.peak_bytes(j) for j in jobs]
+    seqs = [j.seq(real_int8) for j in jobs]
+    peaks = [s.peak_bytes for s in seqs]
     budget = sorted(peaks)[-1] + sorted(peaks)[-2]  # two of the largest fit at once, never six
-    sched.kv_budget = budget
+    sched = Scheduler(real_int8.model, parallel=6, budget=KVBudget(budget))
     most_live, steps = 0, 0
-    while jobs or not sched.idle():
-        while jobs and sched.has_room():
-            sched.submit(jobs.pop(0))
+    while seqs or not sched.idle():
+        while seqs and sched.has_room():
+            sched.submit(seqs.pop(0))
         for e in sched.step():
-            assert e.error is None
+            assert e.seq.error is None
         steps += 1
         assert sched.resident_bytes() <= sched.reserved() <= budget  # after every step
         most_live = max(most_live, len(sched.live))
@@ -135,9 +152,10 @@ def test_the_kv_budget_holds_at_every_step(real_int8, long_text):
 
 
 def test_a_job_larger_than_the_whole_budget_is_refused_not_waited_on(real_int8):
-    sched = Scheduler(real_int8.model, parallel=2, kv_budget=1000)
-    events = list(sched.run([Job([2, 100, 200], gen=GenerationConfig(max_tokens=4), key="big")]))
-    assert events[0].error.startswith("needs ") and "budget of 1,000 bytes" in events[0].error
+    sched = Scheduler(real_int8.model, parallel=2, budget=KVBudget(1000))
+    events = list(sched.run([Job([2, 100, 200], gen=GenerationConfig(max_tokens=4), key="big").seq(real_int8)]))
+    error = events[0].seq.error
+    assert events[0].token is None and error.startswith("needs ") and "budget of 1,000 bytes" in error
 
 
 def test_save_after_a_batch_equals_save_alone(real_int8, tmp_path):
@@ -156,9 +174,12 @@ def test_save_after_a_batch_equals_save_alone(real_int8, tmp_path):
     for layer in b.records:
         for (ma, fa), (mb, fb) in zip(a.records[layer], b.records[layer]):
             strip = {k: v for k, v in ma.items() if k != "_where"}  # where in its own file the data lies
-            assert strip == {k: v for k, v in mb.items() if k != "_where"} and all(np.array_equal(fa[k], fb[k]) for k in fb)
-    resumed = execute(real_int8, Request.from_dict({"prompt": "", "resume": str(tmp_path / "b1.lqkv"), "max_tokens": 5}))
-    again = execute(real_int8, Request.from_dict({"prompt": "", "resume": str(tmp_path / "solo.lqkv"), "max_tokens": 5}))
+            assert strip == {k: v for k, v in mb.items() if k != "_where"} and \
+                all(np.array_equal(fa[k], fb[k]) for k in fb)
+    resumed = execute(real_int8, Request.from_dict({"prompt": "", "resume": str(tmp_path / "b1.lqkv"),
+                                                    "max_tokens": 5}))
+    again = execute(real_int8, Request.from_dict({"prompt": "", "resume": str(tmp_path / "solo.lqkv"),
+                                                  "max_tokens": 5}))
     assert resumed["tokens"] == again["tokens"]
 
 
@@ -170,8 +191,8 @@ def test_tiny_model_batched_past_the_window_on_each_device(tmp_path, device, wei
     loaded = load(tmp_path / "m", device=device, weights=weights)
     gen = GenerationConfig(max_tokens=20, stop_at_eos=False, prefill_chunk=5)
     prompts = [[2, 5, 9, 30, 31, 32, 33, 40, 41, 42, 43, 50], [2, 7], [2, 8, 9, 10, 11, 12, 13]]
-    jobs = [Job(p, spec, gen, key=i) for i, (p, spec) in enumerate(zip(prompts, [ENGINES["window"], ENGINES["canonical"],
-                                                                                 ENGINES["window"]]))]
+    jobs = [Job(p, spec, gen, key=i)
+            for i, (p, spec) in enumerate(zip(prompts, [ENGINES["window"], ENGINES["canonical"], ENGINES["window"]]))]
     got = batched(loaded, jobs, parallel=2)
     for job in jobs:
         ids, logits = alone(loaded, job)

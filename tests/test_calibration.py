@@ -1,4 +1,5 @@
-"""Key calibration (larqlpy.tools.calibrate, model/calibration_file.py, `larqlpy calibrate`, codec calib=on) and the wider recent
+"""Key calibration (larqlpy.tools.calibrate, weights/calibration_file.py, `larqlpy calibrate`, codec calib=on) and
+the wider recent
 tier (codec/v1 recent=N, recent_bits): exact algebra, file checks, resume, accounting, and the
 issue's quality aims on the real 270M."""
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from larqlpy.cli.common import error_line
-from larqlpy.engines import build_provider, parse_engine_spec, preset_spec
+from larqlpy.engines import build_provider, new_state, parse_engine_spec, preset_spec
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.presets import COMPACT, RECOMMENDED
 from larqlpy.engines.stores.base import AttentionParams, Scratch
@@ -23,11 +24,13 @@ from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.engines.stores.codec import CodecStore
 from larqlpy.engines.stores.kvcodec import KVCodec
 from larqlpy.errors import LarqlError
-from larqlpy.generate import stream_generate, GenerationConfig
+from larqlpy.config import GenerationConfig
+from larqlpy.decode.sequence import Sequence
+from larqlpy.decode.stream import generate_step
 from larqlpy.kernels.rowcodec import TurboQuantCodec
-from larqlpy.model import calibration_file
-from larqlpy.model.files import describe
-from larqlpy.model.loader import load
+from larqlpy.weights import calibration_file
+from larqlpy.weights.checkpoint import describe
+from larqlpy.weights.loader import load
 from larqlpy.tools import calibrate as calib_tool
 from larqlpy.tools.residency import bits_per_value, named_geometry
 from tiny import make_tiny
@@ -54,10 +57,10 @@ def cal_dir(tmp_path_factory):
     return d
 
 
-def run(loaded, s, ids, n, state=None):
-    state = state or build_provider(s).new_state(loaded.model.geometries(), loaded.device)
-    toks = list(stream_generate(loaded.model, ids, s, GenerationConfig(max_tokens=n, stop_at_eos=False), state=state))
-    return toks, state
+def run(loaded, s, ids, n):
+    seq = Sequence(loaded.model, ids, s, GenerationConfig(max_tokens=n, stop_at_eos=False))
+    toks = list(generate_step(loaded.model, seq))
+    return toks, seq.held()
 
 
 def test_calibration_measures_the_keys_and_round_trips(cal_dir):
@@ -67,7 +70,7 @@ def test_calibration_measures_the_keys_and_round_trips(cal_dir):
     assert len(cals) == 6 and all(g.key_calibration is c for g, c in zip(geoms, cals))
     # the mean is the keys' mean over the text (sinks left out), recomputed here from canonical rows
     ids = loaded.tokenizer.encode(TEXT)
-    state = build_provider(parse_engine_spec()).new_state(geoms, CPU)
+    state = new_state(parse_engine_spec(), geoms, CPU)
     loaded.model(torch.tensor(ids), state)
     for store, c in zip(state.layers, cals):
         k, _ = store.read(calib_tool.SKIP, torch.float32)
@@ -94,15 +97,18 @@ def test_calibrated_store_reconstructs_by_algebra_and_fused_equals_scratch(windo
                                         torch.rand(2, 64, generator=gen) * 3 + 0.2)
     kc, vc = TurboQuantCodec(64, 4, CPU), TurboQuantCodec(64, 3, CPU)
     tier = KVCodec(TurboQuantCodec(64, 8, CPU), TurboQuantCodec(64, 8, CPU), cal)
-    make = lambda: CodecStore(g, CPU, KVCodec(kc, vc, cal), window, Scratch(CPU), sink=2, recent=3,  # noqa: E731
-                              recent_codec=tier)
-    fused, plain = make(), make()
+
+    def make(fused=True):
+        return CodecStore(g, CPU, codec=KVCodec(kc, vc, cal), keep=window, scratch=Scratch(CPU), sink=2, recent=3,
+                          recent_codec=tier, fused=fused)
+
+    fused, plain = make(), make(fused=False)
     p = AttentionParams(scale=0.125)
     ks = []
     for t in (3, 1, 1, 4, 1, 1, 1):
         q, k, v = (torch.randn(h, t, 64, generator=gen) for h in (4, 2, 2))
         a = fused.attend(q, k, v, p)
-        b = super(CodecStore, plain).attend(q, k, v, p)  # decode to scratch, then plain attention
+        b = plain.attend(q, k, v, p)  # decode to scratch, then plain attention
         assert (a - b).abs().max().item() < 1e-4
         ks.append(k)
     k_all = torch.cat(ks, 1)
@@ -134,17 +140,18 @@ def test_a_tier_covering_every_row_equals_the_wider_codec(cal_dir):
 
 
 def test_resume_bit_identical_and_a_different_calibration_is_refused(cal_dir, tmp_path):
-    from larqlpy.session import resume, save
+    from larqlpy.session import save
+    from test_state import resume
 
     loaded = load(cal_dir, device="cpu")
     s = spec("codec/v1", "k_bits=4", "v_bits=3", "calib=on", "recent=4", "sink=1")
     whole, _ = run(loaded, s, PROMPT, 20)
-    first, state = run(loaded, s, PROMPT, 8)
-    for store in state.layers:  # the allocations hold what the sets need, no more
+    first, held = run(loaded, s, PROMPT, 8)
+    for store in held.state.layers:  # the allocations hold what the sets need, no more
         assert store.sinks.nbytes() == 1 * 2 * 2 * 16 * 4  # one position, K and V, 2 heads, f32
         assert store.recent.nbytes() == 4 * 2 * 2 * (4 + 16)  # four rows, K and V, 2 heads, norm + 8-bit codes
     path = tmp_path / "s.kv"
-    save(loaded, path, state, PROMPT + [t.id for t in first])
+    save(loaded, path, held)
     out = tmp_path / "resumed.pt"
     subprocess.run([sys.executable, WORKERS, "resume", str(cal_dir), str(path), "12", str(out)],
                    check=True, env=ENV, timeout=300)
@@ -177,7 +184,7 @@ def test_calib_on_a_model_without_calibration_says_how_to_make_one(tmp_path):
     make_tiny(tmp_path / "m")
     loaded = load(tmp_path / "m", device="cpu")
     with pytest.raises(LarqlError) as e:
-        build_provider(spec("codec/v1", "bits=4", "calib=on")).new_state(loaded.model.geometries(), CPU)
+        new_state(spec("codec/v1", "bits=4", "calib=on"), loaded.model.geometries(), CPU)
     assert "run `larqlpy calibrate MODEL_DIR`" in error_line(e.value)
 
 
@@ -213,7 +220,7 @@ def test_a_damaged_or_stale_calibration_blocks_only_the_engines_that_read_it(cal
     toks, _ = run(loaded, spec("canonical/v1"), PROMPT, 2)
     assert len(toks) == 2
     with pytest.raises(LarqlError, match=re.escape(message)) as e:  # calib=on does read it: refused, saying why
-        build_provider(spec("codec/v1", "bits=4", "calib=on")).new_state(loaded.model.geometries(), CPU)
+        new_state(spec("codec/v1", "bits=4", "calib=on"), loaded.model.geometries(), CPU)
     assert "\n" not in str(e.value) and "unusable" in str(e.value)
     assert message in describe(d)["key_calibration"]  # and `info` says so
 
@@ -285,7 +292,7 @@ def test_kv_stats_attention_kl_is_zero_for_exact_keys_and_grows_as_bits_shrink(c
     from larqlpy.tools.observe import _LastQueries, attention_kl, suggested_layer_bits
 
     loaded = load(cal_dir, device="cpu")
-    state = build_provider(parse_engine_spec()).new_state(loaded.model.geometries(), CPU)
+    state = new_state(parse_engine_spec(), loaded.model.geometries(), CPU)
     stores, seen = state.layers, [_LastQueries() for _ in state.layers]
     state.layers = [QueryTap(s, rec) for s, rec in zip(stores, seen)]
     loaded.model(torch.tensor(PROMPT[:30]), state)
@@ -313,8 +320,7 @@ def test_cells_rules_calib_quantize_keys_under_the_calibration(cal_dir, tmp_path
     loaded = load(tmp_path / "wide", device="cpu")
     s = spec("cells/v1", f"rules={rules}", "budget=300KiB")
     ids = [2] + [7 + (i * 37) % 250 for i in range(290)]
-    state = build_provider(s).new_state(loaded.model.geometries(), CPU)
-    list(stream_generate(loaded.model, ids, s, GenerationConfig(max_tokens=2, stop_at_eos=False), state=state))
+    state = run(loaded, s, ids, 2)[1].state
     checked = 0
     for store in state.layers:
         assert store.meta() == {"key_calibration": store.geometry.key_calibration.digest}
@@ -332,7 +338,7 @@ def test_cells_rules_calib_quantize_keys_under_the_calibration(cal_dir, tmp_path
     make_tiny(tmp_path / "plain")  # no calibration: the rules' calib is refused in one line
     plain = load(tmp_path / "plain", device="cpu")
     with pytest.raises(LarqlError, match="set calib: on"):
-        build_provider(s).new_state(plain.model.geometries(), CPU)
+        new_state(s, plain.model.geometries(), CPU)
     bad = tmp_path / "bad.yaml"
     bad.write_text(text.replace("calib: on", "calib: maybe"))
     with pytest.raises(LarqlError, match="calib must be on or off"):

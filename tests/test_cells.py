@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
-from larqlpy.engines import EngineSpec, build_provider, parse_engine_spec
+from larqlpy.engines import EngineSpec, build_provider, new_state, parse_engine_spec
 from larqlpy.errors import LarqlError
-from larqlpy.generate import prefill
-from larqlpy.model.loader import load
+from larqlpy.decode.stream import prefill
+from larqlpy.weights.loader import load
 from larqlpy.engines.lifecycle import Event, IllegalTransition, State, load_rules, parse_rules
 from tiny import make_tiny
 
@@ -84,11 +84,11 @@ def test_missing_persist_path_is_refused_up_front_with_a_budget(tmp_path, tiny):
     f.write_text(F32_ONLY.replace("  - {event: MEMORY_PRESSURE, from: ACTIVE, to: PERSISTED}\n", ""))
     spec = cells_spec(f"rules={f}", "budget=1MiB")
     with pytest.raises(LarqlError, match="cannot keep resident KV under a budget"):
-        build_provider(spec).new_state(tiny.model.geometries(), tiny.device)
+        new_state(spec, tiny.model.geometries(), tiny.device)
     ok = tmp_path / "ok.yaml"
     ok.write_text(F32_ONLY)
     with pytest.raises(LarqlError, match="is below what the rules keep ACTIVE"):
-        build_provider(cells_spec(f"rules={ok}", "budget=1KiB")).new_state(tiny.model.geometries(), tiny.device)
+        new_state(cells_spec(f"rules={ok}", "budget=1KiB"), tiny.model.geometries(), tiny.device)
 
 
 def test_bad_rules_path_refused_at_parse():
@@ -99,7 +99,7 @@ def test_bad_rules_path_refused_at_parse():
 
 
 def run_blocks(loaded, spec, ids, block, check=None):
-    state = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
+    state = new_state(spec, loaded.model.geometries(), loaded.device)
     outs = []
     for lo in range(0, len(ids), block):
         outs.append(prefill(loaded.model, state, ids[lo:lo + block], block, all_logits=True))
@@ -134,7 +134,8 @@ def test_every_default_rule_fires(tiny):
     ids = [7 + (i * 37) % 280 for i in range(600)]
     _, state = run_blocks(tiny, cells_spec("budget=256KiB"), ids, 64)
     _, unbudgeted = run_blocks(tiny, cells_spec(), ids, 64)  # cells evicted while still ACTIVE
-    moves = {(t["event"], t["from"], t["to"]) for t in state.report()["transitions"] + unbudgeted.report()["transitions"]}
+    moves = {(t["event"], t["from"], t["to"])
+             for t in state.report()["transitions"] + unbudgeted.report()["transitions"]}
     assert {(e.value, s.value, d.value) for e, s, d in load_rules().allowed} - moves == {
         ("MEMORY_PRESSURE", "ACTIVE", "PERSISTED")}  # only used on layers the policy won't quantize
     rules = load_rules()
@@ -144,7 +145,8 @@ def test_every_default_rule_fires(tiny):
     state = p.new_state(tiny.model.geometries(), tiny.device)
     prefill(tiny.model, state, ids, 64)
     moves = {(t["event"], t["from"], t["to"]) for t in state.report()["transitions"]}
-    assert ("MEMORY_PRESSURE", "ACTIVE", "PERSISTED") in moves and ("MEMORY_PRESSURE", "ACTIVE", "QUANTIZED") not in moves
+    assert ("MEMORY_PRESSURE", "ACTIVE", "PERSISTED") in moves and \
+        ("MEMORY_PRESSURE", "ACTIVE", "QUANTIZED") not in moves
     assert rules.allowed  # the packaged file is unchanged by any of this
 
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import smol_gguf
 from larqlpy.chat import ChatSession
 from larqlpy.errors import LarqlError
-from larqlpy.model.chat_template import ChatTemplate
+from larqlpy.text.chat_template import ChatTemplate
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
 EXE = [sys.executable, "-m", "larqlpy.cli.main"]
@@ -92,7 +92,8 @@ def cli(*args, stdin=None, timeout=600):
 def test_run_chat_batch_and_the_api_give_the_same_reply(smol, smol_dir, tmp_path):
     import larqlpy
 
-    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
+    msgs = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is the capital of France?"}]
     api = larqlpy.Model(smol)
     want = [t.id for t in api.chat(msgs, max_tokens=16)]
     assert want[-1] == 2 or len(want) == 16  # it stops at <|im_end|>

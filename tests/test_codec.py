@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from larqlpy.engines import build_provider, parse_engine_spec
+from larqlpy.engines import new_state, parse_engine_spec
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.stores.base import AttentionParams, Scratch
 from larqlpy.engines.stores.codec import CodecStore
@@ -16,7 +16,7 @@ from larqlpy.kernels import codebooks
 from larqlpy.kernels.lloyd_max import gaussian_codebook
 from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
 from larqlpy.kernels.turboquant_torch import TorchCodec
-from larqlpy.model.loader import load
+from larqlpy.weights.loader import load
 from tiny import make_tiny
 
 CPU = torch.device("cpu")
@@ -64,22 +64,22 @@ def test_packing_layout():
 def test_attending_on_codes_equals_decoding_them():
     g = LayerGeometry(0, None, 2, 64)
     codec = TurboQuantCodec(64, 4, CPU)
-    fused = CodecStore(g, CPU, KVCodec(codec, codec), None, Scratch(CPU))
-    plain = CodecStore(g, CPU, KVCodec(codec, codec), None, Scratch(CPU))
+    fused = CodecStore(g, CPU, codec=KVCodec(codec, codec), keep=None, scratch=Scratch(CPU))
+    plain = CodecStore(g, CPU, codec=KVCodec(codec, codec), keep=None, scratch=Scratch(CPU), fused=False)
     p = AttentionParams(scale=0.125)
     gen = torch.Generator().manual_seed(1)
     for t in (5, 1, 1, 3, 1):
         q, k, v = (torch.randn(h, t, 64, generator=gen) for h in (4, 2, 2))
         a = fused.attend(q, k, v, p)
-        b = super(CodecStore, plain).attend(q, k, v, p)  # the decode-to-scratch path
+        b = plain.attend(q, k, v, p)  # the decode-to-scratch path
         assert (a - b).abs().max().item() < 1e-4
 
 
 def test_recent_rows_write_the_bytes_codec_writes():
     g = LayerGeometry(0, 6, 1, 64)
     codec = TurboQuantCodec(64, 3, CPU)
-    plain = CodecStore(g, CPU, KVCodec(codec, codec), 6, Scratch(CPU))
-    recent = CodecStore(g, CPU, KVCodec(codec, codec), 6, Scratch(CPU), exact_keys=4)
+    plain = CodecStore(g, CPU, codec=KVCodec(codec, codec), keep=6, scratch=Scratch(CPU))
+    recent = CodecStore(g, CPU, codec=KVCodec(codec, codec), keep=6, scratch=Scratch(CPU), exact_keys=4)
     p = AttentionParams(scale=0.125)
     gen = torch.Generator().manual_seed(2)
     for t in (3, 1, 1, 4, 1, 1, 1):
@@ -100,7 +100,7 @@ def test_head_dim_must_be_a_power_of_two(tmp_path):
     for spec in (parse_engine_spec(continuation="codec/v1", options=["bits=4"]),
                  parse_engine_spec(engine="turbo-quant:bits=3")):
         with pytest.raises(LarqlError, match="head_dim 12 is not a power of two"):
-            build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
+            new_state(spec, loaded.model.geometries(), loaded.device)
 
 
 def test_int4_group_codec():
@@ -118,7 +118,7 @@ def test_int4_group_codec():
 def real_rows(real, long_text):
     """K and V rows of every layer of the 270M over 1,024 real positions (canonical run)."""
     ids = real.tokenizer.encode(long_text)[:1024]
-    state = build_provider(parse_engine_spec()).new_state(real.model.geometries(), real.device)
+    state = new_state(parse_engine_spec(), real.model.geometries(), real.device)
     real.model(torch.tensor(ids), state)
     return [s.read(0, torch.float32) for s in state.layers]
 
@@ -136,7 +136,7 @@ def test_per_row_cosine_on_real_rows(real_rows, bits, floor):
 @pytest.mark.parametrize("spec_args, bits", [(("codec/v1", ["bits=4"]), 4), (("codec/v1", ["bits=3"]), 3)])
 def test_resident_bytes_follow_the_formula(real, long_text, spec_args, bits):
     spec = parse_engine_spec(continuation=spec_args[0], options=spec_args[1])
-    state = build_provider(spec).new_state(real.model.geometries(), real.device)
+    state = new_state(spec, real.model.geometries(), real.device)
     ids = real.tokenizer.encode(long_text)[:700]
     real.model(torch.tensor(ids[:600]), state)
     for t in ids[600:610]:

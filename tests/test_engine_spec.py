@@ -89,10 +89,10 @@ def test_gemma3_4b_figures_from_larql():
 def test_residency_of_a_model_directory_matches_live_window_state(real, real_dir):
     import torch
 
-    from larqlpy.engines import build_provider
+    from larqlpy.engines import new_state
 
     r = residency(str(real_dir), 700, [parse_engine_spec(continuation="window/v1")])
-    state = build_provider(parse_engine_spec(continuation="window/v1")).new_state(real.model.geometries(), real.device)
+    state = new_state(parse_engine_spec(continuation="window/v1"), real.model.geometries(), real.device)
     real.model(torch.arange(1000, 1700), state)
     live = state.resident_by_kind()
     assert r["engines"][0]["by_kind"]["sliding"]["bytes"] == live["sliding"]
@@ -114,7 +114,7 @@ def test_residency_cli(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["larqlpy", "residency", "gemma3-4b", "--positions", "10", "--engine", "no-cache"])
     with pytest.raises(SystemExit) as exc:
         main()
-    assert exc.value.code == 2 and "no-cache keeps no KV rows" in capsys.readouterr().err
+    assert exc.value.code == 2 and "no-cache keeps no state" in capsys.readouterr().err
 
 
 def test_capacity_under_a_budget_is_the_inverse_of_residency(real_dir):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from larqlpy.engines import EngineSpec, build_provider, parse_engine_spec
-from larqlpy.generate import GenerationConfig, stream_generate
-from larqlpy.model.loader import load
+from larqlpy.engines import EngineSpec, build_provider, new_state, parse_engine_spec
+from larqlpy.config import GenerationConfig
+from larqlpy.decode.stream import stream_generate
+from larqlpy.weights.loader import load
 from tiny import make_tiny
 
 WINDOW = parse_engine_spec(continuation="window/v1")
@@ -17,7 +18,7 @@ CANONICAL = EngineSpec()
 def run_steps(loaded, spec, ids, chunks, decode_steps, check_horizon=None):
     """Prefill `ids` in blocks of the given sizes (all logits), then greedy-decode; returns
     (prefill logits, decode logits per step, generated ids)."""
-    state = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
+    state = new_state(spec, loaded.model.geometries(), loaded.device)
     pos, outs = 0, []
     for size in chunks:
         outs.append(loaded.model(torch.tensor(ids[pos:pos + size]), state, all_logits=True))
@@ -62,7 +63,7 @@ def test_window_is_bit_identical_to_canonical_on_270m(real, prompt, chunks):
 
 
 def test_window_resident_bytes_are_bounded_on_270m(real, prompt):
-    state = build_provider(WINDOW).new_state(real.model.geometries(), real.device)
+    state = new_state(WINDOW, real.model.geometries(), real.device)
     row = 2 * 256 * 4
     for lo in range(0, 700, 100):
         real.model(torch.tensor(prompt[lo:lo + 100]), state)
@@ -117,5 +118,5 @@ def test_window_option_below_the_model_window_is_refused(tmp_path):
     make_tiny(tmp_path, sliding_window=8)
     loaded = load(tmp_path, device="cpu")
     with pytest.raises(LarqlError, match="below layer 0's sliding window 8"):
-        build_provider(parse_engine_spec(engine="windowed-checkpoint:window=4")).new_state(
+        new_state(parse_engine_spec(engine="windowed-checkpoint:window=4"),
             loaded.model.geometries(), loaded.device)

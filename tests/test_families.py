@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from larqlpy.engines import EngineSpec, build_provider, parse_engine_spec
-from larqlpy.generate import prefill
-from larqlpy.model.loader import load
+from larqlpy.engines import EngineSpec, new_state, parse_engine_spec
+from larqlpy.decode.stream import prefill
+from larqlpy.weights.loader import load
 from tiny import FAMILIES, make_tiny
 
 IDS = [2] + [7 + (i * 37) % 280 for i in range(40)]
@@ -32,7 +32,7 @@ def hf_logits(hf, ids):
 def test_prefill_logits_match_transformers(family):
     name, hf, ours = family
     want = hf_logits(hf, IDS)
-    state = build_provider(EngineSpec()).new_state(ours.model.geometries(), ours.device)
+    state = new_state(EngineSpec(), ours.model.geometries(), ours.device)
     got = prefill(ours.model, state, IDS, 64, all_logits=True)
     assert (got - want).abs().max().item() < 1e-4, name
     kinds = {g.kind for g in ours.model.geometries()}
@@ -46,7 +46,7 @@ def test_decode_steps_match_transformers(family):
     softcapping) against transformers' full forward."""
     name, hf, ours = family
     want = hf_logits(hf, IDS)
-    state = build_provider(EngineSpec()).new_state(ours.model.geometries(), ours.device)
+    state = new_state(EngineSpec(), ours.model.geometries(), ours.device)
     prefill(ours.model, state, IDS[:20], 64)
     got = torch.stack([ours.model(torch.tensor([t]), state)[-1] for t in IDS[20:]])
     assert (got - want[20:]).abs().max().item() < 1e-4, name
@@ -56,7 +56,7 @@ def test_window_is_bit_identical_to_canonical(family):
     name, _, ours = family
     out = []
     for spec in (EngineSpec(), parse_engine_spec(continuation="window/v1")):
-        state = build_provider(spec).new_state(ours.model.geometries(), ours.device)
+        state = new_state(spec, ours.model.geometries(), ours.device)
         logits = [prefill(ours.model, state, IDS[:25], 8, all_logits=True)]
         logits += [ours.model(torch.tensor([t]), state) for t in IDS[25:]]
         out.append(torch.cat(logits))
@@ -66,7 +66,7 @@ def test_window_is_bit_identical_to_canonical(family):
 def test_gemma3_is_still_gemma3(tmp_path):
     hf = make_tiny(tmp_path)
     ours = load(tmp_path, device="cpu")
-    state = build_provider(EngineSpec()).new_state(ours.model.geometries(), ours.device)
+    state = new_state(EngineSpec(), ours.model.geometries(), ours.device)
     assert (prefill(ours.model, state, IDS, 64, all_logits=True) - hf_logits(hf, IDS)).abs().max().item() < 1e-4
 
 

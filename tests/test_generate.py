@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from larqlpy.engines import EngineSpec, build_provider
+from larqlpy.engines import EngineSpec, new_state, parse_engine_spec
 from larqlpy.errors import LarqlError
-from larqlpy.generate import GenerationConfig, SamplingConfig, stream_generate, prefill, sample
-from larqlpy.model.loader import load
-from larqlpy.scheduler import Job, Scheduler
+from larqlpy.config import GenerationConfig, SamplingConfig
+from larqlpy.decode.sampling import sample
+from larqlpy.decode.stream import generate_step, prefill, stream_generate
+from larqlpy.weights.loader import load
+from larqlpy.decode.scheduler import Scheduler
+from larqlpy.decode.sequence import Sequence
 from tiny import make_tiny
 
 
@@ -53,15 +56,16 @@ def test_stops_at_eos_and_reports_finish(tiny):
 def test_chunked_prefill_matches_one_block(tiny):
     ids = list(range(10, 60))
     geo = tiny.model.geometries()
-    one = prefill(tiny.model, build_provider(EngineSpec()).new_state(geo, tiny.device), ids, 64, all_logits=True)
+    one = prefill(tiny.model, new_state(EngineSpec(), geo, tiny.device), ids, 64, all_logits=True)
     for chunk in (1, 3, 8, 9):
-        got = prefill(tiny.model, build_provider(EngineSpec()).new_state(geo, tiny.device), ids, chunk, all_logits=True)
+        got = prefill(tiny.model, new_state(EngineSpec(), geo, tiny.device), ids, chunk, all_logits=True)
         assert (got - one).abs().max().item() < 1e-4
 
 
 def test_generation_config_from_dict_ignores_unknown_keys():
     cfg = GenerationConfig.from_dict({"max_tokens": 3, "temperature": 0.5, "seed": 1, "colour": "blue", "top_k": None})
-    assert cfg.max_tokens == 3 and cfg.sampling.temperature == 0.5 and cfg.sampling.seed == 1 and cfg.sampling.top_k == 0
+    assert cfg.max_tokens == 3 and cfg.sampling.temperature == 0.5 and cfg.sampling.seed == 1 and \
+        cfg.sampling.top_k == 0
 
 
 def test_python_api(tmp_path):
@@ -76,7 +80,8 @@ def test_python_api(tmp_path):
 
 
 def test_each_token_carries_its_own_metrics_snapshot(tiny):
-    toks = list(stream_generate(tiny.model, [2, 40, 41], EngineSpec(), GenerationConfig(max_tokens=6, stop_at_eos=False)))
+    toks = list(stream_generate(tiny.model, [2, 40, 41], EngineSpec(),
+                                GenerationConfig(max_tokens=6, stop_at_eos=False)))
     assert [t.metrics.decode_tokens for t in toks] == [1, 2, 3, 4, 5, 6]  # an earlier token's figures stay its own
     assert [t.metrics.position for t in toks] == [3, 4, 5, 6, 7, 8]
     assert all(a.metrics.decode_seconds <= b.metrics.decode_seconds for a, b in zip(toks, toks[1:]))
@@ -112,21 +117,17 @@ def test_the_detokenizer_window_stays_short_over_a_long_output(tiny):
     assert "".join(d.step(i) for i in bad).startswith("\ufffd")
 
 
-def test_replay_is_a_forward_function_not_a_branch(tiny):
-    from larqlpy.generate import Cached, Replay, generate_step
-
-    spec = EngineSpec()
+def test_replay_is_handled_inside_the_sequence(tiny):
+    """no-cache rebuilds its state from the ids every step, and gives the cached ids."""
     cfg = GenerationConfig(max_tokens=5, stop_at_eos=False)
-    state = build_provider(spec).new_state(tiny.model.geometries(), tiny.device)
-    logits = prefill(tiny.model, state, [2, 40, 41], 64)[-1]
-    steps = generate_step(Cached(tiny.model, state), logits, cfg.sampling)
-    cached = [next(steps)[0] for _ in range(5)]
-    fresh = lambda: build_provider(spec).new_state(tiny.model.geometries(), tiny.device)  # noqa: E731
-    s0 = fresh()
-    logits = prefill(tiny.model, s0, [2, 40, 41], 64)[-1]
-    steps = generate_step(Replay(tiny.model, fresh, [2, 40, 41], 64, s0), logits, cfg.sampling)
-    replayed = [next(steps)[0] for _ in range(5)]
-    assert cached == replayed
+    cached = [t.id for t in stream_generate(tiny.model, [2, 40, 41], EngineSpec(), cfg)]
+    replay = parse_engine_spec(engine="no-cache")
+    seq = Sequence(tiny.model, [2, 40, 41], replay, cfg)
+    replayed = []
+    for tok in generate_step(tiny.model, seq):
+        replayed.append(tok.id)
+        assert seq.state.position == 0 or seq.finished  # a fresh state after every token
+    assert cached == replayed and seq.held() is None  # no-cache keeps no state
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -148,8 +149,9 @@ def test_non_finite_logits_stop_the_run(tiny, bad, temperature):
         gen = GenerationConfig(max_tokens=3, sampling=SamplingConfig(temperature=temperature, seed=1))
         with pytest.raises(LarqlError, match="non-finite logits"):
             list(stream_generate(tiny.model, [2, 5, 9], EngineSpec(), gen))
-        jobs = [Job([2, 5, 9], gen=gen, key=0), Job([4, 4], gen=gen, key=1)]
-        with pytest.raises(LarqlError, match="non-finite logits"):
-            list(Scheduler(tiny.model, parallel=2).run(jobs))
+        seqs = [Sequence(tiny.model, [2, 5, 9], gen=gen, key=0), Sequence(tiny.model, [4, 4], gen=gen, key=1)]
+        ends = [e.seq for e in Scheduler(tiny.model, parallel=2).run(seqs) if e.token is None]
+        assert sorted(s.key for s in ends) == [0, 1]  # a failed step is an error event of each sequence in it
+        assert all("non-finite logits" in s.error for s in ends)
     finally:
         head[7] = saved

@@ -10,8 +10,8 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from larqlpy.errors import LarqlError
-from larqlpy.model import known_files, packed_cache
-from larqlpy.model.loader import load
+from larqlpy.weights import known_files, packed_cache
+from larqlpy.weights.loader import load
 from tiny import make_tiny
 
 

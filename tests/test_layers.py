@@ -1,6 +1,6 @@
 """Imports flow one way, bottom to top:
 
-    errors -> kernels -> engines -> state -> model -> decode loop, sessions, API -> tools -> cli
+    errors -> kernels -> engines -> state -> model, weights, text -> decode loop, sessions, API -> tools -> cli
 
 No cycles, counting imports inside functions too (so none can hide one), and a function-level import
 only where a path does without a heavy dependency (see docs/architecture.md)."""
@@ -19,9 +19,10 @@ LAYERS = [
     ("larqlpy.kernels",),
     ("larqlpy.engines",),
     ("larqlpy.state",),
-    ("larqlpy.model", "larqlpy.convert"),
-    ("larqlpy.config", "larqlpy.request", "larqlpy.generate", "larqlpy.scheduler", "larqlpy.session",
-     "larqlpy.prefix_cache", "larqlpy.runner", "larqlpy.batch_lines", "larqlpy.chat", "larqlpy.api", "larqlpy"),
+    ("larqlpy.model", "larqlpy.weights", "larqlpy.text", "larqlpy.convert"),
+    ("larqlpy.config", "larqlpy.request", "larqlpy.decode", "larqlpy.budget", "larqlpy.session",
+     "larqlpy.prefix_cache", "larqlpy.prepare", "larqlpy.runner", "larqlpy.batch_lines", "larqlpy.chat", "larqlpy.api",
+     "larqlpy"),
     ("larqlpy.tools",),
     ("larqlpy.cli", "larqlpy.server"),
 ]
@@ -99,6 +100,7 @@ def test_a_planted_cycle_is_found(tmp_path, b_imports_a):
 
 
 def test_a_planted_upward_import_is_found(tmp_path):
-    pkg = write_package(tmp_path, {"kernels.k": "def f():\n    from pkg.cli import main\n", "cli": "import pkg.kernels.k\n"})
+    pkg = write_package(tmp_path, {"kernels.k": "def f():\n    from pkg.cli import main\n",
+                                   "cli": "import pkg.kernels.k\n"})
     got = {(e.src, e.dst, e.deferred) for e in edges(pkg)}
     assert ("pkg.kernels.k", "pkg.cli", True) in got and ("pkg.cli", "pkg.kernels.k", False) in got

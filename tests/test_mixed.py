@@ -51,7 +51,8 @@ def test_packing_is_little_endian_groups_of_eight():
     c5 = TorchCodec(8, 5, CPU)
     assert c5.pack(idx).tolist() == [[(word >> (8 * j)) & 0xFF for j in range(5)]]
     assert torch.equal(c5.unpack_values(c5.pack(idx)), c5.centroids[idx])
-    assert TorchCodec(8, 8, CPU).pack(torch.tensor([[200, 1, 2, 3, 4, 5, 6, 255]])).tolist()[0] == [200, 1, 2, 3, 4, 5, 6, 255]
+    assert TorchCodec(8, 8, CPU).pack(torch.tensor([[200, 1, 2, 3, 4, 5, 6, 255]])).tolist()[0] == \
+        [200, 1, 2, 3, 4, 5, 6, 255]
 
 
 @pytest.mark.parametrize("opts, message", [
@@ -119,8 +120,12 @@ def run_store(store, steps, gen, hq=4, hkv=1, d=64):
 def test_sinks_and_recent_rows_come_back_exact_and_fused_equals_scratch(window):
     g = LayerGeometry(0, window, 1, 64)
     kc, vc = TurboQuantCodec(64, 5, CPU), TurboQuantCodec(64, 3, CPU)
-    make = lambda: CodecStore(g, CPU, KVCodec(kc, vc), window, Scratch(CPU), exact_keys=2, sink=3)  # noqa: E731
-    fused, plain = make(), make()
+
+    def make(fused=True):
+        return CodecStore(g, CPU, codec=KVCodec(kc, vc), keep=window, scratch=Scratch(CPU), exact_keys=2, sink=3,
+                          fused=fused)
+
+    fused, plain = make(), make(fused=False)
     gen_a, gen_b = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
     steps = (2, 1, 1, 1, 3, 1, 1)
     p = AttentionParams(scale=0.125)
@@ -130,7 +135,7 @@ def test_sinks_and_recent_rows_come_back_exact_and_fused_equals_scratch(window):
         for _ in range(3):
             torch.randn(1, generator=gen_b)
         a = fused.attend(q, k, v, p)
-        b = super(CodecStore, plain).attend(q, k, v, p)  # decode to scratch, then plain attention
+        b = plain.attend(q, k, v, p)  # decode to scratch, then plain attention
         assert (a - b).abs().max().item() < 1e-4
         k_all.append(k)
         v_all.append(v)
@@ -142,7 +147,7 @@ def test_sinks_and_recent_rows_come_back_exact_and_fused_equals_scratch(window):
     keys, _ = fused.read(fused.end - 2, torch.float32)
     assert torch.equal(keys, k_all[:, -2:])  # the newest exact_recent K rows
     # the codes are those plain codec/v1 writes
-    ref = CodecStore(g, CPU, KVCodec(kc, vc), window, Scratch(CPU))
+    ref = CodecStore(g, CPU, codec=KVCodec(kc, vc), keep=window, scratch=Scratch(CPU))
     for t, (lo, hi) in zip(steps, [(0, 2), (2, 3), (3, 4), (4, 5), (5, 8), (8, 9), (9, 10)]):
         ref.append(k_all[:, lo:hi], v_all[:, lo:hi])
         ref.release()
@@ -154,19 +159,23 @@ def test_cells_rules_apply_per_layer_widths(tmp_path):
     from larqlpy.engines.stores.kvcodec import precision_widths
     from larqlpy.engines.lifecycle import default_rules_path
     from tiny import make_tiny
-    from larqlpy.model.loader import load
-    from larqlpy.generate import GenerationConfig, stream_generate
+    from larqlpy.weights.loader import load
+    from larqlpy.config import GenerationConfig
+    from larqlpy.decode.sequence import Sequence
+    from larqlpy.decode.stream import generate_step
 
     text = default_rules_path().read_text().replace("  bits: 4 ", "  bits: 4\n  k_bits: 5\n  v_bits: 3\n"
-                                                    "  layer_bits: {0: 8/2, 1: exact}\n  #").replace("keep_active_recent: 128", "keep_active_recent: 0")
+                                                    "  layer_bits: {0: 8/2, 1: exact}\n  #") \
+        .replace("keep_active_recent: 128", "keep_active_recent: 0")
     rules = tmp_path / "mixed.yaml"
     rules.write_text(text)
     make_tiny(tmp_path / "m", sliding_window=4096)
     loaded = load(tmp_path / "m")
     s = spec("cells/v1", f"rules={rules}", "budget=300KiB")
-    state = build_provider(s).new_state(loaded.model.geometries(), loaded.device)
-    list(stream_generate(loaded.model, [2] + [7 + (i * 37) % 250 for i in range(290)], s, GenerationConfig(max_tokens=4, stop_at_eos=False),
-                  state=state))
+    seq = Sequence(loaded.model, [2] + [7 + (i * 37) % 250 for i in range(290)], s,
+                   GenerationConfig(max_tokens=4, stop_at_eos=False))
+    list(generate_step(loaded.model, seq))
+    state = seq.state
     seen = {}
     for store in state.layers:
         # QUANTIZED cells, and PERSISTED ones that were quantized first, carry their widths

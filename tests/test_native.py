@@ -1,5 +1,5 @@
 """`weights` native: a GGUF's quantized matrices run as their own integer codes (convert/native.py,
-model/native_file.py), reproducing gguf-py's dequantized values exactly."""
+weights/native_file.py), reproducing gguf-py's dequantized values exactly."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from larqlpy.convert.archs import ARCHS
 from larqlpy.convert.native import SUPPORTED, decompose, dequantize
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.qweight import PackedPart, PackedWeight
-from larqlpy.model.loader import load
+from larqlpy.weights.loader import load
 from larqlpy.tools.quality import score_text
 from conftest import smol_gguf
 from tiny import make_tiny
@@ -89,7 +89,8 @@ def test_native_reproduces_the_ggufs_dequantized_values_tensor_by_tensor(which, 
         else:
             continue
         shape = tuple(int(d) for d in reversed(t.shape))
-        want = arch.restore(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape), config)
+        want = arch.restore(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape),
+                            config)
         w = mine[ours]
         for lo in range(0, shape[0], 32768):
             got = w.rows(torch.arange(lo, min(shape[0], lo + 32768))).numpy()
@@ -126,5 +127,6 @@ def test_a_directory_without_native_weights_is_refused_in_one_line(tmp_path):
     make_tiny(tmp_path / "tiny")
     with pytest.raises(LarqlError) as e:
         load(tmp_path / "tiny", device="cpu", weights="native")
-    assert error_line(e.value) == (f"{tmp_path / 'tiny'}: no native weights (native.safetensors); convert the GGUF again "
-                                   "(`larqlpy convert-gguf GGUF MODEL_DIR --force`) to write them beside the checkpoint")
+    assert error_line(e.value) == (f"{tmp_path / 'tiny'}: no native weights (native.safetensors); "
+                                   "convert the GGUF again (`larqlpy convert-gguf GGUF MODEL_DIR --force`) "
+                                   "to write them beside the checkpoint")

@@ -61,7 +61,7 @@ def test_kv_stats_against_an_independent_computation(real, real_dir, long_text, 
     import numpy as np
     import torch
 
-    from larqlpy.engines import EngineSpec, build_provider
+    from larqlpy.engines import EngineSpec, new_state
     from larqlpy.kernels.turboquant_torch import TorchCodec
     from larqlpy.tools.observe import kv_stats
     from larqlpy.engines.lifecycle import parse_rules
@@ -76,7 +76,7 @@ def test_kv_stats_against_an_independent_computation(real, real_dir, long_text, 
     policy = parse_rules(r["rules"], "suggested").policy  # the cells engine reads what kv-stats writes
     assert policy.quantize_layers == tuple(i for i in range(18) if i not in expect_bad)
     # recompute layer 3's K statistics with numpy and the torch codec
-    state = build_provider(EngineSpec()).new_state(real.model.geometries(), real.device)
+    state = new_state(EngineSpec(), real.model.geometries(), real.device)
     real.model(torch.tensor(ids), state)
     k = state.layers[3].read(0, torch.float32)[0].reshape(-1, 256)
     kn = k.numpy()
@@ -110,7 +110,8 @@ def test_kv_stats_against_an_independent_computation(real, real_dir, long_text, 
 
 def test_consistency_against_an_independent_run(real, real_dir, tmp_path):
     from larqlpy.engines import EngineSpec, parse_engine_spec
-    from larqlpy.generate import GenerationConfig, stream_generate
+    from larqlpy.config import GenerationConfig
+    from larqlpy.decode.stream import stream_generate
     from larqlpy.tools.observe import consistency, load_questions
 
     qfile = tmp_path / "q.jsonl"
@@ -157,7 +158,8 @@ def test_ladder_confirms_capacity_by_running(real_dir):
     assert canonical["accounted_positions"] == budget // (18 * 2048)
     assert window["accounted_positions"] == (budget - 15 * 512 * 2048) // (3 * 2048)
     # canonical's rows alone pass the budget when its buffer doubles past 2,048 rows (151 MiB)
-    assert canonical["reached_budget"] and 0 < canonical["fits_positions"] <= min(2048, canonical["accounted_positions"])
+    assert canonical["reached_budget"] and \
+        0 < canonical["fits_positions"] <= min(2048, canonical["accounted_positions"])
     assert canonical["peak_growth_bytes"] > budget  # what stopped it was measured, rows + transients
     # the window holds 512 rows per sliding layer: it runs well past canonical on the same budget
     assert window["fits_positions"] > canonical["fits_positions"]

@@ -13,8 +13,8 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from larqlpy.errors import LarqlError
-from larqlpy.model import packed_cache
-from larqlpy.model.loader import load
+from larqlpy.weights import packed_cache
+from larqlpy.weights.loader import load
 from tiny import make_tiny, write_in_place
 
 KERNELS = Path(__file__).resolve().parent.parent / "larqlpy" / "kernels"
@@ -27,10 +27,10 @@ def tiny_dir(tmp_path):
 
 
 def logits(loaded, ids=(2, 40, 41, 42, 43)):
-    from larqlpy.engines import EngineSpec, build_provider
-    from larqlpy.generate import prefill
+    from larqlpy.engines import EngineSpec, new_state
+    from larqlpy.decode.stream import prefill
 
-    state = build_provider(EngineSpec()).new_state(loaded.model.geometries(), loaded.device)
+    state = new_state(EngineSpec(), loaded.model.geometries(), loaded.device)
     return prefill(loaded.model, state, list(ids), 64, all_logits=True)
 
 
@@ -63,7 +63,7 @@ def test_stale_cache_is_rebuilt_and_removed(tiny_dir):
 def test_an_edit_that_keeps_the_fingerprint_still_rebuilds(tiny_dir, monkeypatch):
     """The fingerprint samples only each end of a weight file; a cache packed from other bytes in
     between is stale all the same (the header holds the digest of each file it was packed from)."""
-    from larqlpy.model import files
+    from larqlpy.weights import checkpoint as files
 
     monkeypatch.setattr(files, "SAMPLE", 64)  # the tiny file's ends: like 1 MB of a 1 GB file's
     first = load(tiny_dir, device="cpu", weights="int8")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from larqlpy.engines import EngineSpec, build_provider
-from larqlpy.generate import GenerationConfig, stream_generate, prefill
+from larqlpy.engines import EngineSpec, new_state
+from larqlpy.config import GenerationConfig
+from larqlpy.decode.stream import prefill, stream_generate
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def prompt_ids(real, long_text):
 def test_logits_past_the_window_match_transformers(real, hf, prompt_ids):
     with torch.no_grad():
         ref = hf(torch.tensor([prompt_ids])).logits[0]
-    state = build_provider(EngineSpec()).new_state(real.model.geometries(), real.device)
+    state = new_state(EngineSpec(), real.model.geometries(), real.device)
     ours = prefill(real.model, state, prompt_ids, 256, all_logits=True)  # chunks straddle the window
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() <= 1e-3
@@ -43,17 +44,18 @@ def test_greedy_ids_match_transformers(real, hf, prompt_ids):
 
 def test_answers_paris(real):
     ids = real.tokenizer.encode("Question: What is the capital of France? Answer:")
-    text = real.tokenizer.decode([t.id for t in stream_generate(real.model, ids, EngineSpec(), GenerationConfig(max_tokens=8))])
+    text = real.tokenizer.decode([t.id for t in stream_generate(real.model, ids, EngineSpec(),
+                                                                GenerationConfig(max_tokens=8))])
     assert text.strip().startswith("Paris")
     # The plain prompt of the issue: Paris is among the top candidates, though greedy says " the"
-    state = build_provider(EngineSpec()).new_state(real.model.geometries(), real.device)
+    state = new_state(EngineSpec(), real.model.geometries(), real.device)
     logits = real.model(torch.tensor(real.tokenizer.encode("The capital of France is")), state)[-1]
     top5 = [real.tokenizer.decode([int(i)]) for i in torch.topk(logits, 5).indices]
     assert " Paris" in top5
 
 
 def test_decode_state_reports_resident_bytes(real):
-    state = build_provider(EngineSpec()).new_state(real.model.geometries(), real.device)
+    state = new_state(EngineSpec(), real.model.geometries(), real.device)
     prefill(real.model, state, list(range(1000, 1300)), 128)
     row = 2 * 1 * 256 * 4  # K + V, 1 KV head, head_dim 256, f32
     assert state.position == 300

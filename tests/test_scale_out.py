@@ -163,7 +163,8 @@ def test_a_killed_actor_loses_and_duplicates_nothing(world, ray_cluster, tmp_pat
     try:
         killed = None
         for _ in range(600):
-            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("batch-")]
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["name"].startswith("batch-")]
             if names:
                 time.sleep(0.5)  # while it loads the model or runs its first chunk
                 killed = sorted(names)[0]

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from larqlpy.model.loader import load
+from larqlpy.weights.loader import load
 from larqlpy.request import Request
 from larqlpy.runner import execute
 from serving import ENV, EXE, Server
@@ -84,7 +84,8 @@ def test_eight_concurrent_clients_each_get_what_they_get_alone(server, smol8):
     want = [alone(smol8, prompt=p, max_tokens=10 + i)["tokens"] for i, p in enumerate(prompts)]
 
     def ask(i):
-        r = server.post("/v1/completions", {"model": NAME, "prompt": prompts[i], "max_tokens": 10 + i, "temperature": 0},
+        r = server.post("/v1/completions", {"model": NAME, "prompt": prompts[i], "max_tokens": 10 + i,
+                                            "temperature": 0},
                         headers={"Authorization": "Bearer sk-test"})
         return r.json()["larqlpy"]["tokens"]
 
@@ -113,7 +114,8 @@ BAD = [  # (what, body or raw bytes, headers, status, text in the message)
     ("negative max_tokens", {"model": NAME, "prompt": "hi", "max_tokens": -1}, {}, 400, "must be >= 0"),
     ("huge max_tokens", {"model": NAME, "prompt": "hi", "max_tokens": 10**9}, {}, 400, "at most"),
     ("max_tokens a string", {"model": NAME, "prompt": "hi", "max_tokens": "5"}, {}, 400, "must be an integer"),
-    ("temperature out of range", {"model": NAME, "prompt": "hi", "temperature": 7}, {}, 400, "'temperature' must be in"),
+    ("temperature out of range", {"model": NAME, "prompt": "hi", "temperature": 7}, {}, 400,
+     "'temperature' must be in"),
     ("top_p zero", {"model": NAME, "prompt": "hi", "top_p": 0}, {}, 400, "'top_p' must be in"),
     ("n of 2", {"model": NAME, "prompt": "hi", "n": 2}, {}, 400, "'n' must be 1"),
     ("stop a number", {"model": NAME, "prompt": "hi", "stop": 5}, {}, 400, "'stop' must be"),
@@ -140,7 +142,8 @@ def test_bad_requests_get_their_4xx_json_and_the_server_stays_up(server, what, b
     if opts.get("get"):
         r = httpx.get(server.url + path, headers=headers, timeout=30)
     elif isinstance(body, bytes):
-        r = httpx.post(server.url + path, content=body, headers={**headers, "content-type": "application/json"}, timeout=30)
+        r = httpx.post(server.url + path, content=body, headers={**headers, "content-type": "application/json"},
+                       timeout=30)
     else:
         r = server.post(path, body, headers=headers)
     assert r.status_code == status, r.text
@@ -183,7 +186,8 @@ OTHERS = ["Tell me about the moon.", "Tell me about rivers.", "Tell me about sno
 
 
 def test_memory_pressure_persists_states_and_they_come_back_the_same(smol_dir):
-    with Server(smol_dir, "--weights", "int8", "--kv-budget", "1MiB") as small, \
+    # the budget holds the live sequence (a few MiB at these lengths) and the kept states beside it
+    with Server(smol_dir, "--weights", "int8", "--kv-budget", "6MiB") as small, \
             Server(smol_dir, "--weights", "int8", "--kv-budget", "1GiB") as big:
         runs = []
         for s in (small, big):
@@ -200,7 +204,8 @@ def test_memory_pressure_persists_states_and_they_come_back_the_same(smol_dir):
 
 def test_past_the_disk_budget_the_least_recently_used_are_evicted(smol_dir, tmp_path):
     d = tmp_path / "kept"
-    with Server(smol_dir, "--weights", "int8", "--kv-budget", "1MiB", "--disk-budget", "6MiB", "--state-dir", str(d)) as s:
+    with Server(smol_dir, "--weights", "int8", "--kv-budget", "3MiB", "--disk-budget", "6MiB",
+                "--state-dir", str(d)) as s:
         for t in TURNS + OTHERS:
             chat_turns(s, [t])
         m = s.metrics()
@@ -210,7 +215,7 @@ def test_past_the_disk_budget_the_least_recently_used_are_evicted(smol_dir, tmp_
 
 
 def test_cells_states_are_quantized_under_pressure(smol_dir):
-    with Server(smol_dir, "--weights", "int8", "--continuation", "cells/v1", "--kv-budget", "3MiB") as s:
+    with Server(smol_dir, "--weights", "int8", "--continuation", "cells/v1", "--kv-budget", "24MiB") as s:
         for t in TURNS + OTHERS:
             chat_turns(s, [t * 30])
         m = s.metrics()

@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from conftest import smol_gguf
-from larqlpy.model.chat_template import ChatTemplate
+from larqlpy.text.chat_template import ChatTemplate
 from larqlpy.config import GenerationConfig
-from larqlpy.engines import EngineSpec, build_provider, parse_engine_spec
-from larqlpy.generate import prefill, stream_generate
+from larqlpy.engines import EngineSpec, new_state, parse_engine_spec
+from larqlpy.decode.stream import prefill, stream_generate
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name a primary colour."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "Name a primary colour."}],
     [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help you today?"},
      {"role": "user", "content": "Tell me a fact about the Moon."}],
 ]
@@ -49,7 +50,8 @@ def test_config_and_weights_equal_transformers_gguf_loader(smol, hf_model):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             ours = getattr(smol.model.layers[i], name)
             assert torch.equal(ours, sd[f"model.layers.{i}.self_attn.{name}.weight"]), (i, name)
-        assert torch.equal(smol.model.layers[i].post_attention_layernorm, sd[f"model.layers.{i}.post_attention_layernorm.weight"])
+        assert torch.equal(smol.model.layers[i].post_attention_layernorm,
+                           sd[f"model.layers.{i}.post_attention_layernorm.weight"])
     assert torch.equal(smol.model.embed_tokens, sd["model.embed_tokens.weight"])
 
 
@@ -69,7 +71,7 @@ def test_logits_match_transformers_over_1100_positions(smol, hf_model, long_text
     ids = smol.tokenizer.encode(long_text)[:1100]
     with torch.no_grad():
         want = hf_model(torch.tensor([ids])).logits[0]
-    state = build_provider(EngineSpec()).new_state(smol.model.geometries(), smol.device)
+    state = new_state(EngineSpec(), smol.model.geometries(), smol.device)
     got = prefill(smol.model, state, ids, 512, all_logits=True)
     assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-3
 
@@ -116,14 +118,15 @@ def test_window_is_bit_identical_and_codec_runs_on_smollm2(smol, long_text):
     for name, spec in (("canonical", EngineSpec()), ("window", parse_engine_spec(continuation="window/v1")),
                        ("codec", parse_engine_spec(continuation="codec/v1", options=["bits=4", "calib=on",
                                                                                        "recent=16", "sink=1"]))):
-        state = build_provider(spec).new_state(smol.model.geometries(), smol.device)
+        state = new_state(spec, smol.model.geometries(), smol.device)
         logits = [prefill(smol.model, state, ids[:200], 64, all_logits=True)]
         logits += [smol.model(torch.tensor([t]), state) for t in ids[200:230]]
         out[name] = torch.cat(logits)
         if name == "window":
             assert state.retained_rows() == 30 * 230  # every row of every layer
     assert torch.equal(out["canonical"], out["window"])
-    kl = torch.nn.functional.kl_div(torch.log_softmax(out["codec"][200:], -1), torch.log_softmax(out["canonical"][200:], -1),
+    kl = torch.nn.functional.kl_div(torch.log_softmax(out["codec"][200:], -1),
+                                    torch.log_softmax(out["canonical"][200:], -1),
                                     log_target=True, reduction="none").sum(-1)
     assert kl.mean().item() < 0.05
 
@@ -149,7 +152,8 @@ def test_everything_that_runs_on_gemma3_runs_on_smollm2(smol_dir, tmp_path):
     for w in ("int8", "int4"):
         assert len(json.loads(cli("run", smol_dir, prompt, "-n", "6", "--weights", w, "--json"))["tokens"]) == 6
     cells = json.loads(cli("run", smol_dir, prompt * 40, "-n", "8", "--kv-budget", "8MiB", "--json"))
-    assert cells["stats"]["resident_kv_bytes"] <= 9 * 2**20 and cells["cells"].get("PERSISTED", 0) > 0  # cold cells left memory
+    # cold cells left memory
+    assert cells["stats"]["resident_kv_bytes"] <= 9 * 2**20 and cells["cells"].get("PERSISTED", 0) > 0
     rec = ["--continuation", "codec/v1", *sum((["--continuation-option", o] for o in
                                                 ("bits=4", "calib=on", "recent=16", "sink=1")), [])]
     whole = json.loads(cli("run", smol_dir, prompt, "-n", "12", *rec, "--json"))["tokens"]

@@ -19,12 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from larqlpy.cli.common import error_line
-from larqlpy.engines import EngineSpec, build_provider, parse_engine_spec, preset_spec
+from larqlpy.engines import EngineSpec, parse_engine_spec, preset_spec
 from larqlpy.engines.presets import SPREAD
 from larqlpy.errors import LarqlError
-from larqlpy.generate import GenerationConfig, stream_generate
-from larqlpy.model.loader import load
-from larqlpy.session import resume, save
+from larqlpy.config import GenerationConfig
+from larqlpy.decode.sequence import Sequence
+from larqlpy.decode.stream import generate_step, stream_generate
+from larqlpy.weights.loader import load
+from larqlpy.session import FileSource, save
 from larqlpy.state.format import PREFIX, load_state
 from tiny import make_tiny, write_in_place
 
@@ -45,10 +47,19 @@ def tiny(tiny_dir):
     return load(tiny_dir)
 
 
-def run(loaded, spec, ids, n, state=None):
-    state = state or build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
-    toks = list(stream_generate(loaded.model, ids, spec, GenerationConfig(max_tokens=n, stop_at_eos=False), state=state))
-    return toks, state
+def run(loaded, spec, ids, n):
+    """n tokens after ids; (the tokens, the state it leaves with the tokens it holds)."""
+    seq = Sequence(loaded.model, ids, spec, GenerationConfig(max_tokens=n, stop_at_eos=False))
+    toks = list(generate_step(loaded.model, seq))
+    return toks, seq.held()
+
+
+def resume(loaded, path, ids, spec, reprefill=False):
+    """A state file as a request's first state, as `resume` reads it: (what it gives, the engine, the ids)."""
+    source = FileSource(loaded, path, reprefill)
+    spec = source.spec(spec)
+    ids = source.tokens if ids is None else ids
+    return source.take(ids, spec), spec, ids
 
 
 def resume_elsewhere(model_dir, path, n, tmp_path, weights="f32"):
@@ -62,9 +73,10 @@ def resume_elsewhere(model_dir, path, n, tmp_path, weights="f32"):
 def test_resume_in_a_new_process_is_bit_identical(tiny, tiny_dir, tmp_path, preset):
     spec = preset_spec(preset)
     whole, _ = run(tiny, spec, PROMPT, 20)
-    first, state = run(tiny, spec, PROMPT, 8)
+    first, held = run(tiny, spec, PROMPT, 8)
     path = tmp_path / "s.kv"
-    save(tiny, path, state, PROMPT + [t.id for t in first])
+    assert held.tokens == PROMPT + [t.id for t in first]
+    save(tiny, path, held)
     got = resume_elsewhere(tiny_dir, path, 12, tmp_path)
     assert [t.id for t in whole[8:]] == got["ids"]
     assert torch.equal(torch.stack([t.logits for t in whole[8:]]), got["logits"])
@@ -75,8 +87,9 @@ def test_resume_on_the_270m(real, real_dir, tmp_path, long_text, identity, optio
     spec = parse_engine_spec(continuation=identity, options=options)
     ids = real.tokenizer.encode(long_text)[:600]  # past the window
     whole, _ = run(real, spec, ids, 12)
-    first, state = run(real, spec, ids, 4)
-    save(real, tmp_path / "s.kv", state, ids + [t.id for t in first])
+    first, held = run(real, spec, ids, 4)
+    assert held.tokens == ids + [t.id for t in first]
+    save(real, tmp_path / "s.kv", held)
     got = resume_elsewhere(real_dir, tmp_path / "s.kv", 8, tmp_path)
     assert [t.id for t in whole[4:]] == got["ids"]
     assert torch.equal(torch.stack([t.logits for t in whole[4:]]), got["logits"])
@@ -84,12 +97,12 @@ def test_resume_on_the_270m(real, real_dir, tmp_path, long_text, identity, optio
 
 def test_extending_prompt_prefills_only_the_suffix(tiny, tmp_path):
     spec = EngineSpec()
-    _, state = run(tiny, spec, PROMPT, 1)
-    save(tiny, tmp_path / "s.kv", state, PROMPT)
+    _, held = run(tiny, spec, PROMPT, 1)
+    save(tiny, tmp_path / "s.kv", held)
     longer = PROMPT + [50, 60, 70, 80, 90]
-    plan, ids = resume(tiny, tmp_path / "s.kv", longer, None)
-    assert plan.reused == len(PROMPT) and plan.trimmed_from is None
-    toks = list(stream_generate(tiny.model, ids, plan.spec, GenerationConfig(max_tokens=3), state=plan.state))
+    got, spec, ids = resume(tiny, tmp_path / "s.kv", longer, None)
+    assert got.info["reused_tokens"] == len(PROMPT) and got.info["trimmed_from"] is None
+    toks = list(stream_generate(tiny.model, ids, spec, GenerationConfig(max_tokens=3), held=got.held))
     assert toks[0].metrics.prefilled_tokens == 5 and toks[0].metrics.prompt_tokens == len(longer)
     fresh, _ = run(tiny, spec, longer, 3)
     assert [t.id for t in toks] == [t.id for t in fresh]
@@ -97,26 +110,26 @@ def test_extending_prompt_prefills_only_the_suffix(tiny, tmp_path):
 
 
 def test_diverging_prompt_trims_where_it_can(tiny, tmp_path):
-    _, state = run(tiny, EngineSpec(), PROMPT, 1)
-    save(tiny, tmp_path / "c.kv", state, PROMPT)
+    _, held = run(tiny, EngineSpec(), PROMPT, 1)
+    save(tiny, tmp_path / "c.kv", held)
     other = PROMPT[:30] + [99, 98, 97]
-    plan, ids = resume(tiny, tmp_path / "c.kv", other, None)
-    assert plan.reused == 30 and plan.trimmed_from == len(PROMPT)
-    toks = list(stream_generate(tiny.model, ids, plan.spec, GenerationConfig(max_tokens=4), state=plan.state))
+    got, spec, ids = resume(tiny, tmp_path / "c.kv", other, None)
+    assert got.info["reused_tokens"] == 30 and got.info["trimmed_from"] == len(PROMPT)
+    toks = list(stream_generate(tiny.model, ids, spec, GenerationConfig(max_tokens=4), held=got.held))
     fresh, _ = run(tiny, EngineSpec(), other, 4)
     assert [t.id for t in toks] == [t.id for t in fresh]
     # window/v1 with a 16-row window cannot go back 10 positions: refused, unless asked to re-prefill
     spec = parse_engine_spec(continuation="window/v1")
-    _, wstate = run(tiny, spec, PROMPT, 1)
-    save(tiny, tmp_path / "w.kv", wstate, PROMPT)
+    _, wheld = run(tiny, spec, PROMPT, 1)
+    save(tiny, tmp_path / "w.kv", wheld)
     with pytest.raises(LarqlError) as e:
         resume(tiny, tmp_path / "w.kv", other, None)
     assert "pass --reprefill" in error_line(e.value) and "pass `reprefill`" in str(e.value)
-    plan, _ = resume(tiny, tmp_path / "w.kv", other, None, reprefill=True)
-    assert plan.reused == 0 and plan.state.position == 0
+    got, _, _ = resume(tiny, tmp_path / "w.kv", other, None, reprefill=True)
+    assert got.info["reused_tokens"] == 0 and got.held is None  # a fresh state
     # one position back is always possible (the window keeps one row more than a query reads)
-    plan, _ = resume(tiny, tmp_path / "w.kv", PROMPT[:-1] + [5], None)
-    assert plan.reused == len(PROMPT) - 1
+    got, _, _ = resume(tiny, tmp_path / "w.kv", PROMPT[:-1] + [5], None)
+    assert got.info["reused_tokens"] == len(PROMPT) - 1
 
 
 def test_cli_save_resume_and_inspect(tiny_dir, tmp_path):
@@ -135,7 +148,7 @@ def test_cli_save_resume_and_inspect(tiny_dir, tmp_path):
     info = subprocess.run([*exe, "state", "inspect", s, "--json"], capture_output=True, text=True, env=ENV, timeout=300)
     d = json.loads(info.stdout)
     assert d["engine"] == {"identity": "canonical/v1", "options": {}} and d["processed"] == d["tokens"] - 1
-    assert all(l["cells"] for l in d["layers"])
+    assert all(layer["cells"] for layer in d["layers"])
     bad = subprocess.run([*exe, "run", str(tiny_dir), "", "--resume", s, "--continuation", "window/v1"],
                          capture_output=True, text=True, env=ENV, timeout=300)
     assert bad.returncode == 2 and "made with engine canonical/v1" in bad.stderr and bad.stderr.count("\n") == 1
@@ -144,9 +157,9 @@ def test_cli_save_resume_and_inspect(tiny_dir, tmp_path):
 @pytest.fixture
 def saved(tiny, tmp_path):
     spec = parse_engine_spec(continuation="codec/v1", options=["bits=4"])
-    _, state = run(tiny, spec, PROMPT, 3)
+    _, held = run(tiny, spec, PROMPT, 3)
     path = tmp_path / "s.kv"
-    save(tiny, path, state, PROMPT + [1, 2, 3])
+    save(tiny, path, held)
     return path, spec
 
 
@@ -202,16 +215,16 @@ def test_a_state_of_other_weight_bytes_is_refused(tmp_path, monkeypatch):
 
     import numpy as np
 
-    from larqlpy.model import files
+    from larqlpy.weights import checkpoint as files
 
     monkeypatch.setattr(files, "SAMPLE", 64)  # the tiny file's ends: like 1 MB of a 1 GB file's
     d = tmp_path / "m"
     make_tiny(d, sliding_window=16)
     loaded = load(d)
-    _, state = run(loaded, EngineSpec(), PROMPT, 3)
+    _, held = run(loaded, EngineSpec(), PROMPT, 3)
     path, older = tmp_path / "s.kv", tmp_path / "older.kv"
-    save(loaded, path, state, PROMPT + [1, 2, 3])
-    save(dataclasses.replace(loaded, weights_digest=None), older, state, PROMPT + [1, 2, 3])
+    save(loaded, path, held)
+    save(dataclasses.replace(loaded, weights_digest=None), older, held)
     assert "weights_digest" in load_state(path).header and "weights_digest" not in load_state(older).header
     resume(loaded, path, None, None)
     write_in_place(d / "model.safetensors", "model.layers.1.mlp.up_proj.weight", np.full(8, 0.75))

@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from larqlpy.engines import EngineSpec, build_provider
-from larqlpy.generate import GenerationConfig, stream_generate, prefill
-from larqlpy.model.loader import load
+from larqlpy.engines import EngineSpec, new_state
+from larqlpy.config import GenerationConfig
+from larqlpy.decode.stream import prefill, stream_generate
+from larqlpy.weights.loader import load
 from tiny import make_tiny
 
 VARIANTS = {
@@ -22,7 +23,7 @@ VARIANTS = {
 
 
 def ours_all_logits(loaded, ids, chunk):
-    state = build_provider(EngineSpec()).new_state(loaded.model.geometries(), loaded.device)
+    state = new_state(EngineSpec(), loaded.model.geometries(), loaded.device)
     return prefill(loaded.model, state, ids, chunk, all_logits=True)
 
 

@@ -16,21 +16,21 @@ from pathlib import Path
 
 from larqlpy.config import GenerationConfig
 from larqlpy.api import engine_spec
-from larqlpy.generate import stream_generate
+from larqlpy.decode.stream import stream_generate
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
 
 SAME = r"""
 import json, sys
 from pathlib import Path
-from larqlpy.model.tokenizer_process import start
+from larqlpy.text.tokenizer_process import start
 model = Path(sys.argv[1])
 helper = start(model)
 assert helper is not None
 import torch  # what the helper overlaps; once it is in, start() declines to fork
 assert start(model) is None
 from larqlpy.model.families import read_config
-from larqlpy.model.tokenizer import Tokenizer
+from larqlpy.text.tokenizer import Tokenizer
 remote, local = helper.tokenizer(), Tokenizer.from_dir(model, read_config(model))
 texts = ["Hello", "", "The capital of France is", "naïve café — 東京 🙂", "<start_of_turn>user\nhi<end_of_turn>",
          "  spaces\t\ttabs\n\nnewlines  "]
@@ -54,7 +54,7 @@ print("ok")
 
 KILLED = r"""
 import sys, time
-from larqlpy.model.tokenizer_process import start
+from larqlpy.text.tokenizer_process import start
 helper = start(sys.argv[1])
 helper.tokenizer()
 print(helper.process.pid, flush=True)

@@ -12,13 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from larqlpy.cli.common import error_line
-from larqlpy.engines import build_provider, parse_engine_spec
+from larqlpy.engines import parse_engine_spec
 from larqlpy.errors import LarqlError
-from larqlpy.generate import stream_generate, GenerationConfig
+from larqlpy.config import GenerationConfig
+from larqlpy.decode.stream import stream_generate
 from larqlpy.kernels.qweight import GROUP, TILE, PackedWeight
-from larqlpy.model.loader import load
-from larqlpy.session import resume, save
+from larqlpy.weights.loader import load
+from larqlpy.session import save
 from larqlpy.tools.quality import score_text
+from test_state import resume, run
 from tiny import make_tiny
 
 FORMATS = ("bf16", "int8", "int4")
@@ -134,7 +136,8 @@ def test_exact_engines_stay_bit_identical_at_low_precision(real_dir, long_text, 
     out = {}
     for identity in ("canonical/v1", "window/v1"):
         spec = parse_engine_spec(continuation=identity)
-        toks = list(stream_generate(low.model, ids, spec, GenerationConfig(max_tokens=6, stop_at_eos=False, prefill_chunk=200)))
+        toks = list(stream_generate(low.model, ids, spec,
+                                    GenerationConfig(max_tokens=6, stop_at_eos=False, prefill_chunk=200)))
         out[identity] = torch.stack([t.logits for t in toks])
     assert torch.equal(out["canonical/v1"], out["window/v1"])
 
@@ -160,15 +163,14 @@ def test_state_records_its_weights_and_resume_refuses_others(real_dir, real_low,
     low = real_low["int4"]
     spec = parse_engine_spec(continuation="window/v1")
     ids = low.tokenizer.encode("The history of the printing press begins in")
-    state = build_provider(spec).new_state(low.model.geometries(), low.device)
-    toks = list(stream_generate(low.model, ids, spec, GenerationConfig(max_tokens=4, stop_at_eos=False), state=state))
+    _, held = run(low, spec, ids, 4)
     path = tmp_path / "s.kv"
-    save(low, path, state, ids + [t.id for t in toks])
+    save(low, path, held)
     with pytest.raises(LarqlError) as e:
         resume(real_low["int8"], path, None, None)
     assert "made with --weights int4, this run loads the model with --weights int8" in error_line(e.value)
-    plan, _ = resume(low, path, None, None)
-    assert plan.state.position == len(ids) + 3
+    got, _, _ = resume(low, path, None, None)
+    assert got.held.state.position == len(ids) + 3
 
 
 def test_resume_in_a_new_process_at_int4_is_bit_identical(real_dir, real_low, tmp_path):
@@ -179,9 +181,9 @@ def test_resume_in_a_new_process_at_int4_is_bit_identical(real_dir, real_low, tm
     ids = low.tokenizer.encode("Question: Why is the sky blue? Answer:")
     cfg = lambda n: GenerationConfig(max_tokens=n, stop_at_eos=False)  # noqa: E731
     whole = list(stream_generate(low.model, ids, spec, cfg(10)))
-    state = build_provider(spec).new_state(low.model.geometries(), low.device)
-    first = list(stream_generate(low.model, ids, spec, cfg(4), state=state))
-    save(low, tmp_path / "s.kv", state, ids + [t.id for t in first])
+    first, held = run(low, spec, ids, 4)
+    assert held.tokens == ids + [t.id for t in first]
+    save(low, tmp_path / "s.kv", held)
     got = resume_elsewhere(real_dir, tmp_path / "s.kv", 6, tmp_path, "int4")
     assert [t.id for t in whole[4:]] == got["ids"]
     assert torch.equal(torch.stack([t.logits for t in whole[4:]]), got["logits"])
@@ -202,7 +204,8 @@ def test_cli_weights_flag(real_dir, tmp_path):
     assert r.returncode == 2 and "made with --weights int8" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(cli + ["run", str(real_dir), "hi", "--weights", "q4"], capture_output=True, text=True)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == ["larqlpy: error: --weights: expected one of f32, bf16, int8, int4, native, got 'q4'"]
+    assert r.stderr.strip().splitlines() == ["larqlpy: error: --weights: expected one of f32, bf16, int8, int4, "
+                                             "native, got 'q4'"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -78,7 +78,8 @@ FAMILIES = {
                                                               max_window_layers=2, tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(query_pre_attn_scalar=16, sliding_window=8,
-                                                         attn_logit_softcapping=1.5, final_logit_softcapping=3.0)),  # caps that bite
+                                                         # caps that bite
+                                                         attn_logit_softcapping=1.5, final_logit_softcapping=3.0)),
 }
 
 

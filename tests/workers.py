@@ -8,32 +8,36 @@ import torch
 
 
 def resume_and_decode(model_dir: str, state_path: str, n: str, out: str, weights: str = "f32") -> None:
-    from larqlpy.generate import GenerationConfig, stream_generate
-    from larqlpy.model.loader import load
-    from larqlpy.session import resume
+    from larqlpy.config import GenerationConfig
+    from larqlpy.decode.sequence import Sequence
+    from larqlpy.decode.stream import generate_step
+    from larqlpy.session import FileSource
+    from larqlpy.weights.loader import load
 
     loaded = load(model_dir, device="cpu", weights=weights)
-    plan, ids = resume(loaded, state_path, None, None)
-    toks = list(stream_generate(loaded.model, ids, plan.spec, GenerationConfig(max_tokens=int(n), stop_at_eos=False),
-                         state=plan.state, logits=plan.logits))
+    source = FileSource(loaded, state_path)
+    seq = Sequence(loaded.model, source.tokens, source.spec(None),
+                   GenerationConfig(max_tokens=int(n), stop_at_eos=False), source=source)
+    toks = list(generate_step(loaded.model, seq))
     torch.save({"ids": [t.id for t in toks], "logits": torch.stack([t.logits for t in toks])}, out)
 
 
 def save_forever(model_dir: str, state_path: str) -> None:
     """Grow a state and save it over the same file, as fast as it goes, until killed."""
-    from larqlpy.engines import EngineSpec, build_provider
-    from larqlpy.model.loader import load
+    from larqlpy.decode.sequence import Held
+    from larqlpy.engines import EngineSpec, new_state
     from larqlpy.session import save
+    from larqlpy.weights.loader import load
 
     loaded = load(model_dir, device="cpu")
-    state = build_provider(EngineSpec()).new_state(loaded.model.geometries(), loaded.device)
+    state = new_state(EngineSpec(), loaded.model.geometries(), loaded.device)
     ids = []
     i = 0
     while True:
         block = [7 + (i * 31 + j * 7) % 280 for j in range(8)]
-        state.last_logits = loaded.model(torch.tensor(block), state)[-1]
+        logits = loaded.model(torch.tensor(block), state)[-1]
         ids += block
-        save(loaded, state_path, state, ids)
+        save(loaded, state_path, Held(ids, state, logits))
         print(len(ids), flush=True)
         i += 1
 

@@ -24,7 +24,8 @@ def batch(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write results here (default stdout)"),
     parallel: Optional[int] = typer.Option(None, "--parallel", help="sequences decoded together in one process "
                                            "(default: 4 per core a process gets, at most 16; 16 on CUDA)"),
-    workers: int = typer.Option(1, "--workers", help="processes, each mapping the same weights and batching its own lines"),
+    workers: int = typer.Option(1, "--workers", help="processes, each mapping the same weights "
+                                "and batching its own lines"),
     kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="KV all live sequences may hold together, "
                                             "e.g. 256MiB (split between the workers); lines wait for room"),
     resume_output: bool = typer.Option(False, "--resume-output", help="with -o: keep the records it already holds "
@@ -46,11 +47,30 @@ def batch(
     """Run one request per input line; one result per output line, in input order.
 
     A line: {"prompt": ... or "messages": [...], "id": ..., "max_tokens": ..., "temperature"/"top_k"/
-    "top_p"/"seed": ..., "engine" or "continuation" + "options": {...}, "kv_budget" (that line's
-    cells/v1 budget), "resume", "save_state"}. Lines run continuously batched, --parallel at a
+    "top_p"/"seed": ..., "stop": "..." or [...], "engine" or "continuation" + "options": {...},
+    "kv_budget" (that line's cells/v1 budget), "resume", "save_state"}. Lines run continuously batched, --parallel at a
     time per process. A bad line yields a record with "error" and the rest go on; the exit code is
     1 when any line failed."""
-    from larqlpy.batch_lines import parse_shard, split_lines
+    budget, part = checked(model, infile, output, workers, ray_address, actors, actor_cpus, worker_model,
+                           resume_output, kv_budget, shard, parallel, monitor, monitor_plot)
+    items = read_lines(infile, part)
+    procs = actors if ray_address is not None else workers
+    run = _Run(str(model), device, dtype, weights, workers, parallel, budget // procs if budget else None,
+               ray_address, actors, actor_cpus, worker_model)
+    if resume_output:
+        failed = run.resumed(output, items, quiet, monitor, monitor_plot)
+    else:
+        with atomic_text(output) if output else nullcontext(sys.stdout) as sink:
+            failed = run.all(sink, items, {}, quiet, monitor, monitor_plot)
+    if failed and not quiet:
+        err.print(f"larqlpy: {failed} of {len(items)} lines failed", markup=False)
+    raise typer.Exit(1 if failed else 0)
+
+
+def checked(model, infile, output, workers, ray_address, actors, actor_cpus, worker_model, resume_output,
+            kv_budget, shard, parallel, monitor, monitor_plot) -> tuple[int | None, tuple[int, int] | None]:
+    """Every refusal the flags can make, before any weights load; the KV budget in bytes and the shard."""
+    from larqlpy.batch_lines import parse_shard
     from larqlpy.config import BatchConfig
     from larqlpy.engines.options import parse_size
     from larqlpy.model.families import read_config
@@ -70,31 +90,26 @@ def batch(
         except ValueError as e:
             raise LarqlError(f"--kv-budget: {e}") from None
     part = parse_shard(shard) if shard is not None else None
-    BatchConfig(parallel, budget)  # refusals before any weights load
+    BatchConfig(parallel, budget)
     read_config(model)  # a bad model directory is one line, not one error per request
     check_paths(monitor, monitor_plot)
     if output is not None:
         check_output(output, "-o", inputs=[] if infile == "-" else [infile])
+    return budget, part
+
+
+def read_lines(infile: str, part: tuple[int, int] | None) -> list:
+    """The input's lines (each decoded on its own: one that is not UTF-8 is an error record, the
+    others run), only this shard's."""
+    from larqlpy.batch_lines import split_lines
+
     if infile == "-":
         data = getattr(sys.stdin, "buffer", sys.stdin).read()
         data = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data
     else:
         data = read_bytes(infile)
-    # each line is decoded on its own: one that is not UTF-8 is an error record, the others run
     items = split_lines(data)
-    if part is not None:
-        items = [(n, line) for n, line in items if n % part[1] == part[0]]
-    procs = actors if ray_address is not None else workers
-    run = _Run(str(model), device, dtype, weights, workers, parallel, budget // procs if budget else None,
-               ray_address, actors, actor_cpus, worker_model)
-    if resume_output:
-        failed = run.resumed(output, items, quiet, monitor, monitor_plot)
-    else:
-        with atomic_text(output) if output else nullcontext(sys.stdout) as sink:
-            failed = run.all(sink, items, {}, quiet, monitor, monitor_plot)
-    if failed and not quiet:
-        err.print(f"larqlpy: {failed} of {len(items)} lines failed", markup=False)
-    raise typer.Exit(1 if failed else 0)
+    return items if part is None else [(n, line) for n, line in items if n % part[1] == part[0]]
 
 
 @contextmanager

@@ -14,7 +14,8 @@ from larqlpy.errors import LarqlError
 def batch_merge(
     shards: List[Path] = typer.Argument(..., help="the shards' outputs"),
     output: Path = typer.Option(..., "-o", "--output", help="the merged output"),
-    infile: Path = typer.Option(..., "--input", help="the input the shards were cut from: every line must be answered once"),
+    infile: Path = typer.Option(..., "--input", help="the input the shards were cut from: "
+                                "every line must be answered once"),
 ):
     """Merge shard outputs in input order, checking that every input line has exactly one record
     (matched by line number and line hash). Exit 1 when a record is an error, as batch does."""

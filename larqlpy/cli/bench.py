@@ -27,7 +27,8 @@ def bench_ladder(
     continuation: Optional[str] = CONTINUATION,
     continuation_option: List[str] = CONTINUATION_OPTION,
     steps: int = typer.Option(8, "--steps", help="decode steps per length (teacher-forced)"),
-    budget: Optional[str] = typer.Option(None, "--budget", help="instead: run each engine until its memory grew by this"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="instead: run each engine "
+                                         "until its memory grew by this"),
     max_positions: int = typer.Option(16384, "--max-positions", help="with --budget: stop here if it still fits"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG: bytes against positions, log scale"),
     as_json: bool = typer.Option(False, "--json"),
@@ -70,9 +71,9 @@ def bench_ladder(
                 "next-token KL"):
         t.add_column(col, justify="left" if col == "engine" else "right")
     for r in result["rows"]:
-        t.add_row(escape(r["engine"]), f"{r['positions']:,}", fmt_bytes(r["resident_kv_bytes"]), f"{r['bytes_per_position']:,.0f}",
-                  f"{r['prefill_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.2f}", f"{r['row_cosine']:.4f}",
-                  f"{r['next_token_kl']:.4f}")
+        t.add_row(escape(r["engine"]), f"{r['positions']:,}", fmt_bytes(r["resident_kv_bytes"]),
+                  f"{r['bytes_per_position']:,.0f}", f"{r['prefill_tokens_per_s']:.1f}",
+                  f"{r['decode_tokens_per_s']:.2f}", f"{r['row_cosine']:.4f}", f"{r['next_token_kl']:.4f}")
     out.print(t)
     for sk in result["skipped"]:
         err.print(f"skipped {sk['engine']}: {sk['reason']}", markup=False)

@@ -36,6 +36,7 @@ def chat(
     top_k: int = typer.Option(SamplingConfig.top_k, "--top-k", help="0 = off"),
     top_p: float = typer.Option(SamplingConfig.top_p, "--top-p", help="1 = off"),
     seed: Optional[int] = typer.Option(None, "--seed"),
+    stop: List[str] = typer.Option([], "--stop", help="end a reply where this text appears (repeatable)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON line per turn instead of streamed text"),
     device: str = DEVICE,
     dtype: str = DTYPE,
@@ -46,15 +47,17 @@ def chat(
 
     req = Request.from_dict(dict(prompt="", engine=engine, continuation=continuation, options=list(continuation_option),
                                  kv_budget=kv_budget, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, seed=seed, prefill_chunk=GenerationConfig.prefill_chunk))
+                                 top_p=top_p, seed=seed, stop=list(stop), prefill_chunk=GenerationConfig.prefill_chunk))
     chosen = engine is not None or continuation is not None or continuation_option or kv_budget is not None
-    spec = req.spec() if chosen else None  # every refusal before the weights load
+    spec = req.spec().stateful("hold a conversation") if chosen else None  # every refusal before the weights load
 
     from larqlpy.chat import ChatSession
-    from larqlpy.model.chat_template import ChatTemplate
+    from larqlpy.text.chat_template import ChatTemplate
 
     loaded = load_model(model, device=device, dtype=dtype, weights=weights)
-    session = ChatSession(loaded, spec, req.gen, ChatTemplate.for_tokenizer(loaded.tokenizer, chat_template), system)
+    template = str(chat_template) if chat_template is not None else None
+    ChatTemplate.for_tokenizer(loaded.tokenizer, template)  # a model without one is refused before the first turn
+    session = ChatSession(loaded, spec, req.gen, template, system)
     if resume_from is not None:
         session.load(resume_from)
     Repl(session, as_json).run()
@@ -138,8 +141,7 @@ class Repl:
                 s.load(arg)
                 self.say({"loaded": arg, "messages": len(s.messages)}, f"loaded {arg} ({len(s.messages)} messages)")
         elif name == "/reset":
-            s.messages = [m for m in s.messages if m["role"] == "system"]
-            s.state, s.tokens, s.turns = None, [], []
+            s.reset()
             self.say({"reset": True}, "conversation cleared")
         else:
             raise LarqlError(f"unknown command {name!r} ({HELP})")

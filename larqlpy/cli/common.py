@@ -27,7 +27,8 @@ DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda")
 DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16")
 MONITOR = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)")
 MONITOR_PLOT = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG")
-WEIGHTS = typer.Option("f32", "--weights", help="f32 | bf16 | int8 | int4 | native (each matrix as the GGUF held it): weight precision, packed at load")
+WEIGHTS = typer.Option("f32", "--weights", help="f32 | bf16 | int8 | int4 | native (each matrix as the GGUF held it): "
+                       "weight precision, packed at load")
 ENGINE = typer.Option(None, "--engine", help="V2 spelling: standard | no-cache | name:k=v,...")
 CONTINUATION = typer.Option(None, "--continuation", help="provider identity, e.g. canonical/v1")
 CONTINUATION_OPTION = typer.Option([], "--continuation-option", help="key=value (repeatable)")
@@ -60,12 +61,12 @@ def preset_flags(preset: tuple) -> str:
 
 def started() -> None:
     """Start-up is over: what the command has imported and loaded lives until it exits. `entry` keeps
-    the garbage collector off until here -- torch's, numba's and the model's imports make ~380,000
-    objects that live as long as the process, and the collector's full passes over them while they
-    are made (0.2 s each on 2 cores) cost a fresh `run` 0.25-0.6 s before its first token. From here they
-    are frozen out of every later pass (the ~8,000 cyclic scraps start-up left stay) and the
-    collector runs as usual. Nothing to do where the collector is on (`main` called in-process: the
-    tests, an embedder), whose objects are not ours to freeze."""
+    the garbage collector off until here -- torch's, numba's and the model's imports make hundreds of
+    thousands of objects that live as long as the process, and the collector's full passes over them
+    while they are made delay a fresh `run`'s first token (docs/benchmarks.md). From here they are
+    frozen out of every later pass (the cyclic scraps start-up left stay) and the collector runs as
+    usual. Nothing to do where the collector is on (`main` called in-process: the tests, an
+    embedder), whose objects are not ours to freeze."""
     if gc.isenabled():
         return
     gc.freeze()
@@ -74,7 +75,7 @@ def started() -> None:
 
 def load_model(model: Path, **kw):
     """`model.loader.load(model, **kw)`, and then start-up is over (`started`)."""
-    from larqlpy.model.loader import load
+    from larqlpy.weights.loader import load
 
     loaded = load(model, **kw)
     started()
@@ -113,10 +114,7 @@ def one_engine(command: str, engine, continuation, options) -> list | None:
 
     if engine is None and continuation is None and not options:
         return None
-    spec = parse_engine_spec(engine, continuation, options)
-    if spec.replay:
-        raise LarqlError(f"{command}: no-cache keeps no KV rows between steps; name a continuation")
-    return [spec]
+    return [parse_engine_spec(engine, continuation, options).stateful(f"be measured by `larqlpy {command}`")]
 
 
 class _NoMonitor:

@@ -68,8 +68,9 @@ _exit_code: list[int] = []
 def _skip_teardown() -> None:
     """Registered before anything else, so it runs after every other exit handler (Ray's shutdown,
     the tokenizer helper's, ...): flush the output, then leave without the interpreter's teardown --
-    freeing torch's, numba's and the weights' objects one by one costs a one-shot process ~0.6-0.9 s
-    after its work is done. Every file larqlpy writes is complete and renamed into place by then."""
+    freeing torch's, numba's and the weights' objects one by one costs a one-shot process a large part
+    of its run after its work is done (docs/benchmarks.md). Every file larqlpy writes is complete and
+    renamed into place by then."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

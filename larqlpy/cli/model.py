@@ -18,7 +18,7 @@ from larqlpy.files import check_output, read_text
 def info(model: Path = typer.Argument(..., help="model directory"),
          as_json: bool = typer.Option(False, "--json")):
     """Architecture, layers and their kinds, parameter count, dtype."""
-    from larqlpy.model.files import describe
+    from larqlpy.weights.checkpoint import describe
 
     d = describe(model)
     d["key_calibration"] = cli_text(d["key_calibration"])
@@ -30,7 +30,8 @@ def info(model: Path = typer.Argument(..., help="model directory"),
               "sliding_window", "vocab_size", "rope", "final_logit_softcapping", "key_calibration"):
         v = d[k]
         t.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
-    t.add_row("layer kinds", " ".join("G" if k == "global" else "s" for k in d["layer_kinds"]) + "  (s sliding, G global)")
+    t.add_row("layer kinds",
+              " ".join("G" if k == "global" else "s" for k in d["layer_kinds"]) + "  (s sliding, G global)")
     out.print(t)
 
 
@@ -62,9 +63,9 @@ def calibrate(
 ):
     """Measure the keys' mean and per-channel scale (what codec calib=on quantizes with) and write
     MODEL/kv_calibration.safetensors."""
-    from larqlpy.model import calibration_file
+    from larqlpy.weights import calibration_file
     from larqlpy.model.families import read_config
-    from larqlpy.model.files import Checkpoint
+    from larqlpy.weights.checkpoint import Checkpoint
 
     if if_needed:
         cfg = read_config(model)

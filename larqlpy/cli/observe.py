@@ -20,7 +20,8 @@ def kv_stats(
     prompt: str = typer.Argument(..., help="a text file, - for stdin, or the text itself"),
     max_positions: Optional[int] = typer.Option(None, "--max-positions",
                                                 help="use at most this many tokens (default 2048, or the context)"),
-    min_cosine: float = typer.Option(0.995, "--min-cosine", help="a layer whose rows fall below this at 4 bits stays exact"),
+    min_cosine: float = typer.Option(0.995, "--min-cosine", help="a layer whose rows fall below this "
+                                     "at 4 bits stays exact"),
     rules_out: Optional[Path] = typer.Option(None, "--rules-out", help="write the suggested cells/v1 rules here"),
     as_json: bool = typer.Option(False, "--json"),
     device: str = DEVICE,
@@ -59,7 +60,8 @@ def kv_stats(
         for name in ("K", "V"):
             st = e[name]
             cos = {c: f"{v['mean']:.4f} / {v['min']:.3f}" for c, v in st["cosine"].items()}
-            t.add_row(f"{e['layer']} {e['kind'][0]}" if name == "K" else "", name, f"{st['min']:.2f}", f"{st['max']:.2f}",
+            t.add_row(f"{e['layer']} {e['kind'][0]}" if name == "K" else "", name,
+                      f"{st['min']:.2f}", f"{st['max']:.2f}",
                       f"{st['quantiles'][str(QUANTILES[0])]:.2f}", f"{st['quantiles'][str(QUANTILES[-1])]:.2f}",
                       str(st["outlier_channels"]), cos.get("tq4", ""), cos.get("tq3", ""), cos.get("int4g32", ""),
                       f"{e['attention_kl']['tq4']:.4f} / {e['attention_kl']['tq3']:.4f}" if name == "K" else "",

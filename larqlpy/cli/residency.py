@@ -18,7 +18,8 @@ from larqlpy.errors import LarqlError
 def residency(
     model: str = typer.Argument(..., help="model directory or named geometry (gemma3-270m ... qwen3-8b: see --help)"),
     positions: Optional[int] = typer.Option(None, "--positions", help="sequence length to account for"),
-    budget: Optional[str] = typer.Option(None, "--budget", help="instead: the longest context each engine fits in this, e.g. 2GiB"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="instead: the longest context "
+                                         "each engine fits in this, e.g. 2GiB"),
     engine: Optional[str] = typer.Option(None, "--engine", help="V2 spelling of one engine"),
     continuation: Optional[str] = CONTINUATION,
     continuation_option: List[str] = CONTINUATION_OPTION,
@@ -29,38 +30,49 @@ def residency(
     gemma3-270m/1b/4b/12b/27b, gemma2-2b/9b, llama3.2-1b/3b, llama3.1-8b, qwen2.5-0.5b/1.5b/3b/7b,
     qwen3-0.6b/1.7b/4b/8b, mistral-7b-v0.1, smollm2-135m."""
     from larqlpy.engines.options import parse_size
-    from larqlpy.engines.presets import RECOMMENDED
-    from larqlpy.tools.residency import capacity
-    from larqlpy.tools.residency import residency as account
 
     specs = one_engine("residency", engine, continuation, continuation_option)
     if (positions is None) == (budget is None):
         raise LarqlError("residency: give exactly one of --positions N or --budget SIZE")
-    if budget is not None:
-        try:
-            nbytes = parse_size(budget)
-        except ValueError as e:
-            raise LarqlError(f"--budget: {e}") from None
-        c = capacity(model, nbytes, specs)
-        if as_json:
-            sys.stdout.write(json.dumps(c) + "\n")
-            return
-        t = Table(title=f"{c['geometry']}: the longest context that fits in {fmt_bytes(nbytes)} of KV")
-        for col in ("engine", "max positions", "KV bytes there"):
-            t.add_column(col, justify="left" if col == "engine" else "right")
-        for e in c["engines"]:
-            name = e["engine"] + "".join(f" {k}={v}" for k, v in e["options"].items())
-            n = e["max_positions"]
-            fits = "unbounded" if n is None else f"{n:,}"
-            if n is None or n > c["context"]:
-                fits += f" (past the {c['context']:,}-position context)"
-            t.add_row(escape(name), fits, fmt_bytes(e["bytes_at_max"]) if "bytes_at_max" in e else "")
-        out.print(t)
-        rec = next((e for e in c["engines"] if (e["engine"], tuple(sorted(e["options"].items()))) == RECOMMENDED), None)
-        if rec is not None:
-            fits = "any length" if rec["max_positions"] is None else f"{rec['max_positions']:,} positions"
-            out.print(escape(f"recommended approximate configuration ({fits} here): {preset_flags(RECOMMENDED)}"))
+    if budget is None:
+        return show_residency(model, positions, specs, as_json)
+    try:
+        nbytes = parse_size(budget)
+    except ValueError as e:
+        raise LarqlError(f"--budget: {e}") from None
+    show_capacity(model, nbytes, specs, as_json)
+
+
+def show_capacity(model: str, nbytes: int, specs, as_json: bool) -> None:
+    """The longest context each engine fits in `nbytes`."""
+    from larqlpy.engines.presets import RECOMMENDED
+    from larqlpy.tools.residency import capacity
+
+    c = capacity(model, nbytes, specs)
+    if as_json:
+        sys.stdout.write(json.dumps(c) + "\n")
         return
+    t = Table(title=f"{c['geometry']}: the longest context that fits in {fmt_bytes(nbytes)} of KV")
+    for col in ("engine", "max positions", "KV bytes there"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    for e in c["engines"]:
+        name = e["engine"] + "".join(f" {k}={v}" for k, v in e["options"].items())
+        n = e["max_positions"]
+        fits = "unbounded" if n is None else f"{n:,}"
+        if n is None or n > c["context"]:
+            fits += f" (past the {c['context']:,}-position context)"
+        t.add_row(escape(name), fits, fmt_bytes(e["bytes_at_max"]) if "bytes_at_max" in e else "")
+    out.print(t)
+    rec = next((e for e in c["engines"] if (e["engine"], tuple(sorted(e["options"].items()))) == RECOMMENDED), None)
+    if rec is not None:
+        fits = "any length" if rec["max_positions"] is None else f"{rec['max_positions']:,} positions"
+        out.print(escape(f"recommended approximate configuration ({fits} here): {preset_flags(RECOMMENDED)}"))
+
+
+def show_residency(model: str, positions: int, specs, as_json: bool) -> None:
+    """Rows and bytes per layer kind each engine keeps after `positions` positions."""
+    from larqlpy.tools.residency import residency as account
+
     r = account(model, positions, specs)
     if as_json:
         sys.stdout.write(json.dumps(r) + "\n")

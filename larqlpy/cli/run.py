@@ -21,20 +21,27 @@ def run(
     model: Path = typer.Argument(..., help="model directory (HF layout)"),
     prompt: str = typer.Argument(..., help="prompt text, or - to read stdin ('' with --resume: continue); "
                                           "with --chat, the user's message"),
-    max_tokens: int = typer.Option(GenerationConfig.max_tokens, "-n", "--max-tokens", help="tokens to generate at most"),
+    max_tokens: int = typer.Option(GenerationConfig.max_tokens, "-n", "--max-tokens", help="tokens to generate "
+                                   "at most"),
     engine: Optional[str] = ENGINE,
     continuation: Optional[str] = CONTINUATION,
     continuation_option: List[str] = CONTINUATION_OPTION,
     kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="resident KV budget, e.g. 64MiB (cells/v1)"),
-    save_state: Optional[Path] = typer.Option(None, "--save-state", help="write the attention state here after the run"),
+    save_state: Optional[Path] = typer.Option(None, "--save-state", help="write the attention state "
+                                              "here after the run"),
     resume_from: Optional[Path] = typer.Option(None, "--resume", help="continue from a saved state file"),
-    reprefill: bool = typer.Option(False, "--reprefill", help="with --resume: prefill afresh if the state cannot be trimmed"),
+    reprefill: bool = typer.Option(False, "--reprefill", help="with --resume: "
+                                   "prefill afresh if the state cannot be trimmed"),
     temperature: float = typer.Option(SamplingConfig.temperature, "--temperature", help="0 = greedy"),
     top_k: int = typer.Option(SamplingConfig.top_k, "--top-k", help="0 = off"),
     top_p: float = typer.Option(SamplingConfig.top_p, "--top-p", help="1 = off"),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    prefill_chunk: int = typer.Option(GenerationConfig.prefill_chunk, "--prefill-chunk", help="tokens per prefill block"),
-    chat: bool = typer.Option(False, "--chat", help="PROMPT is a user message, rendered with the model's chat template"),
+    stop: List[str] = typer.Option([], "--stop", help="end where this text appears (repeatable); "
+                                   "the output stops before it"),
+    prefill_chunk: int = typer.Option(GenerationConfig.prefill_chunk, "--prefill-chunk", help="tokens "
+                                      "per prefill block"),
+    chat: bool = typer.Option(False, "--chat", help="PROMPT is a user message, "
+                              "rendered with the model's chat template"),
     system: Optional[str] = typer.Option(None, "--system", help="with --chat: a system message first"),
     chat_template: Optional[Path] = CHAT_TEMPLATE,
     stats: bool = typer.Option(False, "--stats", help="print engine, speeds and KV bytes to stderr"),
@@ -46,31 +53,27 @@ def run(
     weights: str = WEIGHTS,
 ):
     """Generate a continuation of PROMPT."""
-    from larqlpy.request import Request
-
-    if (system is not None or chat_template is not None) and not chat:
-        raise LarqlError("--system and --chat-template need --chat")
-    text = read_prompt(prompt)
-    messages = None
-    if chat:
-        messages = ([{"role": "system", "content": utf8(system, "--system")}] if system is not None else []) + \
-            [{"role": "user", "content": text}]
-    req = Request.from_dict(dict(
-        prompt="" if chat else text, messages=messages, chat_template=str(chat_template) if chat_template else None,
-        engine=engine, continuation=continuation, options=list(continuation_option),
-        kv_budget=kv_budget, resume=str(resume_from) if resume_from else None,
-        save_state=str(save_state) if save_state else None, reprefill=reprefill, max_tokens=max_tokens,
-        prefill_chunk=prefill_chunk, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
-    req.spec()  # every refusal before the weights load
+    req = run_request(prompt, dict(
+        chat=chat, system=system, chat_template=str(chat_template) if chat_template else None, engine=engine,
+        continuation=continuation, options=list(continuation_option), kv_budget=kv_budget,
+        resume=str(resume_from) if resume_from else None, save_state=str(save_state) if save_state else None,
+        reprefill=reprefill, max_tokens=max_tokens, prefill_chunk=prefill_chunk, temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed, stop=list(stop)))
     check_paths(monitor, monitor_plot)
-    from larqlpy.model.tokenizer_process import start
+    show(generate(model, req, as_json, monitor, monitor_plot, device=device, dtype=dtype, weights=weights),
+         as_json, stats)
+
+
+def generate(model: Path, req, as_json: bool, monitor, monitor_plot, **load) -> dict:
+    """The request's record, its text streamed to stdout as it comes (unless `as_json`)."""
+    from larqlpy.text.tokenizer_process import start
 
     helper = start(model)  # the tokenizer loads on another core while torch imports (before it: fork)
 
     from larqlpy.runner import execute
 
     with monitored(monitor, monitor_plot) as mon:
-        loaded = load_model(model, device=device, dtype=dtype, weights=weights, tokenizer=helper)
+        loaded = load_model(model, tokenizer=helper, **load)
 
         def stream(tok):
             mon.position = tok.metrics.position + 1
@@ -78,7 +81,27 @@ def run(
                 sys.stdout.write(tok.text)
                 sys.stdout.flush()
 
-        result = execute(loaded, req, stream)
+        return execute(loaded, req, stream)
+
+
+def run_request(prompt: str, flags: dict):
+    """The run's request, every refusal made before the weights load."""
+    from larqlpy.request import Request
+
+    chat, system = flags.pop("chat"), flags.pop("system")
+    if (system is not None or flags["chat_template"] is not None) and not chat:
+        raise LarqlError("--system and --chat-template need --chat")
+    text = read_prompt(prompt)
+    messages = None
+    if chat:
+        messages = ([{"role": "system", "content": utf8(system, "--system")}] if system is not None else []) + \
+            [{"role": "user", "content": text}]
+    req = Request.from_dict(dict(prompt="" if chat else text, messages=messages, **flags))
+    req.spec()
+    return req
+
+
+def show(result: dict, as_json: bool, stats: bool) -> None:
     result.pop("id")
     result.pop("error")
     if as_json:
@@ -99,7 +122,8 @@ def print_stats(result: dict) -> None:
         extra += f" | resumed {session['reused_tokens']} tok from {session['resumed_from']}"
     if session.get("saved_to"):
         extra += f" | saved {fmt_bytes(session['saved_bytes'])} to {session['saved_to']}"
-    err.print(f"engine {result['engine']} | weights {result.get('weights', 'f32')} | prompt {result['prompt_tokens']} tok | prefill "
+    err.print(f"engine {result['engine']} | weights {result.get('weights', 'f32')} | "
+              f"prompt {result['prompt_tokens']} tok | prefill "
               f"{m.get('prefill_tokens_per_s', 0):.1f} tok/s | decode {m.get('decode_tokens_per_s', 0):.1f} tok/s | "
               f"resident KV {fmt_bytes(m.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}{extra}",
               soft_wrap=True, markup=False)

@@ -1,4 +1,5 @@
-"""`larqlpy serve`: the OpenAI-compatible server (larqlpy/server/, docs/serve.md)."""
+"""`larqlpy serve`: the OpenAI-compatible server (larqlpy/server/, docs/serve.md). Flags only: the
+server is assembled by `larqlpy.server.serve`."""
 
 from __future__ import annotations
 
@@ -22,14 +23,21 @@ def serve(
     engine: Optional[str] = ENGINE,
     continuation: Optional[str] = CONTINUATION,
     continuation_option: List[str] = CONTINUATION_OPTION,
-    parallel: Optional[int] = typer.Option(None, "--parallel", help="sequences decoded together (default: 4 per core, at most 16)"),
-    kv_budget: str = typer.Option("512MiB", "--kv-budget", help="memory for kept conversation states, all together"),
-    disk_budget: str = typer.Option("4GiB", "--disk-budget", help="disk for persisted states; past it the least recently used are evicted"),
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="keep states here across restarts (default: a temporary directory)"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LARQLPY_API_KEY", help="require `Authorization: Bearer KEY`"),
-    max_tokens_limit: int = typer.Option(ServeConfig.max_tokens_limit, "--max-tokens-limit", help="largest max_tokens a request may ask"),
+    parallel: Optional[int] = typer.Option(None, "--parallel", help="sequences decoded together "
+                                           "(default: 4 per core, at most 16)"),
+    kv_budget: str = typer.Option("512MiB", "--kv-budget", help="KV of live sequences and kept conversation states, "
+                                  "all together"),
+    disk_budget: str = typer.Option("4GiB", "--disk-budget", help="disk for persisted states; "
+                                    "past it the least recently used are evicted"),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="keep states here across restarts "
+                                             "(default: a temporary directory)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="LARQLPY_API_KEY", help="require "
+                                          "`Authorization: Bearer KEY`"),
+    max_tokens_limit: int = typer.Option(ServeConfig.max_tokens_limit, "--max-tokens-limit", help="largest max_tokens "
+                                         "a request may ask"),
     max_body: str = typer.Option("1MiB", "--max-body", help="largest request body"),
-    queue_size: int = typer.Option(ServeConfig.queue_size, "--queue-size", help="requests waiting beyond the live ones before 429"),
+    queue_size: int = typer.Option(ServeConfig.queue_size, "--queue-size", help="requests waiting "
+                                   "beyond the live ones before 429"),
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
@@ -37,7 +45,6 @@ def serve(
     """Serve MODEL over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics). Conversations' attention states are kept and reused by later requests that
     share their prefix."""
-    from larqlpy.engines import EngineSpec, parse_engine_spec
     from larqlpy.engines.options import parse_size
     from larqlpy.files import check_output
     from larqlpy.model.families import read_config
@@ -48,35 +55,26 @@ def serve(
             sizes[flag] = parse_size(text)
         except ValueError as e:
             raise LarqlError(f"{flag}: {e}") from None
-    spec = parse_engine_spec(engine, continuation, list(continuation_option)) \
-        if engine or continuation or continuation_option else EngineSpec()
-    if spec.replay:
-        raise LarqlError("--engine no-cache keeps no state to serve from; name a continuation")
     if state_dir is not None:
         check_output(state_dir, "--state-dir", directory=True)
-        state_dir.mkdir(exist_ok=True)
     cfg = ServeConfig(host=host, port=port, api_key=api_key, max_body_bytes=sizes["--max-body"],
                       max_tokens_limit=max_tokens_limit, queue_size=queue_size, parallel=parallel,
                       kv_budget=sizes["--kv-budget"], disk_budget=sizes["--disk-budget"],
-                      state_dir=str(state_dir) if state_dir else None)
+                      state_dir=str(state_dir) if state_dir else None, name=Path(model).resolve().name,
+                      engine=engine, continuation=continuation, options=tuple(continuation_option))
     read_config(model)
+    if state_dir is not None:
+        state_dir.mkdir(exist_ok=True)
     if host not in LOOPBACK and api_key is None:
         err.print(f"larqlpy: warning: listening on {host} without --api-key: anyone who can reach it may use it",
                   markup=False)
 
-    import uvicorn
+    from larqlpy.server import serve as run_server
 
-    from larqlpy.prefix_cache import PrefixCache
-    from larqlpy.server.app import Served, build_app
-    from larqlpy.server.engine import ServeEngine
-    from larqlpy.server.metrics import Metrics
+    run_server(load_model(model, device=device, dtype=dtype, weights=weights), cfg, announce)
 
-    loaded = load_model(model, device=device, dtype=dtype, weights=weights)
-    cache = PrefixCache(loaded, cfg.kv_budget, cfg.disk_budget, cfg.state_dir)
-    eng = ServeEngine(loaded, cache, cfg.parallel, cfg.queue_size)
-    served = Served(loaded, Path(model).resolve().name, eng, cfg, spec, Metrics(eng))
-    err.print(f"larqlpy: serving {served.name} ({loaded.weights}, {spec.describe()}, {eng.sched.parallel} parallel, "
-              f"{len(cache.entries)} kept states from {cfg.state_dir or 'nowhere'}) on http://{host}:{port} "
-              f"(pid {os.getpid()})", markup=False)
-    uvicorn.run(build_app(served), host=host, port=port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=int(cfg.shutdown_grace_s))
+
+def announce(s: dict) -> None:
+    err.print(f"larqlpy: serving {s['name']} ({s['weights']}, {s['engine']}, {s['parallel']} parallel, "
+              f"{s['kept']} kept states from {s['state_dir'] or 'nowhere'}) on {s['url']} (pid {os.getpid()})",
+              markup=False)

@@ -23,9 +23,9 @@ from larqlpy.convert.native import native_codes
 from larqlpy.convert.tokenizers_gguf import build_tokenizer
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_directory, check_output
-from larqlpy.model import native_file
+from larqlpy.weights import native_file
 from larqlpy.model.families import read_config
-from larqlpy.model.files import Checkpoint, check_finite
+from larqlpy.weights.checkpoint import Checkpoint, check_finite
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
@@ -42,7 +42,8 @@ def read_gguf(src: Path):
     try:
         reader = gguf.GGUFReader(str(src))
     except Exception:  # gguf's reader fails on a short file with numpy's own words
-        raise LarqlError(f"{src}: not a readable GGUF file (truncated or damaged: {src.stat().st_size:,} bytes)") from None
+        raise LarqlError(f"{src}: not a readable GGUF file "
+                         f"(truncated or damaged: {src.stat().st_size:,} bytes)") from None
     arch = reader.fields.get("general.architecture")
     arch = None if arch is None else arch.contents()
     if arch is None:
@@ -108,8 +109,8 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
 
 def save_tokenizer(tok, path: Path) -> None:
     """tokenizer.json, with the merges in the "left right" spelling when no token holds a space:
-    `tokenizers` reads that spelling of the 270M's 515K merges in half the time of [left, right]
-    pairs (0.35 s of every start-up)."""
+    `tokenizers` reads that spelling of a large merge list in half the time of [left, right] pairs,
+    at every start-up."""
     data = json.loads(tok.to_str())
     model = data.get("model", {})
     merges = model.get("merges") or []

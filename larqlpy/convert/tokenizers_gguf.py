@@ -69,7 +69,8 @@ def byte_level_bpe(m: Meta):
     # Control tokens (type 3, e.g. <|im_end|>) are special; user-defined ones (type 4) match whole.
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
                             for t, ty in zip(tokens, types) if ty == 3 and t in vocab])
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == 4 and t in vocab])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, ty in zip(tokens, types) if ty == 4 and t in vocab])
     return tok, _config(m, tokens, add_bos_default=False, cls="GPT2Tokenizer")
 
 
@@ -119,7 +120,7 @@ def sentencepiece_bpe(m: Meta):
         merges.extend(local)
     merges.sort(key=lambda m: (-m[2], len(m[0]), len(m[1])), reverse=True)
     unk = tokens[int(m.get("tokenizer.ggml.unknown_token_id", 3))]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(l, r) for l, r, _ in merges], unk_token=unk,
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(left, right) for left, right, _ in merges], unk_token=unk,
                                fuse_unk=True, byte_fallback=True, dropout=None))
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")

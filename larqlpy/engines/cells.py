@@ -46,6 +46,12 @@ class Cells(Provider):
     def cell_bytes(self, g: LayerGeometry) -> int:
         return self.rules.cell_size * g.row_bytes_f32
 
+    def state_bytes(self, geometries, positions):
+        """Its own budget bounds what it holds (with a cell per layer of slack while a block lands)."""
+        rows = super().state_bytes(geometries, positions)
+        budget = self.options.get("budget")
+        return rows if budget is None else min(rows, budget + sum(self.cell_bytes(g) for g in geometries))
+
     def check_geometry(self, geometries):
         budget = self.options.get("budget")
         if budget is None:

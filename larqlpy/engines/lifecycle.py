@@ -162,7 +162,8 @@ def parse_rules(text: str, source: str = "<rules>") -> Rules:
         if any(d == st for _, _, d in allowed):
             if (Event.EVICT, st, State.EVICTED) not in allowed:
                 missing.append(f"EVICT: {st.value} -> EVICTED")
-    if any(d == State.QUANTIZED for _, _, d in allowed) and (Event.READ_REQUEST, State.QUANTIZED, State.QUANTIZED) not in allowed:
+    if any(d == State.QUANTIZED for _, _, d in allowed) and \
+            (Event.READ_REQUEST, State.QUANTIZED, State.QUANTIZED) not in allowed:
         missing.append("READ_REQUEST: QUANTIZED -> QUANTIZED")
     if any(d == State.PERSISTED for _, _, d in allowed):
         for need in ((Event.CACHE_MISS, State.PERSISTED, State.RECOVERING),

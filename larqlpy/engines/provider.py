@@ -57,6 +57,10 @@ class Provider:
         """Bytes one layer's store holds after `positions` positions."""
         return self.retained_rows(geometry, positions) * self.row_bytes(geometry)
 
+    def state_bytes(self, geometries: Sequence[LayerGeometry], positions: int) -> int:
+        """Bytes a whole state holds after `positions` positions: what a budget reserves for it."""
+        return sum(self.layer_bytes(g, positions) for g in geometries)
+
     # -- stores ------------------------------------------------------------------------------
     def make_store(self, geometry: LayerGeometry, device: "torch.device") -> "LayerStore":
         raise NotImplementedError

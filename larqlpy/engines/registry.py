@@ -5,18 +5,25 @@ Every refusal is raised here, at the boundary, before any weights load; nothing 
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from larqlpy.engines.canonical import Canonical
 from larqlpy.engines.cells import Cells
 from larqlpy.engines.codec import Codec, CodecRecent, Int4Group
+from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.presets import Preset, option_texts
 from larqlpy.engines.provider import Provider
 from larqlpy.engines.spec import IDENTITY_RE, EngineSpec, split_pair, validate_options
 from larqlpy.engines.window import Window
 from larqlpy.errors import LarqlError
 
-PROVIDERS: dict[str, type[Provider]] = {cls.identity: cls for cls in (Canonical, Window, Codec, CodecRecent, Int4Group, Cells)}
+if TYPE_CHECKING:
+    import torch
+
+    from larqlpy.engines.stores.base import EngineState
+
+PROVIDERS: dict[str, type[Provider]] = {cls.identity: cls
+                                        for cls in (Canonical, Window, Codec, CodecRecent, Int4Group, Cells)}
 
 # V2 names: name -> (identity, how its parameters map onto the provider's options)
 V2_ENGINES = {
@@ -37,6 +44,11 @@ def provider_class(identity: str, where: str = "`continuation`") -> type[Provide
 
 def build_provider(spec: EngineSpec) -> Provider:
     return provider_class(spec.identity)(spec.options_dict)
+
+
+def new_state(spec: EngineSpec, geometries: Sequence[LayerGeometry], device: "torch.device") -> "EngineState":
+    """A fresh attention state of `spec`'s engine for a model of these layers."""
+    return build_provider(spec).new_state(geometries, device)
 
 
 def checked_options(identity: str, pairs: Sequence[tuple[str, str]], where: str) -> tuple[tuple[str, object], ...]:

@@ -28,6 +28,14 @@ class EngineSpec:
     def options_dict(self) -> dict[str, object]:
         return dict(self.options)
 
+    def stateful(self, purpose: str) -> "EngineSpec":
+        """This spec, when it keeps an attention state; no-cache refused (the one wording of it),
+        `purpose` saying what needed the state."""
+        if self.replay:
+            raise LarqlError(f"`engine` no-cache keeps no state (no KV rows between steps), so it cannot {purpose}; "
+                             "name a `continuation` instead")
+        return self
+
     def describe(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
         base = self.identity + (f" [{opts}]" if opts else "")
@@ -43,7 +51,8 @@ def split_pair(item: str, where: str) -> tuple[str, str]:
     return key, value
 
 
-def validate_options(cls: type["Provider"], pairs: Sequence[tuple[str, str]], where: str) -> tuple[tuple[str, object], ...]:
+def validate_options(cls: type["Provider"], pairs: Sequence[tuple[str, str]],
+                     where: str) -> tuple[tuple[str, object], ...]:
     """Check (key, text) pairs against what `cls` declares; refuse unknown, duplicate, missing and
     bad values. `where` opens every refusal: the parameter (or file) the options came from."""
     declared = {o.name: o for o in cls.option_specs()}

@@ -1,12 +1,12 @@
 """Decode attention on the CPU: one query position per sequence, for any number of sequences in
 one jitted call.
 
-torch's SDPA runs a decode step (4 query heads over one KV head, D = 256) on one thread at about a
-third of the speed this loop reaches: measured 230 us per call over 512-1,500 rows. Each sequence's
-rows are split into chunks scored in parallel, each keeping its own running maximum and sum
-(flash-decoding), and merged at the end. A batch step hands every sequence's query and rows to one
-call (`attend_rows`), so 8 sequences cost one call instead of eight (each ~30-60 us of Python and
-dispatch). The rows stay where each sequence's store keeps them: the call takes their addresses.
+torch's SDPA runs a decode step (a few query heads over one KV head) on one thread well below the
+speed this loop reaches (docs/benchmarks.md). Each sequence's rows are split into chunks scored in
+parallel, each keeping its own running maximum and sum (flash-decoding), and merged at the end. A
+batch step hands every sequence's query and rows to one call (`attend_rows`), so 8 sequences cost
+one call's Python and dispatch instead of eight. The rows stay where each sequence's store keeps them:
+the call takes their addresses.
 A sequence's numbers depend on its own rows only, so alone or in a batch they are the same bits.
 """
 

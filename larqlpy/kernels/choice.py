@@ -1,7 +1,8 @@
 """Kernel choices no feature flag can make, measured once per machine and kept.
 
-The numba f32 GEMV streamed the 270M's LM head at 3x torch's rate on an AVX2 EPYC and below it on a
-Sapphire Rapids Xeon with the same instruction sets: which one wins is a property of the machine, so
+The numba f32 GEMV streamed the 270M's LM head faster than torch's on an AVX2 EPYC and slower on a
+Sapphire Rapids Xeon with the same instruction sets (docs/benchmarks.md): which one wins is a
+property of the machine, so
 the first product of each shape times both (a few runs each, alternating) and the winner is stored
 in ~/.cache/larqlpy/kernel-choices.json under this CPU's features and thread count.
 """

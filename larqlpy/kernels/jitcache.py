@@ -20,10 +20,11 @@ from larqlpy.files import atomic_path
 
 
 def tie(namespace: dict, *depends_on: ModuleType) -> None:
-    """Drop the cached kernels defined in `namespace` (a module's globals()) if any module they call
-    into (`depends_on`) has changed since they were cached."""
+    """Drop the cached kernels defined in `namespace` (a module's globals(), and the dicts of kernels
+    it holds) if any module they call into (`depends_on`) has changed since they were cached."""
     name = namespace["__name__"]
-    kernels = [v for v in namespace.values() if isinstance(v, CPUDispatcher) and v.py_func.__module__ == name
+    values = [*namespace.values(), *(x for v in namespace.values() if isinstance(v, dict) for x in v.values())]
+    kernels = [v for v in values if isinstance(v, CPUDispatcher) and v.py_func.__module__ == name
                and getattr(v, "_cache", None) is not None and hasattr(v._cache, "flush")]
     if not kernels:
         return

@@ -1,11 +1,11 @@
 """Products, norms and RoPE for the decoder on the CPU, in float32, and their torch twins elsewhere.
 
 Decode multiplies one activation row by every weight matrix, so it is bound by how fast the weights
-stream from memory. For float32 weights a plain row-parallel dot product in numba streamed the tied
-LM head (262,144 x 640) at 3x MKL's sgemv on an AVX2 EPYC and lost to it on a Sapphire Rapids Xeon:
-the first product of each shape measures both (choice.py). Prefill (many rows) stays on torch's
-GEMM. Norms and RoPE run as jitted loops: decode runs ~110 norms a token on a few hundred values
-each, where torch's per-op overhead, not arithmetic, is the cost.
+stream from memory. For float32 weights a plain row-parallel dot product in numba beat MKL's sgemv
+on the tied LM head on one machine and lost to it on another: the first product of each shape
+measures both (choice.py). Prefill (many rows) stays on torch's GEMM. Norms and RoPE run as jitted
+loops: decode runs a hundred-odd norms a token on a few hundred values each, where torch's per-op
+overhead, not arithmetic, is the cost.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def _norm_into(x, w, eps, offset, out):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, cache=True, error_model="numpy")
-def _rms_norm_rows(x: np.ndarray, w: np.ndarray, eps: float, offset: float, out: np.ndarray) -> None:  # pragma: no cover - jitted
+def _rms_norm_rows(x: np.ndarray, w: np.ndarray, eps: float, offset: float,
+                   out: np.ndarray) -> None:  # pragma: no cover - jitted
     for i in range(x.shape[0]):
         _norm_into(x[i], w, eps, offset, out[i])
 

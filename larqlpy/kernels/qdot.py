@@ -16,6 +16,7 @@ CPU has neither instruction set and whenever a caller asks for it.
 from __future__ import annotations
 
 import math
+from types import FunctionType
 
 import numpy as np
 from numba import njit, prange, types
@@ -52,13 +53,6 @@ def _as_float(v):
 
 
 INT_PATHS = ("vnni512", "avx2", "avx2-signed")
-# one row at a time (name), BLOCK rows at a time (name + B); groups of 32 inputs, of 16 (H)
-V8, V8H, V4 = (DOTS[("vnni512", b, q, 1)] for b, q in ((8, 8), (8, 4), (4, 8)))
-V8B, V8HB, V4B = (DOTS[("vnni512", b, q, BLOCK)] for b, q in ((8, 8), (8, 4), (4, 8)))
-A8, A8H, A4 = (DOTS[("avx2", b, q, 1)] for b, q in ((8, 8), (8, 4), (4, 8)))
-S8, S8H = (DOTS[("avx2-signed", 8, q, 1)] for q in (8, 4))
-
-
 @njit(inline="always", cache=True)
 def _quantize_row(x, m, group, xq, xs, sxq):  # pragma: no cover - jitted
     for g in range(x.shape[1] // group):
@@ -92,111 +86,60 @@ def quantize_activations(x: np.ndarray, group: int, xq: np.ndarray, xs: np.ndarr
     (_quantize_many if x.shape[0] > 16 else _quantize_few)(x, group, xq, xs, sxq)
 
 
-# One kernel per instruction set and code width (a kernel that names an instruction the CPU lacks is
-# never compiled there). codes: (tiles, k/4 or k/8, TILE, 4) uint8; xq: (M, k/4) int32 (4 x int8).
-# The group loop is outside the row loop, so a group's codes are read from memory once per tile.
+# What `_int_template` reads as globals; each kernel is the template under its own values (`_int_kernel`).
+STEP = X_PER = FULL = 0
+ONE = ONE_HALF = MANY = MANY_HALF = None
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def _int8_vnni512(codes, scale, minimum, zc, xq, xs, sxq, out):  # pragma: no cover - jitted
-    nt, kq, ng, m_rows = codes.shape[0], codes.shape[1], scale.shape[1], xq.shape[0]
-    nq, cf, xf, sf, mf, xsf, qf = kq // ng, codes.reshape(-1), xq.reshape(-1), scale.reshape(-1), \
+
+def _int_template(codes, scale, minimum, zc, xq, xs, sxq, out):  # pragma: no cover - jitted
+    """The integer kernels' one body (see `_int_kernel`). codes: (tiles, k/4 or k/8, TILE, 4) uint8;
+    xq: (M, k/4) int32 (4 x int8). The group loop is outside the row loop, so a group's codes are
+    read from memory once per tile. Its constants and intrinsics (STEP ... MANY_HALF) are globals
+    each kernel binds its own way."""
+    nt, kw, ng, m_rows = codes.shape[0], codes.shape[1], scale.shape[1], xq.shape[0]
+    nw, cf, xf, sf, mf, xsf, qf = kw // ng, codes.reshape(-1), xq.reshape(-1), scale.reshape(-1), \
         minimum.reshape(-1), xs.reshape(-1), sxq.reshape(-1)
     affine = minimum.shape[0] > 0
     for t in prange(nt):
         acc = np.zeros(m_rows * TILE, np.float32)
         for g in range(ng):
-            base, so, m = (t * kq + g * nq) * TILE * 4, (t * ng + g) * TILE, 0
+            base, so, m = (t * kw + g * nw) * TILE * 4, (t * ng + g) * TILE, 0
             while m < m_rows:
-                a = (acc, m * TILE, cf, base, xf, m * kq + g * nq, kq, sf, so, mf, xsf, qf, m * ng + g, ng, zc, affine)
-                if m + BLOCK <= m_rows:
-                    if nq == 8:
-                        V8B(*a)
+                a = (acc, m * TILE, cf, base, xf, X_PER * (m * kw + g * nw), X_PER * kw, sf, so, mf, xsf, qf,
+                     m * ng + g, ng, zc, affine)
+                if m + STEP <= m_rows:
+                    if nw == FULL:
+                        MANY(*a)
                     else:
-                        V8HB(*a)
-                    m += BLOCK
+                        MANY_HALF(*a)
+                    m += STEP
                 else:
-                    if nq == 8:
-                        V8(*a)
+                    if nw == FULL:
+                        ONE(*a)
                     else:
-                        V8H(*a)
+                        ONE_HALF(*a)
                     m += 1
         out[:, t * TILE:(t + 1) * TILE] = acc.reshape(m_rows, TILE)
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
-def _int4_vnni512(codes, scale, minimum, zc, xq, xs, sxq, out):  # pragma: no cover - jitted
-    nt, ko, ng, m_rows = codes.shape[0], codes.shape[1], scale.shape[1], xq.shape[0]
-    no, cf, xf, sf, mf, xsf, qf = ko // ng, codes.reshape(-1), xq.reshape(-1), scale.reshape(-1), \
-        minimum.reshape(-1), xs.reshape(-1), sxq.reshape(-1)
-    affine = minimum.shape[0] > 0
-    for t in prange(nt):
-        acc = np.zeros(m_rows * TILE, np.float32)
-        for g in range(ng):
-            base, so, m = (t * ko + g * no) * TILE * 4, (t * ng + g) * TILE, 0
-            while m < m_rows:
-                a = (acc, m * TILE, cf, base, xf, m * 2 * ko + g * 2 * no, 2 * ko, sf, so, mf, xsf, qf, m * ng + g, ng,
-                     zc, affine)
-                if m + BLOCK <= m_rows:
-                    V4B(*a)
-                    m += BLOCK
-                else:
-                    V4(*a)
-                    m += 1
-        out[:, t * TILE:(t + 1) * TILE] = acc.reshape(m_rows, TILE)
+def _int_kernel(isa: str, bits: int):
+    """The kernel of one instruction set and code width, made from `_int_template` with its own
+    globals: a kernel that names an instruction the CPU lacks is never compiled there, so each pair
+    is its own function. Not a closure: numba keys a cached closure on a pickle of what it closes
+    over, and a pickled intrinsic differs in every process, so such a kernel would compile afresh in
+    each one. A function of its own name and globals is cached under that name like any other.
+    VNNI takes BLOCK activation rows per intrinsic call, AVX2 one; a 4-bit group is half as many
+    code words for as many activations; 8-bit groups of 16 inputs have their own intrinsics."""
+    def dot(quads, rows):
+        return DOTS.get((isa, bits, quads, rows), DOTS[(isa, bits, 8, rows)])
 
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _int8_avx2(codes, scale, minimum, zc, xq, xs, sxq, out):  # pragma: no cover - jitted
-    nt, kq, ng, m_rows = codes.shape[0], codes.shape[1], scale.shape[1], xq.shape[0]
-    nq, cf, xf, sf, mf, xsf, qf = kq // ng, codes.reshape(-1), xq.reshape(-1), scale.reshape(-1), \
-        minimum.reshape(-1), xs.reshape(-1), sxq.reshape(-1)
-    affine = minimum.shape[0] > 0
-    for t in prange(nt):
-        acc = np.zeros(m_rows * TILE, np.float32)
-        for g in range(ng):
-            base, so = (t * kq + g * nq) * TILE * 4, (t * ng + g) * TILE
-            for m in range(m_rows):
-                a = (acc, m * TILE, cf, base, xf, m * kq + g * nq, kq, sf, so, mf, xsf, qf, m * ng + g, ng, zc, affine)
-                if nq == 8:
-                    A8(*a)
-                else:
-                    A8H(*a)
-        out[:, t * TILE:(t + 1) * TILE] = acc.reshape(m_rows, TILE)
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _int8_avx2_signed(codes, scale, minimum, zc, xq, xs, sxq, out):  # pragma: no cover - jitted
-    nt, kq, ng, m_rows = codes.shape[0], codes.shape[1], scale.shape[1], xq.shape[0]
-    nq, cf, xf, sf, mf, xsf, qf = kq // ng, codes.reshape(-1), xq.reshape(-1), scale.reshape(-1), \
-        minimum.reshape(-1), xs.reshape(-1), sxq.reshape(-1)
-    affine = minimum.shape[0] > 0
-    for t in prange(nt):
-        acc = np.zeros(m_rows * TILE, np.float32)
-        for g in range(ng):
-            base, so = (t * kq + g * nq) * TILE * 4, (t * ng + g) * TILE
-            for m in range(m_rows):  # sums of (u - 128) * xq: the caller passes zc = zero - 128
-                a = (acc, m * TILE, cf, base, xf, m * kq + g * nq, kq, sf, so, mf, xsf, qf, m * ng + g, ng, zc, affine)
-                if nq == 8:
-                    S8(*a)
-                else:
-                    S8H(*a)
-        out[:, t * TILE:(t + 1) * TILE] = acc.reshape(m_rows, TILE)
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _int4_avx2(codes, scale, minimum, zc, xq, xs, sxq, out):  # pragma: no cover - jitted
-    nt, ko, ng, m_rows = codes.shape[0], codes.shape[1], scale.shape[1], xq.shape[0]
-    no, cf, xf, sf, mf, xsf, qf = ko // ng, codes.reshape(-1), xq.reshape(-1), scale.reshape(-1), \
-        minimum.reshape(-1), xs.reshape(-1), sxq.reshape(-1)
-    affine = minimum.shape[0] > 0
-    for t in prange(nt):
-        acc = np.zeros(m_rows * TILE, np.float32)
-        for g in range(ng):
-            base, so = (t * ko + g * no) * TILE * 4, (t * ng + g) * TILE
-            for m in range(m_rows):
-                A4(acc, m * TILE, cf, base, xf, m * 2 * ko + g * 2 * no, 2 * ko, sf, so, mf, xsf, qf, m * ng + g, ng, zc,
-                   affine)
-        out[:, t * TILE:(t + 1) * TILE] = acc.reshape(m_rows, TILE)
+    step = BLOCK if isa == "vnni512" else 1
+    bound = dict(STEP=step, X_PER=2 if bits == 4 else 1, FULL=4 if bits == 4 else 8, ONE=dot(8, 1),
+                 ONE_HALF=dot(4, 1), MANY=dot(8, step), MANY_HALF=dot(4, step))
+    name = f"_int{bits}_{isa.replace('-', '_')}"
+    fn = FunctionType(_int_template.__code__, {**globals(), **bound}, name)
+    fn.__qualname__ = name
+    return njit(parallel=True, cache=True, error_model="numpy")(fn)
 
 
 # --- float activations --------------------------------------------------------------------------
@@ -217,7 +160,8 @@ def _float8(codes, scale, minimum, zero, x, xsum, out):  # pragma: no cover - ji
                     for r in range(TILE):
                         w = words[t, p, r, 0]
                         s[r] += ((np.float32(w & m8) - z) * x0 + (np.float32((w >> np.uint32(8)) & m8) - z) * x1) + \
-                            ((np.float32((w >> np.uint32(16)) & m8) - z) * x2 + (np.float32(w >> np.uint32(24)) - z) * x3)
+                            ((np.float32((w >> np.uint32(16)) & m8) - z) * x2 +
+                             (np.float32(w >> np.uint32(24)) - z) * x3)
                 for r in range(TILE):
                     acc[m, r] += as_float(scale[t, g, r]) * s[r]
                 if affine:
@@ -245,8 +189,10 @@ def _float4(codes, scale, minimum, zero, x, xsum, out):  # pragma: no cover - ji
                     for r in range(TILE):
                         w = words[t, o, r, 0]
                         a = np.float32(w & m4) * xo[0] + np.float32((w >> np.uint32(8)) & m4) * xo[1] + \
-                            np.float32((w >> np.uint32(16)) & m4) * xo[2] + np.float32((w >> np.uint32(24)) & m4) * xo[3]
-                        b = np.float32((w >> np.uint32(4)) & m4) * xo[4] + np.float32((w >> np.uint32(12)) & m4) * xo[5] + \
+                            np.float32((w >> np.uint32(16)) & m4) * xo[2] + \
+                            np.float32((w >> np.uint32(24)) & m4) * xo[3]
+                        b = np.float32((w >> np.uint32(4)) & m4) * xo[4] + \
+                            np.float32((w >> np.uint32(12)) & m4) * xo[5] + \
                             np.float32((w >> np.uint32(20)) & m4) * xo[6] + np.float32(w >> np.uint32(28)) * xo[7]
                         s[r] += a + b
                 for r in range(TILE):
@@ -268,8 +214,8 @@ def group_sums(x, group, out):  # pragma: no cover - jitted
             out[m, g] = s
 
 
-INT = {("vnni512", 8): _int8_vnni512, ("vnni512", 4): _int4_vnni512, ("avx2", 8): _int8_avx2,
-       ("avx2-signed", 8): _int8_avx2_signed, ("avx2", 4): _int4_avx2}
+INT = {(isa, bits): _int_kernel(isa, bits) for isa, bits in
+       (("vnni512", 8), ("vnni512", 4), ("avx2", 8), ("avx2-signed", 8), ("avx2", 4))}
 FLOAT = {8: _float8, 4: _float4}
 
 
@@ -285,7 +231,7 @@ def gemm(codes, scale, minimum, zero: int, bits: int, x: np.ndarray, path: str, 
     xq = np.empty((m_rows, k), np.int8)
     xs, sxq = np.empty((m_rows, k // group), np.float32), np.empty((m_rows, k // group), np.int32)
     quantize_activations(x, group, xq, xs, sxq)
-    zc = zero - 128 if path == "avx2-signed" else zero
+    zc = zero - 128 if path == "avx2-signed" else zero  # its sums are of (u - 128) * xq
     INT[(path, bits)](codes, scale, minimum, zc, xq.view(np.int32), xs, sxq, out)
 
 

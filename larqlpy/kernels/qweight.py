@@ -38,7 +38,7 @@ GROUP = 32
 FORMATS = ("f32", "bf16", "int8", "int4", "native")
 SLAB_BYTES = 16 << 20  # float32 scratch per dequantized slab in prefill
 PACK_VERSION = 3  # bump when packing changes what a format's codes are: cached packs are rebuilt
-GEMV_ROWS = 16  # bf16 / float path: up to this many rows run a GEMV, faster than a slab (measured on the 270M shapes)
+GEMV_ROWS = 16  # bf16 / float path: up to this many rows run a GEMV, faster there than a slab
 NO_MINIMUM = np.zeros((0, 1, TILE), np.float32)
 
 
@@ -216,7 +216,7 @@ class PackedWeight:
         self.lowest, self.highest = int(lowest), int(highest)
         self.bits = {"u8": 8, "u4": 4}.get(kind, 16)
         self.path = "float" if kind == "bf16" else cpu.int_path(self.bits, self.lowest, self.highest)
-        # numpy views for the numba kernels, made once: decode calls them ~130 times per token
+        # numpy views for the numba kernels, made once: decode calls them for every matrix of every token
         self.arrays = () if codes.device.type != "cpu" else (codes.numpy(),) if kind == "bf16" else \
             (codes.numpy(), _numpy(scale), NO_MINIMUM if minimum is None else _numpy(minimum))
 
@@ -233,7 +233,8 @@ class PackedWeight:
         if pad:
             u = np.concatenate([u, np.full((pad, k), zero, np.uint8)])
             scale = np.concatenate([scale, np.zeros((pad, scale.shape[1]), scale.dtype)])
-            minimum = None if minimum is None else np.concatenate([minimum, np.zeros((pad, minimum.shape[1]), minimum.dtype)])
+            minimum = None if minimum is None else \
+                np.concatenate([minimum, np.zeros((pad, minimum.shape[1]), minimum.dtype)])
         return cls("u8" if bits == 8 else "u4", (n, k), torch.from_numpy(tile_codes(u, bits)),
                    _tensor(tile_groups(scale)), None if minimum is None else _tensor(tile_groups(minimum)),
                    zero, group, lowest, highest)
@@ -277,7 +278,8 @@ class PackedWeight:
                 "lowest": self.lowest, "highest": self.highest}
 
     def to(self, device: torch.device) -> "PackedWeight":
-        move = (lambda t: None if t is None else t.to(device))
+        def move(t):
+            return None if t is None else t.to(device)
         return PackedWeight(self.kind, self.shape, move(self.codes), move(self.scale), move(self.minimum),
                             self.zero, self.group, self.lowest, self.highest)
 

@@ -15,7 +15,8 @@ Integer sums are exact, so every path that computes them gives the same numbers 
 
 Arguments (flat arrays and offsets into them): acc float32 and the offset of row m0's outputs (rows
 64 apart); codes uint8 and the group's offset; x int32 (four int8 activations each), offset, row
-stride; scale float32 (or float16 bits as uint16) and offset (the group's 64 scales), minimum likewise; xs float32 and sxq int32
+stride; scale float32 (or float16 bits as uint16) and offset (the group's 64 scales), minimum likewise;
+xs float32 and sxq int32
 (per activation row and group), offset, row stride; zc, the codes' zero point on this path; affine
 (whether minimum holds anything). `quads` (inputs / 4 in the group) and `rows` are fixed per intrinsic.
 """
@@ -45,7 +46,78 @@ def _ptr(context, builder, aty, arr, offset, vty):
 
 def _splat(builder, value, vty):
     v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined),
+                                  ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
+
+
+class _Args:
+    """An intrinsic's arguments inside its codegen, and loads from its flat arrays (see the module's
+    docstring for their order)."""
+
+    def __init__(self, context, builder, signature, args):
+        self.context, self.builder, self.ty = context, builder, signature.args
+        (self.acc, self.aoff, self.codes, self.coff, self.x, self.xoff, self.xstride, self.scale, self.soff,
+         self.minimum, self.xs, self.sxq, self.qoff, self.qstride, self.zc, self.affine) = args
+        self.idx = self.xoff.type
+
+    def at(self, k: int, arr, off, n, vty, align=4):
+        """A pointer to flat array k at off + n as `vty`, and what it holds."""
+        b = self.builder
+        p = _ptr(self.context, b, self.ty[k], arr, b.add(off, ir.Constant(self.idx, n)), vty)
+        return p, b.load(p, align=align)
+
+    def x_of(self, row: int, quad: int):
+        """Four int8 activations of activation row `row` as one int32."""
+        b = self.builder
+        off = b.add(self.xoff, b.mul(self.xstride, ir.Constant(self.idx, row)))
+        return self.at(4, self.x, off, quad, I32)[1]
+
+    def codes_at(self, byte: int, vty):
+        return self.at(2, self.codes, self.coff, byte, vty, align=1)[1]
+
+    def floats(self, k: int, arr, n: int, fv):
+        """A group's scales (k = 7) or minimums (k = 9) as float32 vectors: stored as float32, or as
+        float16 bits."""
+        b = self.builder
+        if self.ty[k].dtype == types.uint16:
+            h = self.at(k, arr, self.soff, n, ir.VectorType(I16, fv.count), align=2)[1]
+            return b.fpext(b.bitcast(h, ir.VectorType(ir.HalfType(), fv.count)), fv)
+        return self.at(k, arr, self.soff, n, fv)[1]
+
+
+def _add_scaled(a: _Args, sums, affine: bool, registers: int) -> None:
+    """Add each row's int32 sums (sums[row][vector]), scaled, to its float32 outputs.
+
+    The scales and minimums are the same for every row: with registers to spare (AVX-512's 32)
+    they are loaded once, and so is every output before the first store -- LLVM cannot move loads
+    past stores into acc it cannot prove apart; AVX2's 16 registers would spill them, so there each
+    is loaded where it is used."""
+    b = a.builder
+    width = sums[0][0].type.count
+    fv = ir.VectorType(ir.FloatType(), width)
+    nv, n_rows = len(sums[0]), len(sums)
+    early = registers >= 32
+    scales = [a.floats(7, a.scale, v * width, fv) for v in range(nv)] if early else None
+    mins = [a.floats(9, a.minimum, v * width, fv) for v in range(nv)] if early and affine else None
+    rows = []
+    for m in range(n_rows):
+        q = b.add(a.qoff, b.mul(a.qstride, ir.Constant(a.idx, m)))
+        rows.append((a.at(10, a.xs, q, 0, ir.FloatType())[1], a.at(11, a.sxq, q, 0, I32)[1]))
+    olds = [[a.at(0, a.acc, a.aoff, m * ROWS + v * width, fv) for v in range(nv)] for m in range(n_rows)] \
+        if early else None
+    fma = _fn(b, f"llvm.fma.v{width}f32", fv, [fv, fv, fv])
+    for m, vectors in enumerate(sums):
+        c, s = rows[m]
+        zs = _splat(b, b.mul(a.zc, s), vectors[0].type)
+        cv = _splat(b, c, fv)
+        xsum = _splat(b, b.fmul(c, b.sitofp(s, ir.FloatType())), fv)
+        for v, d in enumerate(vectors):
+            f = b.fmul(cv, b.sitofp(b.sub(d, zs), fv))
+            p, old = olds[m][v] if early else a.at(0, a.acc, a.aoff, m * ROWS + v * width, fv)
+            new = b.call(fma, [scales[v] if early else a.floats(7, a.scale, v * width, fv), f, old])
+            if affine:
+                new = b.call(fma, [mins[v] if early else a.floats(9, a.minimum, v * width, fv), xsum, new])
+            b.store(new, p, align=4)
 
 
 def _make(emit, quads: int, nibbles: bool, rows: int, registers: int):
@@ -63,67 +135,14 @@ def _make(emit, quads: int, nibbles: bool, rows: int, registers: int):
                          minimum, xs, sxq, types.intp, types.intp, types.int32, types.boolean)
 
         def codegen(context, builder, signature, args):
-            acc_a, aoff_v, codes_a, coff_v, x_a, xoff_v, xstride_v, scale_a, soff_v, min_a, xs_a, sxq_a, qoff_v, \
-                qstride_v, zc_v, affine_v = args
-            ty = signature.args
-            idx = xoff_v.type
-
-            def at(k: int, arr, off, n, vty, align=4):  # load from flat array k at off + n
-                p = _ptr(context, builder, ty[k], arr, builder.add(off, ir.Constant(idx, n)), vty)
-                return p, builder.load(p, align=align)
-
-            def x_of(row: int, quad: int):  # four int8 activations as one int32
-                off = builder.add(xoff_v, builder.mul(xstride_v, ir.Constant(idx, row)))
-                return at(4, x_a, off, quad, I32)[1]
-
-            def codes_at(byte: int, vty):
-                return at(2, codes_a, coff_v, byte, vty, align=1)[1]
-
-            sums = emit(builder, codes_at, x_of, quads, nibbles, rows)  # sums[row][vector], int32 lanes
-            width = sums[0][0].type.count
-            fv = ir.VectorType(ir.FloatType(), width)
-
-            def floats(k: int, arr, n: int):  # a group's scales or minimums: float32, or float16 bits
-                if ty[k].dtype == types.uint16:
-                    h = at(k, arr, soff_v, n, ir.VectorType(I16, width), align=2)[1]
-                    return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), width)), fv)
-                return at(k, arr, soff_v, n, fv)[1]
-
-            def add_scaled(affine: bool):
-                nv, n_rows = len(sums[0]), len(sums)
-                # The scales and minimums are the same for every row: with registers to spare (AVX-512's
-                # 32) they are loaded once, and so is every output before the first store -- LLVM cannot
-                # move loads past stores into acc it cannot prove apart (~13% at 8 rows); AVX2's 16
-                # registers would spill them, so there each is loaded where it is used.
-                early = registers >= 32
-                scales = [floats(7, scale_a, v * width) for v in range(nv)] if early else None
-                mins = [floats(9, min_a, v * width) for v in range(nv)] if early and affine else None
-                rows = []
-                for m in range(n_rows):
-                    q = builder.add(qoff_v, builder.mul(qstride_v, ir.Constant(idx, m)))
-                    rows.append((at(10, xs_a, q, 0, ir.FloatType())[1], at(11, sxq_a, q, 0, I32)[1]))
-                olds = [[at(0, acc_a, aoff_v, m * ROWS + v * width, fv) for v in range(nv)] for m in range(n_rows)] \
-                    if early else None
-                fma = _fn(builder, f"llvm.fma.v{width}f32", fv, [fv, fv, fv])
-                for m, vectors in enumerate(sums):
-                    c, s = rows[m]
-                    zs = _splat(builder, builder.mul(zc_v, s), vectors[0].type)
-                    cv = _splat(builder, c, fv)
-                    xsum = _splat(builder, builder.fmul(c, builder.sitofp(s, ir.FloatType())), fv)
-                    for v, a in enumerate(vectors):
-                        f = builder.fmul(cv, builder.sitofp(builder.sub(a, zs), fv))
-                        p, old = olds[m][v] if early else at(0, acc_a, aoff_v, m * ROWS + v * width, fv)
-                        new = builder.call(fma, [scales[v] if early else floats(7, scale_a, v * width), f, old])
-                        if affine:
-                            new = builder.call(fma, [mins[v] if early else floats(9, min_a, v * width), xsum, new])
-                        builder.store(new, p, align=4)
-
-            flag = builder.icmp_unsigned("!=", affine_v, ir.Constant(affine_v.type, 0))
+            a = _Args(context, builder, signature, args)
+            sums = emit(builder, a.codes_at, a.x_of, quads, nibbles, rows)  # sums[row][vector], int32 lanes
+            flag = builder.icmp_unsigned("!=", a.affine, ir.Constant(a.affine.type, 0))
             with builder.if_else(flag) as (with_minimum, without):
                 with with_minimum:
-                    add_scaled(True)
+                    _add_scaled(a, sums, True, registers)
                 with without:
-                    add_scaled(False)
+                    _add_scaled(a, sums, False, registers)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -172,7 +191,8 @@ def _avx2(signed: bool):
         step = 2 if nibbles else 1
         for q in range(0, quads, step):
             xs = [[builder.bitcast(_splat(builder, x_of(m, q + h), v8), b32) for h in range(step)] for m in range(rows)]
-            ax = [[builder.call(absb, [xb, ir.Constant(ir.IntType(1), 0)]) for xb in row] for row in xs] if signed else None
+            ax = [[builder.call(absb, [xb, ir.Constant(ir.IntType(1), 0)]) for xb in row] for row in xs] \
+                if signed else None
             for v in range(8):
                 raw = codes_at((q // step) * ROWS * 4 + v * 32, v8)
                 parts = [builder.and_(raw, mask), builder.and_(builder.lshr(raw, four), mask)] if nibbles else [raw]

@@ -111,7 +111,8 @@ def rope_from(spec: dict[str, Any] | None, theta: float) -> RopeConfig:
     spec = spec or {}
     rope_type = spec.get("rope_type", spec.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise LarqlError(f"config.json: unsupported rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        raise LarqlError(f"config.json: unsupported rope_type {rope_type!r} "
+                         f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     theta = float(spec.get("rope_theta", theta))
     if rope_type == "default":
         return RopeConfig(theta)

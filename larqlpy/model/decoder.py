@@ -18,11 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from larqlpy.engines.geometry import LayerGeometry
-from larqlpy.engines.stores.base import AttentionParams, EngineState
-from larqlpy.kernels.attention import attend_rows, takes
+from larqlpy.engines.stores.base import AttentionParams, EngineState, attend_block
 from larqlpy.kernels.matvec import embedding, linear, linears, norm_rope, residual_norm, rms_norm
 from larqlpy.model.config import ModelConfig, RopeConfig
-from larqlpy.model.files import block_weights
+from larqlpy.model.tensors import block_weights
 
 
 def inv_freq(cfg: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -80,37 +79,8 @@ class Block(nn.Module):
     def norm(self, x: torch.Tensor, weight) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.offset)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: list, sizes: list[int]) -> torch.Tensor:
-        """Each sequence's rows to its own store: the single dispatch point to the KV engines. Decode
-        steps whose store hands back its rows (`decode_rows`) are attended together in one kernel call;
-        every other block, and every store that attends on its own terms, through `store.attend`."""
-        p = self.attn
-        decode = takes(q)
-        one = len(stores) == 1
-        ks, vs = ((k,), (v,)) if one else (k.split(sizes, dim=1), v.split(sizes, dim=1))  # views, one call each
-        outs, steps, lo = [], [], 0  # steps: (index in outs, row in q, store, its rows)
-        for store, n, kn, vn in zip(stores, sizes, ks, vs):
-            rows = store.decode_rows(kn, vn) if decode and n == 1 else None
-            if rows is None:
-                qn = q if one else q[:, lo:lo + n].contiguous()
-                outs.append(store.attend(qn, kn if one else kn.contiguous(), vn if one else vn.contiguous(), p))
-            else:
-                steps.append((len(outs), lo, store, rows))
-                outs.append(None)
-            lo += n
-        if steps:
-            qs = q if len(steps) == len(outs) else q[:, [s[1] for s in steps]]  # (H, steps, D)
-            got = attend_rows(qs.transpose(0, 1), [s[3] for s in steps], p.scale, p.softcap or 0.0,
-                              (k, v), [s[1] for s in steps]).transpose(0, 1)
-            for _, _, store, _ in steps:
-                store.release()
-            if len(steps) == len(outs):
-                return got
-            for j, (at, _, _, _) in enumerate(steps):
-                outs[at] = got[:, j:j + 1]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stores: list, sizes: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stores: list,
+                sizes: list[int]) -> torch.Tensor:
         c, t = self.cfg, x.shape[0]
         h = self.norm(x, self.input_layernorm)  # (T, E)
         q, k, v = linears(h, self.q_proj, self.k_proj, self.v_proj)
@@ -120,7 +90,7 @@ class Block(nn.Module):
         q = norm_rope(q, self.n_heads, self.q_norm if c.qk_norm else None, self.eps, self.offset, cos, sin)
         k = norm_rope(k, self.n_kv, self.k_norm if c.qk_norm else None, self.eps, self.offset, cos, sin)
         v = v.view(t, self.n_kv, self.head_dim).transpose(0, 1)
-        a = self.attend(q, k, v, stores, sizes)  # (H, T, D)
+        a = attend_block(q, k, v, stores, sizes, self.attn)  # (H, T, D): the one call into the engines
         a = linear(a.transpose(0, 1).reshape(t, -1), self.o_proj)
         if c.o_bias:
             a = a + self.o_proj_bias

@@ -1,6 +1,9 @@
 """`larqlpy serve`'s HTTP side: starlette routes, SSE through sse-starlette, OpenAI-style errors.
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics.
+A generation request is read into a `Request`, prepared into a sequence (every refusal a 400 before
+it queues), and handed to the engine thread; one event source (`events`) serves both the whole
+answer and the stream, and a client that goes away cancels its sequence either way.
 """
 
 from __future__ import annotations
@@ -9,220 +12,180 @@ import asyncio
 import hmac
 import json
 import secrets
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from larqlpy.config import ServeConfig
-from larqlpy.engines import EngineSpec
 from larqlpy.errors import LarqlError
-from larqlpy.model.chat_template import ChatTemplate
-from larqlpy.runner import fit_context
+from larqlpy.prefix_cache import PrefixCache
+from larqlpy.prepare import prepare
+from larqlpy.request import Request
 from larqlpy.server import protocol
-from larqlpy.server.engine import Pending, QueueFull, ServeEngine, ShuttingDown
+from larqlpy.server.engine import Handle, QueueFull, ServeEngine, ShuttingDown
 from larqlpy.server.metrics import Metrics
-from larqlpy.server.protocol import ApiError, Generation
-
-
-class StopText:
-    """`stop` strings over streamed text: holds back what could still begin a stop string, and cuts
-    the text where one appears."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops, self.held = stops, ""
-        self.hold = max((len(s) for s in stops), default=1) - 1
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """(text safe to send now, whether a stop string ended it)."""
-        if not self.stops:
-            return text, False
-        self.held += text
-        cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.held = self.held[:cut], ""
-            return out, True
-        keep = min(self.hold, len(self.held))
-        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.held = self.held, ""
-        return out
+from larqlpy.server.protocol import ApiError
 
 
 @dataclass
 class Served:
-    """Everything a route needs: the loaded model, its name, the engine, the settings."""
+    """Everything a route needs: the loaded model, its name, the engine and its kept states, the
+    settings, and the engine requests run when they name none."""
 
     loaded: object
     name: str
     engine: ServeEngine
+    cache: PrefixCache
     cfg: ServeConfig
-    spec: EngineSpec
+    default: Request
     metrics: Metrics
+    has_template: bool
 
 
-def build_app(served: Served) -> Starlette:
+def served(request: HttpRequest) -> Served:
+    return request.app.state.served
+
+
+async def health(request: HttpRequest):
+    s, snap = served(request), served(request).engine.snapshot
+    return JSONResponse({"status": "ok" if s.engine.accepting else "shutting down", "model": s.name,
+                         "live": snap.live, "waiting": snap.waiting})
+
+
+async def models(request: HttpRequest):
+    return JSONResponse({"object": "list", "data": [{"id": served(request).name, "object": "model", "created": 0,
+                                                      "owned_by": "larqlpy"}]})
+
+
+async def metrics(request: HttpRequest):
+    return Response(served(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def completions(request: HttpRequest):
+    return await generate(request, chat=False)
+
+
+async def chat_completions(request: HttpRequest):
+    return await generate(request, chat=True)
+
+
+async def generate(request: HttpRequest, chat: bool):
+    s = served(request)
+    body = protocol.parse_body(await read_limited(request, s.cfg.max_body_bytes), s.cfg.max_body_bytes)
+    protocol.check_model(body, s.name)
+    stream, include_usage = protocol.streaming(body)
+    if chat and not s.has_template:
+        raise ApiError(400, f"the model '{s.name}' has no chat template: use /v1/completions")
     try:
-        template = ChatTemplate.for_tokenizer(served.loaded.tokenizer)
-    except LarqlError:
-        template = None  # chat requests are refused; completions work
+        seq = prepare(s.loaded, Request.from_openai(body, chat, s.cfg.max_tokens_limit, s.default), source=s.cache)
+    except LarqlError as e:
+        raise protocol.invalid(e) from None
+    try:
+        h = s.engine.submit(seq)
+    except QueueFull:
+        raise ApiError(429, "too many requests are waiting; retry later", kind="rate_limit_error") from None
+    except ShuttingDown:
+        raise ApiError(503, "the server is shutting down", kind="server_error") from None
+    rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    if stream:
+        return EventSourceResponse(streamed(request, h, rid, chat, include_usage), ping=15, sep="\n")
+    return await whole(request, h, rid, chat)
 
-    async def health(request: Request):
-        return JSONResponse({"status": "ok" if served.engine.accepting else "shutting down", "model": served.name,
-                             "live": served.engine.live(), "waiting": served.engine.waiting()})
 
-    async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
-                                                          "owned_by": "larqlpy"}]})
-
-    async def metrics(request: Request):
-        return Response(served.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    async def completions(request: Request):
-        return await generate(request, chat=False)
-
-    async def chat_completions(request: Request):
-        return await generate(request, chat=True)
-
-    async def generate(request: Request, chat: bool):
-        body = protocol.parse_body(await read_limited(request, served.cfg.max_body_bytes), served.cfg.max_body_bytes)
-        g = protocol.check(body, chat, served.name, served.cfg.max_tokens_limit, served.spec)
-        ids, notes, gen = prompt_ids(g)
-        try:
-            p = served.engine.submit(ids, g.spec, gen)
-        except QueueFull:
-            raise ApiError(429, "too many requests are waiting; retry later", kind="rate_limit_error") from None
-        except ShuttingDown:
-            raise ApiError(503, "the server is shutting down", kind="server_error") from None
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        if g.stream:
-            return EventSourceResponse(stream(request, p, g, rid, notes), ping=15, sep="\n")
-        return await whole(request, p, g, rid, notes)
-
-    def prompt_ids(g: Generation):
-        tok = served.loaded.tokenizer
-        try:
-            if g.chat:
-                if template is None:
-                    raise ApiError(400, f"the model '{served.name}' has no chat template: use /v1/completions")
-                ids = tok.encode(template.render(g.messages), add_bos=False)
-            elif isinstance(g.prompt, list):
-                ids = list(g.prompt)
-                if max(ids) >= served.loaded.config.vocab_size or min(ids) < 0:
-                    raise ApiError(400, f"'prompt' token ids must be in [0, {served.loaded.config.vocab_size})",
-                                   param="prompt")
-            else:
-                ids = tok.encode(g.prompt)
-            gen, notes = fit_context(g.gen, len(ids), served.loaded.config.max_position_embeddings)
-        except LarqlError as e:
-            raise ApiError(400, str(e)) from None
-        return ids, notes, gen
-
-    def extra(p: Pending, out: list[int], notes) -> dict:
-        return {"engine": p.spec.describe(), "cached_tokens": p.cached, "continuation_refused": p.refused,
-                "tokens": out, "notes": notes}
-
-    async def next_event(request: Request, p: Pending):
-        while True:
+async def events(request: HttpRequest, h: Handle) -> AsyncIterator[tuple[str, object]]:
+    """The request's events as they come: ("token", Token) ..., then ("done", seq) or ("error",
+    message). Ends early when the client goes away; then, or when its reader stops, the sequence is
+    cancelled."""
+    ended = False
+    try:
+        while not ended:
             try:
-                return await asyncio.wait_for(p.events.get(), timeout=0.5)
+                kind, value = await asyncio.wait_for(h.events.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    served.engine.cancel(p)
-                    return None
+                    return
+                continue
+            ended = kind != "token"
+            yield kind, value
+    finally:
+        if not ended:
+            served(request).engine.cancel(h)
 
-    async def whole(request: Request, p: Pending, g: Generation, rid: str, notes):
-        stops, texts, finish, out = StopText(g.stop), [], "length", []
-        while True:
-            item = await next_event(request, p)
-            if item is None:
-                return Response(status_code=499)
-            kind, value = item
+
+async def whole(request: HttpRequest, h: Handle, rid: str, chat: bool):
+    s = served(request)
+    async with aclosing(events(request, h)) as source:
+        async for kind, value in source:
             if kind == "error":
                 raise ApiError(500, value, kind="server_error")
             if kind == "done":
-                texts.append(stops.flush())
+                s.metrics.served(h.seq)
+                return JSONResponse(protocol.response(rid, chat, s.name, h.seq))
+    return Response(status_code=499)  # the client went away
+
+
+async def streamed(request: HttpRequest, h: Handle, rid: str, chat: bool, include_usage: bool):
+    s, seq = served(request), h.seq
+    async with aclosing(events(request, h)) as source:
+        if chat:
+            yield json.dumps(protocol.chunk(rid, chat, s.name, None, None, first=True))
+        async for kind, value in source:
+            if kind == "error":
+                yield json.dumps(ApiError(500, value, kind="server_error").body())
+                return
+            if kind == "token" and value.text:
+                yield json.dumps(protocol.chunk(rid, chat, s.name, value.text, None))
+            if kind == "done":
                 break
-            out.append(value.id)
-            text, stopped = stops.feed(value.text)
-            texts.append(text)
-            finish = value.finish_reason or finish
-            if stopped:
-                served.engine.cancel(p)
-                finish = "stop"
-                break
-        use = protocol.usage(len(p.ids), len(out), p.cached)
-        served.metrics.served(len(p.ids), len(out), p.cached)
-        return JSONResponse(protocol.response(rid, g, served.name, "".join(texts), finish, use, extra(p, out, notes)))
+        else:
+            return  # the client went away
+    last = protocol.chunk(rid, chat, s.name, None if chat else "", seq.finish_reason or "length")
+    last["larqlpy"] = protocol.extra(seq)
+    yield json.dumps(last)
+    if include_usage:
+        yield json.dumps({"id": rid, "object": last["object"], "created": last["created"], "model": s.name,
+                          "choices": [], "usage": protocol.usage(seq)})
+    s.metrics.served(seq)
+    yield "[DONE]"
 
-    async def stream(request: Request, p: Pending, g: Generation, rid: str, notes):
-        stops, finish, out = StopText(g.stop), "length", []
-        try:
-            if g.chat:
-                yield json.dumps(protocol.chunk(rid, g, served.name, None, None, first=True))
-            while True:
-                kind, value = await p.events.get()
-                if kind == "error":
-                    yield json.dumps(ApiError(500, value, kind="server_error").body())
-                    return
-                if kind == "done":
-                    tail = stops.flush()
-                    if tail:
-                        yield json.dumps(protocol.chunk(rid, g, served.name, tail, None))
-                    break
-                out.append(value.id)
-                text, stopped = stops.feed(value.text)
-                finish = value.finish_reason or finish
-                if stopped:
-                    finish = "stop"
-                    served.engine.cancel(p)
-                if text:
-                    yield json.dumps(protocol.chunk(rid, g, served.name, text, None))
-                if stopped:
-                    break
-            last = protocol.chunk(rid, g, served.name, None if g.chat else "", finish)
-            last["larqlpy"] = extra(p, out, notes)
-            yield json.dumps(last)
-            use = protocol.usage(len(p.ids), len(out), p.cached)
-            if g.include_usage:
-                yield json.dumps({"id": rid, "object": last["object"], "created": last["created"], "model": served.name,
-                                  "choices": [], "usage": use})
-            served.metrics.served(len(p.ids), len(out), p.cached)
-            yield "[DONE]"
-        finally:  # a client that disconnects cancels its generation and frees its slot
-            served.engine.cancel(p)
 
-    async def on_api_error(request: Request, e: ApiError):
-        served.metrics.failed(e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+async def on_api_error(request: HttpRequest, e: ApiError):
+    served(request).metrics.failed(e.status)
+    return JSONResponse(e.body(), status_code=e.status)
 
-    async def on_http_error(request: Request, e: HTTPException):
-        served.metrics.failed(e.status_code)
-        return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
-    async def on_error(request: Request, e: Exception):
-        served.metrics.failed(500)
-        return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}", kind="server_error").body(), status_code=500)
+async def on_http_error(request: HttpRequest, e: HTTPException):
+    served(request).metrics.failed(e.status_code)
+    return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
+
+async def on_error(request: HttpRequest, e: Exception):
+    served(request).metrics.failed(500)
+    return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}", kind="server_error").body(), status_code=500)
+
+
+ROUTES = [Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
+          Route("/v1/completions", completions, methods=["POST"]),
+          Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+
+
+def build_app(s: Served) -> Starlette:
     @asynccontextmanager
     async def lifespan(app):
         yield
-        await asyncio.get_running_loop().run_in_executor(None, served.engine.stop, served.cfg.shutdown_grace_s)
+        await asyncio.get_running_loop().run_in_executor(None, s.engine.stop, s.cfg.shutdown_grace_s)
 
-    app = Starlette(routes=[
-        Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    ], exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error},
-        lifespan=lifespan)
-    app.add_middleware(Guard, served=served)
+    app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers={
+        ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error})
+    app.state.served = s
+    app.add_middleware(Guard, served=s)
     return app
 
 
@@ -240,12 +203,13 @@ class Guard:
         if key is not None:
             given = headers.get("authorization", "")
             if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())):
-                return await self.refuse(scope, receive, send, ApiError(401, "a valid API key is required (Authorization: Bearer ...)",
-                                                        kind="authentication_error", code="invalid_api_key"))
+                return await self.refuse(scope, receive, send, ApiError(
+                    401, "a valid API key is required (Authorization: Bearer ...)", kind="authentication_error",
+                    code="invalid_api_key"))
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.served.cfg.max_body_bytes):
-            return await self.refuse(scope, receive, send, ApiError(413, f"the request body is over the limit of "
-                                                         f"{self.served.cfg.max_body_bytes:,} bytes"))
+            return await self.refuse(scope, receive, send, ApiError(
+                413, f"the request body is over the limit of {self.served.cfg.max_body_bytes:,} bytes"))
         return await self.app(scope, receive, send)
 
     async def refuse(self, scope, receive, send, e: ApiError):
@@ -253,7 +217,7 @@ class Guard:
         await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
 
 
-async def read_limited(request: Request, limit: int) -> bytes:
+async def read_limited(request: HttpRequest, limit: int) -> bytes:
     """The body, refused once it passes `limit` (a chunked body declares no length)."""
     parts, n = [], 0
     async for part in request.stream():

@@ -1,23 +1,23 @@
 """The server's engine: one thread stepping the scheduler for every request, the prefix cache of
 kept states, and the bridge to asyncio (each request's events arrive on its own asyncio queue).
 
-The scheduler and the cache are touched only by the engine thread, under `lock`, which /metrics
-also takes to read them.
+The scheduler and the cache are touched only by the engine thread. After every step it publishes a
+`Snapshot` of what /health and /metrics show; they read that, never the scheduler.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
-from larqlpy.config import BatchConfig, GenerationConfig
-from larqlpy.engines import EngineSpec
+from larqlpy.budget import KVBudget
+from larqlpy.decode.scheduler import Event, Scheduler
+from larqlpy.decode.sequence import Sequence
 from larqlpy.prefix_cache import PrefixCache
-from larqlpy.scheduler import Event, Job, Scheduler
 
 
 class QueueFull(Exception):
@@ -28,57 +28,59 @@ class ShuttingDown(Exception):
     pass
 
 
-@dataclass
-class Pending:
-    """One request inside the engine."""
+class Handle:
+    """One request inside the server: its sequence, and the asyncio queue its events arrive on --
+    ("token", Token) ..., then ("done", the sequence) or ("error", message)."""
 
-    key: int
-    ids: list[int]
-    spec: EngineSpec
-    gen: GenerationConfig
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    cached: int = 0  # prompt tokens a kept state already held
-    refused: str | None = None  # why a matching kept state was not reused
-    generated: list[int] = field(default_factory=list)
-    t0: float = field(default_factory=time.perf_counter)
-    first_token_s: float | None = None
+    def __init__(self, seq: Sequence, loop: asyncio.AbstractEventLoop):
+        self.seq, self.loop, self.events = seq, loop, asyncio.Queue()
+        self.t0 = time.perf_counter()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the engine thread publishes after each step."""
+
+    live: int = 0  # sequences decoding or prefilling
+    waiting: int = 0  # requests inside the server that are not live yet
+    live_kv_by_kind: dict = field(default_factory=dict)
+    kept: dict = field(default_factory=dict)  # PrefixCache.stats()
+
+    @property
+    def live_kv_bytes(self) -> int:
+        return sum(self.live_kv_by_kind.values())
 
 
 class ServeEngine:
-    def __init__(self, loaded, cache: PrefixCache, parallel: int | None = None, queue_size: int = 64):
+    def __init__(self, loaded, cache: PrefixCache, budget: KVBudget, parallel: int | None = None,
+                 queue_size: int = 64):
         self.loaded, self.cache, self.queue_size = loaded, cache, queue_size
-        self.sched = Scheduler(loaded.model, parallel, None, BatchConfig.step_tokens, loaded.tokenizer)
+        self.sched = Scheduler(loaded.model, parallel, budget)
+        self.parallel = self.sched.parallel
         self.inbox: queue.Queue = queue.Queue()
-        self.pending: dict[int, Pending] = {}
-        self.lock = threading.Lock()
-        self.keys = itertools.count(1)
+        self.handles: dict[Sequence, Handle] = {}
+        self.lock = threading.Lock()  # the engine thread's work against shutdown's
         self.accepting, self.running = True, True
-        self.counts = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        self.snapshot = Snapshot(kept=cache.stats())
+        self.kept_version = cache.version
         self.thread = threading.Thread(target=self._loop, name="larqlpy-engine", daemon=True)
         self.thread.start()
 
     # -- the asyncio side -----------------------------------------------------------------------
-    def submit(self, ids: list[int], spec: EngineSpec, gen: GenerationConfig) -> Pending:
+    def submit(self, seq: Sequence) -> Handle:
         if not self.accepting:
             raise ShuttingDown()
-        if len(self.pending) >= self.sched.parallel + self.queue_size:
+        if len(self.handles) >= self.parallel + self.queue_size:
             raise QueueFull()
-        p = Pending(next(self.keys), list(ids), spec, gen, asyncio.get_running_loop(), asyncio.Queue())
-        self.pending[p.key] = p
-        self.inbox.put(("new", p))
-        return p
+        h = Handle(seq, asyncio.get_running_loop())
+        self.handles[seq] = h
+        self.inbox.put(("new", h))
+        return h
 
-    def cancel(self, p: Pending) -> None:
+    def cancel(self, h: Handle) -> None:
         """The client went away: free its slot (its state is kept for a later request)."""
-        if p.key in self.pending:
-            self.inbox.put(("cancel", p))
-
-    def live(self) -> int:
-        return len(self.sched.live)
-
-    def waiting(self) -> int:
-        return max(0, len(self.pending) - len(self.sched.live))
+        if h.seq in self.handles:
+            self.inbox.put(("cancel", h))
 
     # -- the engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -94,58 +96,50 @@ class ServeEngine:
                         item = self.inbox.get_nowait()
                     except queue.Empty:
                         item = None
-                if self.sched.idle():
-                    continue
-                try:
-                    events = self.sched.step()
-                except Exception as e:  # every sequence of the failed step gets the error; the server stays up
-                    for seq in list(self.sched.live):
-                        self._deliver(self.pending.pop(seq.job.key), ("error", f"{type(e).__name__}: {e}"))
-                    self.sched.live.clear()
-                    continue
-                for e in events:
-                    self._event(e)
+                if not self.sched.idle():
+                    for e in self.sched.step():
+                        self._event(e)
+                self._publish()
 
-    def _take(self, what: str, p: Pending) -> None:
-        if what == "cancel":
-            if self.pending.pop(p.key, None) is not None:
-                self._drop(p)
-            return
-        reuse = self.cache.take(p.ids, p.spec)
-        p.cached, p.refused = reuse.reused, reuse.refused
-        self.counts["prompt_tokens"] += len(p.ids)
-        self.counts["cached_tokens"] += reuse.reused
-        self.sched.submit(Job(p.ids, p.spec, p.gen, frozenset(self.loaded.tokenizer.stop_ids), reuse.state,
-                              reuse.logits, p.key))
+    def _take(self, what: str, h: Handle) -> None:
+        if what == "new":
+            self.sched.submit(h.seq)
+        elif self.handles.pop(h.seq, None) is not None:
+            self._drop(h.seq)
 
     def _event(self, e: Event) -> None:
-        p = self.pending.get(e.key)
-        if p is None:
+        h = self.handles.get(e.seq)
+        if h is None:
             return
         if e.token is not None:
-            p.generated.append(e.token.id)
-            self.counts["completion_tokens"] += 1
-            if p.first_token_s is None:
-                p.first_token_s = time.perf_counter() - p.t0
-            self._deliver(p, ("token", e.token))
-        if e.done:
-            del self.pending[e.key]
-            if e.error is not None:
-                self._deliver(p, ("error", e.error))
-                return
-            self.cache.put(p.ids + p.generated, p.spec, e.state)
-            self._deliver(p, ("done", None))
+            self._deliver(h, ("token", e.token))
+            return
+        del self.handles[e.seq]
+        if e.seq.error is not None:
+            self._deliver(h, ("error", e.seq.error))
+            return
+        self.cache.put(e.seq.held())
+        self._deliver(h, ("done", e.seq))
 
-    def _drop(self, p: Pending) -> None:
+    def _drop(self, seq: Sequence) -> None:
         """Out of the scheduler before it finished; the positions it processed are kept."""
-        state = self.sched.cancel(p.key)
-        if state is not None:
-            self.cache.put(p.ids + p.generated, p.spec, state)
+        if self.sched.cancel(seq) and seq.state is not None:
+            self.cache.put(seq.held())
+
+    def _publish(self) -> None:
+        by_kind: Counter = Counter()
+        for s in self.sched.live:
+            by_kind.update(s.state.resident_by_kind())
+        kept = self.snapshot.kept
+        if self.cache.version != self.kept_version:  # the kept states' figures only when they moved
+            kept, self.kept_version = self.cache.stats(), self.cache.version
+        self.snapshot = Snapshot(len(self.sched.live), max(0, len(self.handles) - len(self.sched.live)),
+                                 dict(by_kind), kept)
 
     @staticmethod
-    def _deliver(p: Pending, item) -> None:
+    def _deliver(h: Handle, item) -> None:
         try:
-            p.loop.call_soon_threadsafe(p.events.put_nowait, item)
+            h.loop.call_soon_threadsafe(h.events.put_nowait, item)
         except RuntimeError:  # its event loop is gone (shutdown)
             pass
 
@@ -155,13 +149,13 @@ class ServeEngine:
         states kept; then the kept states go to disk (with a state directory)."""
         self.accepting = False
         deadline = time.monotonic() + grace_s
-        while self.pending and time.monotonic() < deadline:
+        while self.handles and time.monotonic() < deadline:
             time.sleep(0.05)
         with self.lock:
-            for p in list(self.pending.values()):
-                self._drop(p)
-                self._deliver(p, ("error", "the server is shutting down"))
-            self.pending.clear()
+            for h in list(self.handles.values()):
+                self._drop(h.seq)
+                self._deliver(h, ("error", "the server is shutting down"))
+            self.handles.clear()
             self.running = False
         self.thread.join(timeout=5)
         with self.lock:

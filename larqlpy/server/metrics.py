@@ -1,6 +1,6 @@
 """/metrics in Prometheus' text format (prometheus_client): request counters kept here, and the
 engine's figures -- live and waiting sequences, resident KV, the kept states by lifecycle state,
-their transitions and the prefix cache's hits -- read from the engine at each scrape."""
+their transitions and the prefix cache's hits -- from the snapshot the engine thread publishes."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ class Metrics:
         self.tokens = Counter("larqlpy_tokens", "tokens of answered requests", ["kind"], registry=self.registry)
         self.registry.register(_EngineCollector(engine))
 
-    def served(self, prompt: int, completion: int, cached: int) -> None:
+    def served(self, seq) -> None:
+        """A request answered in full."""
         self.requests.labels("200").inc()
-        self.tokens.labels("prompt").inc(prompt)
-        self.tokens.labels("completion").inc(completion)
-        self.tokens.labels("cached").inc(cached)
+        self.tokens.labels("prompt").inc(len(seq.prompt_ids))
+        self.tokens.labels("completion").inc(len(seq.output))
+        self.tokens.labels("cached").inc(seq.held_from)
 
     def failed(self, status: int) -> None:
         self.requests.labels(str(status)).inc()
@@ -36,23 +37,16 @@ class _EngineCollector:
         self.engine = engine
 
     def collect(self):
-        e = self.engine
-        with e.lock:
-            live = [s.state for s in e.sched.live]
-            resident = sum(s.resident_bytes() for s in live)
-            by_kind: dict[str, int] = {}
-            for s in live:
-                for kind, n in s.resident_by_kind().items():
-                    by_kind[kind] = by_kind.get(kind, 0) + n
-            kept = e.cache.stats()
-            waiting = e.waiting()
-        yield GaugeMetricFamily("larqlpy_live_sequences", "sequences decoding or prefilling now", value=len(live))
-        yield GaugeMetricFamily("larqlpy_waiting_requests", "requests queued for a slot", value=waiting)
+        snap = self.engine.snapshot
+        by_kind, kept = snap.live_kv_by_kind, snap.kept
+        yield GaugeMetricFamily("larqlpy_live_sequences", "sequences decoding or prefilling now", value=snap.live)
+        yield GaugeMetricFamily("larqlpy_waiting_requests", "requests queued for a slot", value=snap.waiting)
         g = GaugeMetricFamily("larqlpy_live_kv_bytes", "resident KV of live sequences, by layer kind", labels=["kind"])
         for kind, n in sorted(by_kind.items()):
             g.add_metric([kind], n)
         yield g
-        yield GaugeMetricFamily("larqlpy_live_kv_total_bytes", "resident KV of live sequences", value=resident)
+        yield GaugeMetricFamily("larqlpy_live_kv_total_bytes", "resident KV of live sequences",
+                                value=snap.live_kv_bytes)
         b = GaugeMetricFamily("larqlpy_kept_bytes", "kept states' bytes by lifecycle state (PERSISTED: on disk)",
                               labels=["state"])
         c = GaugeMetricFamily("larqlpy_kept_states", "kept states by lifecycle state", labels=["state"])
@@ -71,7 +65,8 @@ class _EngineCollector:
             src, dst = move.split("->")
             t.add_metric([src, dst], n)
         yield t
-        p = CounterMetricFamily("larqlpy_prefix_cache", "requests by what the prefix cache gave them", labels=["result"])
+        p = CounterMetricFamily("larqlpy_prefix_cache", "requests by what the prefix cache gave them",
+                                labels=["result"])
         for result in ("hits", "misses", "refusals"):
             p.add_metric([result], kept[result])
         yield p

@@ -76,6 +76,31 @@ def load_state(path: str | Path) -> SavedState:
     if not path.is_file():
         raise LarqlError(f"{path}: no such state file")
     size = path.stat().st_size
+    header, data_offset = _read_header(path, size)
+    entries, need = _entries(path, header)
+    if data_offset + need > size:
+        raise LarqlError(f"{path}: truncated: data needs {data_offset + need} bytes, file has {size}")
+    backing = open_mapped(path, data_offset)
+    logits = None
+    for cell, name, e in entries:
+        arr = backing.read((e["offset"], e["length"], e["dtype"], tuple(e["shape"])))
+        if zlib.crc32(arr) != e["crc32"]:
+            what = "logits" if cell is None else \
+                f"cell layer {cell['layer']} positions {cell['start']}-{cell['start'] + cell['n']} ({name})"
+            raise LarqlError(f"{path}: checksum mismatch in {what}")
+        if cell is None:
+            logits = arr.copy()
+    records: dict[int, list[tuple[dict, dict]]] = {}
+    for cell in header["cells"]:
+        meta = {k: cell[k] for k in ("set", "start", "n", "state", "precision")}
+        locs = {name: (e["offset"], e["length"], e["dtype"], tuple(e["shape"])) for name, e in cell["fields"].items()}
+        meta["_where"] = (backing, locs)
+        records.setdefault(cell["layer"], []).append((meta, {name: backing.read(loc) for name, loc in locs.items()}))
+    return SavedState(path, header, records, logits, backing)
+
+
+def _read_header(path: Path, size: int) -> tuple[dict, int]:
+    """The checked header bytes as JSON, and where the data area starts."""
     with open(path, "rb") as f:
         prefix = f.read(PREFIX.size)
         if len(prefix) < PREFIX.size:
@@ -91,8 +116,15 @@ def load_state(path: str | Path) -> SavedState:
     if zlib.crc32(raw) != header_crc:
         raise LarqlError(f"{path}: header checksum mismatch (the file is corrupted)")
     try:
-        header = json.loads(raw)
-        data_offset = align(PREFIX.size + header_len, PAGE)
+        return json.loads(raw), align(PREFIX.size + header_len, PAGE)
+    except ValueError as e:
+        raise LarqlError(f"{path}: malformed header ({e})") from None
+
+
+def _entries(path: Path, header: dict) -> tuple[list, int]:
+    """Every field the header places in the data area, as (cell or None for the logits, name, entry),
+    each checked, and the data bytes they need."""
+    try:
         entries = [(c, name, e) for c in header["cells"] for name, e in c["fields"].items()]
         if header["logits"] is not None:
             entries.append((None, "logits", header["logits"]))
@@ -110,25 +142,7 @@ def load_state(path: str | Path) -> SavedState:
                 raise ValueError("bad field extent")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise LarqlError(f"{path}: malformed header ({e})") from None
-    if data_offset + need > size:
-        raise LarqlError(f"{path}: truncated: data needs {data_offset + need} bytes, file has {size}")
-    backing = open_mapped(path, data_offset)
-    records: dict[int, list[tuple[dict, dict]]] = {}
-    logits = None
-    for cell, name, e in entries:
-        loc = (e["offset"], e["length"], e["dtype"], tuple(e["shape"]))
-        arr = backing.read(loc)
-        if zlib.crc32(arr) != e["crc32"]:
-            what = "logits" if cell is None else f"cell layer {cell['layer']} positions {cell['start']}-{cell['start'] + cell['n']} ({name})"
-            raise LarqlError(f"{path}: checksum mismatch in {what}")
-        if cell is None:
-            logits = arr.copy()
-    for cell in header["cells"]:
-        meta = {k: cell[k] for k in ("set", "start", "n", "state", "precision")}
-        locs = {name: (e["offset"], e["length"], e["dtype"], tuple(e["shape"])) for name, e in cell["fields"].items()}
-        meta["_where"] = (backing, locs)
-        records.setdefault(cell["layer"], []).append((meta, {name: backing.read(loc) for name, loc in locs.items()}))
-    return SavedState(path, header, records, logits, backing)
+    return entries, need
 
 
 # What the numbers in a state depend on beyond model, tokenizer and engine: the header's field, its
@@ -190,7 +204,7 @@ def summarize(saved: SavedState) -> dict:
             "larqlpy": h.get("larqlpy"), "model_fingerprint": h["model_fingerprint"],
             "tokenizer_fingerprint": h["tokenizer_fingerprint"], "weights": h.get("weights", "f32"),
             "engine": h["engine"], "tokens": len(h["tokens"]), "processed": h["processed"],
-            "layers": [{"index": l["index"], "kind": l["kind"], "retained": l["retained"],
+            "layers": [{"index": layer["index"], "kind": layer["kind"], "retained": layer["retained"],
                         "cells": {k: {"cells": v[0], "positions": v[1], "bytes": v[2]}
-                                  for k, v in sorted(by_layer.get(l["index"], {}).items())}}
-                       for l in h["layers"]]}
+                                  for k, v in sorted(by_layer.get(layer["index"], {}).items())}}
+                       for layer in h["layers"]]}

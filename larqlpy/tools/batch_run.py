@@ -16,7 +16,7 @@ import torch
 from larqlpy.batch_lines import Item, line_records
 from larqlpy.config import default_parallel
 from larqlpy.errors import LarqlError
-from larqlpy.model.loader import load as load_model
+from larqlpy.weights.loader import load as load_model
 
 Show = Callable[[int, int, int], None]
 

@@ -1,5 +1,5 @@
 """Key calibration: per layer and KV head, the keys' mean and a per-channel scale, measured once on a
-fixed text and saved beside the model (model/calibration_file.py); the codec engines' `calib=on`.
+fixed text and saved beside the model (weights/calibration_file.py); the codec engines' `calib=on`.
 
 Why it helps: Gemma 3's keys share a large common component (0.4-0.86 of their length) and carry
 energy in channels the queries hardly read, so a codec that quantizes raw keys spends its bits on
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from larqlpy.engines import EngineSpec, build_provider
+from larqlpy.engines import EngineSpec, new_state
 from larqlpy.engines.stores.base import QueryTap
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
-from larqlpy.generate import prefill
-from larqlpy.model.calibration_file import FORMAT
+from larqlpy.decode.stream import prefill
+from larqlpy.weights.calibration_file import FORMAT
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "calibration.txt"
 SKIP = 4  # leading positions left out of the statistics (sinks)
@@ -62,7 +62,7 @@ def measure(model, ids: list[int]) -> tuple[list[KeyCalibration], list[float]]:
     layer's share of key energy in the mean, |mean|^2 / E|k|^2 (averaged over KV heads)."""
     if len(ids) < SKIP + 64:
         raise LarqlError(f"calibration text too short: {len(ids)} tokens, need at least {SKIP + 64}")
-    state = build_provider(EngineSpec()).new_state(model.geometries(), torch.device(model.device))
+    state = new_state(EngineSpec(), model.geometries(), torch.device(model.device))
     squares = [_QuerySquares(s.geometry.n_kv_heads, s.geometry.head_dim) for s in state.layers]
     stores = state.layers
     state.layers = [QueryTap(s, sq) for s, sq in zip(stores, squares)]

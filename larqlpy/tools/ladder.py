@@ -18,11 +18,11 @@ from typing import Sequence
 import psutil
 import torch
 
-from larqlpy.engines import EngineSpec, build_provider, preset_spec
+from larqlpy.engines import EngineSpec, build_provider, new_state, preset_spec
 from larqlpy.engines.presets import LADDER
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write
-from larqlpy.generate import prefill
+from larqlpy.decode.stream import prefill
 from larqlpy.tools.quality import kl
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "long.txt"
@@ -37,7 +37,7 @@ def ladder_ids(tokenizer, n: int) -> list[int]:
 
 
 def _run(model, spec: EngineSpec, ids: list[int], steps: int, forced: list[int] | None):
-    state = build_provider(spec).new_state(model.geometries(), model.device)
+    state = new_state(spec, model.geometries(), model.device)
     t0 = time.perf_counter()
     logits = prefill(model, state, ids, 1024)[-1]
     t_prefill = time.perf_counter() - t0
@@ -152,12 +152,12 @@ def until_budget(loaded, spec: EngineSpec, budget: int, chunk: int = 128, max_po
     than `budget` over where it stood before the engine's first row (the real peak, sampled after
     every chunk: KV rows plus every transient the engine and the forward pass need)."""
     ids = ladder_ids(loaded.tokenizer, max_positions)
-    warm = build_provider(EngineSpec()).new_state(loaded.model.geometries(), loaded.device)
+    warm = new_state(EngineSpec(), loaded.model.geometries(), loaded.device)
     prefill(loaded.model, warm, ids[:chunk], chunk)  # touch the weights and warm the kernels
     del warm
     _release_free_heap()
     base = _anon_bytes()
-    state = build_provider(spec).new_state(loaded.model.geometries(), loaded.device)
+    state = new_state(spec, loaded.model.geometries(), loaded.device)
     peak, fits, n = 0, None, 0
     while n < max_positions:
         prefill(loaded.model, state, ids[n:n + chunk], chunk)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from larqlpy.engines import EngineSpec, build_provider
+from larqlpy.engines import EngineSpec, new_state
 from larqlpy.engines.lifecycle import default_rules_path
 from larqlpy.engines.stores.base import AttentionParams, QueryTap
 from larqlpy.errors import LarqlError
-from larqlpy.generate import prefill
+from larqlpy.decode.stream import prefill
 from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
 from larqlpy.tools.quality import drift
 
@@ -86,7 +86,7 @@ def attention_kl(store, q: torch.Tensor, params: AttentionParams, codec) -> floa
 
 @torch.inference_mode()
 def kv_stats(loaded, ids: list[int], min_cosine: float = 0.995, codec: str = "tq4") -> dict:
-    state = build_provider(EngineSpec()).new_state(loaded.model.geometries(), loaded.device)
+    state = new_state(EngineSpec(), loaded.model.geometries(), loaded.device)
     stores, seen = state.layers, [_LastQueries() for _ in state.layers]
     state.layers = [QueryTap(s, rec) for s, rec in zip(stores, seen)]
     prefill(loaded.model, state, ids, 1024)
@@ -97,7 +97,8 @@ def kv_stats(loaded, ids: list[int], min_cosine: float = 0.995, codec: str = "tq
         codecs = codecs_for(g.head_dim)
         entry = {"layer": g.index, "kind": g.kind, "K": tensor_stats(k.reshape(-1, g.head_dim), codecs),
                  "V": tensor_stats(v.reshape(-1, g.head_dim), codecs),
-                 "attention_kl": {name: attention_kl(store, rec.q, rec.params, codecs[name]) for name in ("tq4", "tq3")}}
+                 "attention_kl": {name: attention_kl(store, rec.q, rec.params, codecs[name])
+                                  for name in ("tq4", "tq3")}}
         worst = min(entry[t]["cosine"][codec]["mean"] for t in ("K", "V"))
         entry["quantizes_badly"] = worst < min_cosine
         layers.append(entry)
@@ -124,7 +125,8 @@ def suggested_rules(n_layers: int, keep_exact: list[int]) -> str:
     for line in default_rules_path().read_text().splitlines():
         if line.strip().startswith("quantize_layers:"):
             indent = line[: len(line) - len(line.lstrip())]
-            note = f"  # kv-stats: keep {keep_exact} exact" if keep_exact else "  # kv-stats: every layer quantizes well"
+            note = f"  # kv-stats: keep {keep_exact} exact" if keep_exact else \
+                "  # kv-stats: every layer quantizes well"
             line = f"{indent}quantize_layers: {value}{note}"
         lines.append(line)
     return "\n".join(lines) + "\n"

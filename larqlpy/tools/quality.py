@@ -14,9 +14,9 @@ from typing import Sequence
 
 import torch
 
-from larqlpy.engines import EngineSpec, build_provider
+from larqlpy.engines import EngineSpec, new_state
 from larqlpy.config import GenerationConfig
-from larqlpy.generate import prefill, stream_generate
+from larqlpy.decode.stream import prefill, stream_generate
 from larqlpy.state.format import common_prefix
 
 
@@ -33,7 +33,7 @@ def kl_logprobs(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
 def teacher_forced_logits(model, spec: EngineSpec, prompt: Sequence[int], tokens: Sequence[int],
                           chunk: int = 1024) -> torch.Tensor:
     """Logits predicting tokens[i] for each i, feeding the given tokens one decode step at a time."""
-    state = build_provider(spec).new_state(model.geometries(), model.device)
+    state = new_state(spec, model.geometries(), model.device)
     out = [prefill(model, state, list(prompt), chunk)[-1]]
     for t in tokens[:-1]:
         out.append(model(torch.tensor([t]), state)[-1])
@@ -110,7 +110,7 @@ class TextScore:
 def score_text(ref_model, test_model, ids: Sequence[int], chunk: int = 512,
                spec: EngineSpec = EngineSpec()) -> TextScore:
     """Prefill `ids` through both models in chunks (same engine), comparing every position's logits."""
-    states = [build_provider(spec).new_state(m.geometries(), m.device) for m in (ref_model, test_model)]
+    states = [new_state(spec, m.geometries(), m.device) for m in (ref_model, test_model)]
     kls, top1, nll_ref, nll_test = [], [], [], []
     for lo in range(0, len(ids) - 1, chunk):
         block = torch.tensor(ids[lo:lo + chunk], dtype=torch.long)

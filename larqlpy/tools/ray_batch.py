@@ -39,62 +39,79 @@ def ray_records(address: str, setup: Setup, items: list[Item], show: Show, actor
     `on_replace(name)` hears of each actor that died and was replaced.
     `address`: "local" starts a cluster in this process, "auto" joins the one this machine belongs
     to, anything else is a cluster address (host:port, or ray://host:port)."""
+    ray, died = _connect(address, actors * actor_cpus)
+    setup = dataclasses.replace(setup, threads=setup.threads or actor_cpus)
+    size = chunk or max(1, 2 * (setup.parallel or 4 * setup.threads))
+    pool = _Pool(ray, setup, actors, actor_cpus, deque((items[i:i + size], 0) for i in range(0, len(items), size)))
+    tokens = 0
+    try:
+        for slot in range(actors):
+            pool.feed(slot)
+        while pool.inflight:
+            ready, _ = ray.wait(list(pool.inflight), num_returns=1)
+            slot, gen, part, tries = pool.inflight.pop(ready[0])
+            try:
+                results = ray.get(ready[0])
+            except died:
+                if gen == pool.generation[slot]:  # the first of its calls to fail: replace the actor once
+                    on_replace(pool.replace(slot))
+                if tries + 1 > retries:
+                    yield from error_records(part, f"its Ray actor died {tries + 1} times running it")
+                else:
+                    pool.chunks.appendleft((part, tries + 1))
+                pool.feed(slot)
+                continue
+            for lineno, rec in results:
+                tokens += len(rec["tokens"] or ())
+                yield lineno, rec
+            show(len(pool.inflight), tokens, actors)
+            pool.feed(slot)
+    finally:
+        pool.close()
+
+
+def _connect(address: str, cpus: int):
+    """Ray, connected (a cluster of `cpus` started here for "local"), and the errors of a lost actor."""
     try:
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError
     except ImportError:
         raise LarqlError("--ray needs Ray: pip install 'larqlpy[ray]'") from None
-    setup = dataclasses.replace(setup, threads=setup.threads or actor_cpus)
-    died = (RayActorError, ActorDiedError, ActorUnavailableError, WorkerCrashedError)
     if not ray.is_initialized():
-        kw = {"num_cpus": actors * actor_cpus} if address == "local" else {"address": address}
+        kw = {"num_cpus": cpus} if address == "local" else {"address": address}
         try:
             ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, **kw)
         except (ConnectionError, ValueError, RuntimeError) as e:
             raise LarqlError(f"--ray {address}: cannot reach a Ray cluster ({e})") from None
-    remote = ray.remote(num_cpus=actor_cpus, max_restarts=0, max_task_retries=0)(LineActor)
-    size = chunk or max(1, 2 * (setup.parallel or 4 * setup.threads))
-    chunks = deque((items[i:i + size], 0) for i in range(0, len(items), size))
-    generation = [0] * actors
+    return ray, (RayActorError, ActorDiedError, ActorUnavailableError, WorkerCrashedError)
 
-    def start(slot: int):
-        generation[slot] += 1
-        return remote.options(name=f"batch-{slot}-{generation[slot]}").remote(setup)
 
-    pool = [start(i) for i in range(actors)]
-    inflight: dict = {}  # ref -> (slot, generation, chunk, tries)
-    tokens = 0
+class _Pool:
+    """The actors, one per slot, and the chunks of lines they hold: one running and one queued each."""
 
-    def feed(slot: int) -> None:
-        while chunks and sum(1 for s, *_ in inflight.values() if s == slot) < 2:  # one running, one queued
-            part, tries = chunks.popleft()
-            inflight[pool[slot].run.remote(part)] = (slot, generation[slot], part, tries)
+    def __init__(self, ray, setup: Setup, actors: int, actor_cpus: int, chunks: deque):
+        self.ray, self.setup, self.chunks = ray, setup, chunks
+        self.remote = ray.remote(num_cpus=actor_cpus, max_restarts=0, max_task_retries=0)(LineActor)
+        self.generation = [0] * actors
+        self.actors = [self._start(i) for i in range(actors)]
+        self.inflight: dict = {}  # ref -> (slot, generation, chunk, tries)
 
-    try:
-        for slot in range(actors):
-            feed(slot)
-        while inflight:
-            ready, _ = ray.wait(list(inflight), num_returns=1)
-            ref = ready[0]
-            slot, gen, part, tries = inflight.pop(ref)
-            try:
-                results = ray.get(ref)
-            except died:
-                if gen == generation[slot]:  # the first of its calls to fail: replace the actor once
-                    ray.kill(pool[slot], no_restart=True)
-                    on_replace(f"batch-{slot}-{gen}")
-                    pool[slot] = start(slot)
-                if tries + 1 > retries:
-                    yield from error_records(part, f"its Ray actor died {tries + 1} times running it")
-                else:
-                    chunks.appendleft((part, tries + 1))
-                feed(slot)
-                continue
-            for lineno, rec in results:
-                tokens += len(rec["tokens"] or ())
-                yield lineno, rec
-            show(sum(1 for _ in inflight), tokens, actors)
-            feed(slot)
-    finally:
-        for a in pool:
-            ray.kill(a, no_restart=True)
+    def _start(self, slot: int):
+        self.generation[slot] += 1
+        return self.remote.options(name=f"batch-{slot}-{self.generation[slot]}").remote(self.setup)
+
+    def replace(self, slot: int) -> str:
+        """A new actor in the slot of one that died; the name of the one it replaces."""
+        name = f"batch-{slot}-{self.generation[slot]}"
+        self.ray.kill(self.actors[slot], no_restart=True)
+        self.actors[slot] = self._start(slot)
+        return name
+
+    def feed(self, slot: int) -> None:
+        while self.chunks and sum(1 for s, *_ in self.inflight.values() if s == slot) < 2:
+            part, tries = self.chunks.popleft()
+            self.inflight[self.actors[slot].run.remote(part)] = (slot, self.generation[slot], part, tries)
+
+    def close(self) -> None:
+        for a in self.actors:
+            self.ray.kill(a, no_restart=True)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from larqlpy.engines.geometry import LayerGeometry
-from larqlpy.kernels.attention import Span, attend_one, takes
+from larqlpy.kernels.attention import Span, attend_one, attend_rows, takes
 
 QUERY_TILE = 256  # prefill queries attended per tile
 
@@ -154,6 +154,39 @@ class LayerStore:
         return out
 
 
+def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: Sequence[LayerStore], sizes: list[int],
+                 p: AttentionParams) -> torch.Tensor:
+    """One layer of one block: each sequence's rows (q (H, T, D), k, v (Hkv, T, D), `sizes` rows
+    each, laid end to end) to its own store -- the model's one call into the engines per layer.
+    Decode steps whose store says where its rows are (`decode_rows`) are attended together in one
+    kernel call, and released; every other block, and every store that attends on its own terms,
+    through `store.attend`."""
+    decode = takes(q)
+    one = len(stores) == 1
+    ks, vs = ((k,), (v,)) if one else (k.split(sizes, dim=1), v.split(sizes, dim=1))  # views, one call each
+    outs, steps, lo = [], [], 0  # steps: (index in outs, row in q, store, its rows)
+    for store, n, kn, vn in zip(stores, sizes, ks, vs):
+        rows = store.decode_rows(kn, vn) if decode and n == 1 else None
+        if rows is None:
+            qn = q if one else q[:, lo:lo + n].contiguous()
+            outs.append(store.attend(qn, kn if one else kn.contiguous(), vn if one else vn.contiguous(), p))
+        else:
+            steps.append((len(outs), lo, store, rows))
+            outs.append(None)
+        lo += n
+    if steps:
+        qs = q if len(steps) == len(outs) else q[:, [s[1] for s in steps]]  # (H, steps, D)
+        got = attend_rows(qs.transpose(0, 1), [s[3] for s in steps], p.scale, p.softcap or 0.0,
+                          (k, v), [s[1] for s in steps]).transpose(0, 1)
+        for _, _, store, _ in steps:
+            store.release()
+        if len(steps) == len(outs):
+            return got
+        for j, (at, _, _, _) in enumerate(steps):
+            outs[at] = got[:, j:j + 1]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
 class QueryTap:
     """A layer store wrapped for a measurement: `on_query(store, q, p)` sees each block's queries
     before the store attends as usual; everything else is the store's."""
@@ -226,7 +259,6 @@ class EngineState:
         self.layers = list(stores)
         self.shared = list(shared)
         self.max_chunk: int | None = None  # an engine that must act between blocks caps the block size
-        self.last_logits: torch.Tensor | None = None  # logits of the newest processed position
 
     @property
     def position(self) -> int:

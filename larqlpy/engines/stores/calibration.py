@@ -52,6 +52,7 @@ def require_calibration(geometries: Sequence[LayerGeometry], who: str) -> None:
     missing = next((g for g in geometries if g.key_calibration is None), None)
     if missing is not None:
         if missing.calibration_problem:
-            raise LarqlError(f"{who} needs the model's key calibration, and it is unusable: {missing.calibration_problem}")
+            raise LarqlError(f"{who} needs the model's key calibration, and it is unusable: "
+                             f"{missing.calibration_problem}")
         raise LarqlError(f"{who} needs the model's key calibration (kv_calibration.safetensors beside the "
                          "weights); run `calibrate`")

@@ -146,7 +146,8 @@ class CellStore(LayerStore):
             return False
         if dst == State.QUANTIZED:
             codec = self.codec(rules.policy.widths(self.geometry.index))
-            cell.data, cell.precision = codec.encode(cell.data["k"][:, :cell.n], cell.data["v"][:, :cell.n]), codec.label
+            cell.data, cell.precision = codec.encode(cell.data["k"][:, :cell.n],
+                                                     cell.data["v"][:, :cell.n]), codec.label
         else:
             arrays = {name: t[:, :cell.n].numpy() for name, t in cell.data.items()} if cell.precision == "f32" \
                 else {name: t.numpy() for name, t in cell.data.items()}
@@ -183,7 +184,8 @@ class CellStore(LayerStore):
             cell = Cell(start)
             cell.n, cell.state, cell.precision = n, State(meta["state"]), meta["precision"]
             if cell.state == State.ACTIVE:
-                cell.data = {t: torch.zeros(self.geometry.n_kv_heads, c_size, self.geometry.head_dim) for t in ("k", "v")}
+                cell.data = {t: torch.zeros(self.geometry.n_kv_heads, c_size, self.geometry.head_dim)
+                             for t in ("k", "v")}
                 for t in ("k", "v"):
                     cell.data[t][:, :n] = torch.from_numpy(np.array(arrays[t]))
             elif cell.state == State.QUANTIZED:

@@ -19,13 +19,15 @@ from larqlpy.kernels.rowcodec import TurboQuantCodec, row_codec
 
 
 class CodecStore(RowStore):
-    """K and V rows as codes (`codec`), plus optional copies of some rows: the newest `recent` rows'
-    K and V again at a wider width (`recent_codec`), the newest `exact_keys` K rows in f32, and the
-    K and V rows of the first `sink` positions in f32 (attention sinks)."""
+    """K and V rows as codes (`codec`) over the newest `keep` positions (None: all of them), plus
+    optional copies of some rows: the newest `recent` rows' K and V again at a wider width
+    (`recent_codec`), the newest `exact_keys` K rows in f32, and the K and V rows of the first
+    `sink` positions in f32 (attention sinks). Decode steps attend on the codes where the codecs
+    allow it; `fused=False` decodes them into the scratch instead, as prefill blocks do."""
 
-    def __init__(self, geometry: LayerGeometry, device: torch.device, codec: KVCodec, keep: int | None,
+    def __init__(self, geometry: LayerGeometry, device: torch.device, *, codec: KVCodec, keep: int | None,
                  scratch: Scratch, exact_keys: int = 0, sink: int = 0, recent: int = 0,
-                 recent_codec: KVCodec | None = None):
+                 recent_codec: KVCodec | None = None, fused: bool = True):
         super().__init__(geometry, device)
         self.codec, self.scratch = codec, scratch
         hkv, d = geometry.n_kv_heads, geometry.head_dim
@@ -36,7 +38,7 @@ class CodecStore(RowStore):
         self.recent = Rows(hkv, recent_codec.fields, device, recent) if recent else None
         self.sink = sink
         self.sinks = Rows(hkv, {"k": f32, "v": f32}, device, min_capacity=sink) if sink else None
-        self.fused = codec.fused and (recent_codec is None or recent_codec.fused)
+        self.fused = fused and codec.fused and (recent_codec is None or recent_codec.fused)
 
     def meta(self):
         cal = self.codec.calibration
@@ -70,7 +72,8 @@ class CodecStore(RowStore):
         hkv, d, n = self.geometry.n_kv_heads, self.geometry.head_dim, self.end - start
         buf = self.scratch.get(2, hkv, n, d)
         mid = self._recent_from(start)
-        for codec, rows, lo, hi in ((self.codec, self.rows, start, mid), (self.recent_codec, self.recent, mid, self.end)):
+        for codec, rows, lo, hi in ((self.codec, self.rows, start, mid),
+                                    (self.recent_codec, self.recent, mid, self.end)):
             if lo < hi:
                 r = rows.read(lo, hi)
                 for i, t in enumerate("kv"):
@@ -164,7 +167,7 @@ def new_codec_state(provider, geometries, device: torch.device) -> EngineState:
         cal = g.key_calibration.to(device) if provider.calibrated(g) else None
         wide = KVCodec(*(TurboQuantCodec(g.head_dim, provider.recent_bits(), device) for _ in "kv"), cal) \
             if recent else None
-        stores.append(CodecStore(g, device, layer_codec(provider, g, device), g.window, scratch,
+        stores.append(CodecStore(g, device, codec=layer_codec(provider, g, device), keep=g.window, scratch=scratch,
                                  exact_keys=provider.exact_keys(), sink=provider.sink(), recent=recent,
                                  recent_codec=wide))
     return EngineState(provider.identity, provider.options, stores, shared=[scratch])

@@ -230,11 +230,13 @@ class RowStore(LayerStore):
             for meta, arrays in mine:
                 if meta["start"] != pos or meta["state"] != s.state or meta["precision"] != s.precision:
                     raise ValueError(f"layer {self.geometry.index}: cell at {meta['start']} does not fit "
-                                     f"({meta['state']} {meta['precision']}, expected {s.state} {s.precision} at {pos})")
+                                     f"({meta['state']} {meta['precision']}, expected {s.state} {s.precision} "
+                                     f"at {pos})")
                 if set(arrays) != set(rows.fields):
                     raise ValueError(f"layer {self.geometry.index}: cell at {pos} has fields {sorted(arrays)}")
                 pos += meta["n"]
-            if pos != set_stop or (rows.keep is None and base != 0) or (rows.keep is not None and set_stop - base > rows.keep):
+            if pos != set_stop or (rows.keep is None and base != 0) or \
+                    (rows.keep is not None and set_stop - base > rows.keep):
                 raise ValueError(f"layer {self.geometry.index}: saved rows [{base}, {pos}) do not fit end {set_stop}")
             rows.restore(base, set_stop, [(m["start"], {k: torch.from_numpy(a.copy()) for k, a in arr.items()})
                                          for m, arr in mine])

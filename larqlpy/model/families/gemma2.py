@@ -25,7 +25,8 @@ def gemma_fields(raw: dict[str, Any], default_types: list[str]) -> dict[str, Any
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), norm_offset=True, sandwich_norms=True,
         qkv_bias=bool(raw.get("attention_bias", False)), o_bias=bool(raw.get("attention_bias", False)),
         embed_scale=True, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-        activation=activation(raw, "gelu_pytorch_tanh"), max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
+        activation=activation(raw, "gelu_pytorch_tanh"),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
         **token_ids(raw, default_eos=1))
 
 

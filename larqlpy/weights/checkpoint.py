@@ -9,43 +9,15 @@ import json
 import mmap
 import struct
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from safetensors import safe_open
 
 from larqlpy.errors import LarqlError
-from larqlpy.model import calibration_file
 from larqlpy.model.config import ModelConfig
 from larqlpy.model.families import read_config, read_raw_config
-
-def block_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[ModelConfig], tuple[int, ...]]]]:
-    """A block's tensors as the family declares them: ours -> (HF name under model.layers.{i}., shape)."""
-    e, f = (lambda c: (c.hidden_size,)), (lambda c: (c.head_dim,))
-    out = {
-        "q_proj": ("self_attn.q_proj.weight", lambda c: (c.q_dim, c.hidden_size)),
-        "k_proj": ("self_attn.k_proj.weight", lambda c: (c.kv_dim, c.hidden_size)),
-        "v_proj": ("self_attn.v_proj.weight", lambda c: (c.kv_dim, c.hidden_size)),
-        "o_proj": ("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.q_dim)),
-        "gate_proj": ("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-        "up_proj": ("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-        "down_proj": ("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),
-        "input_layernorm": ("input_layernorm.weight", e),
-        "post_attention_layernorm": ("post_attention_layernorm.weight", e),
-    }
-    if cfg.qkv_bias:
-        out.update(q_proj_bias=("self_attn.q_proj.bias", lambda c: (c.q_dim,)),
-                   k_proj_bias=("self_attn.k_proj.bias", lambda c: (c.kv_dim,)),
-                   v_proj_bias=("self_attn.v_proj.bias", lambda c: (c.kv_dim,)))
-    if cfg.o_bias:
-        out["o_proj_bias"] = ("self_attn.o_proj.bias", e)
-    if cfg.qk_norm:
-        out.update(q_norm=("self_attn.q_norm.weight", f), k_norm=("self_attn.k_norm.weight", f))
-    if cfg.sandwich_norms:
-        out.update(pre_feedforward_layernorm=("pre_feedforward_layernorm.weight", e),
-                   post_feedforward_layernorm=("post_feedforward_layernorm.weight", e))
-    return out
-
+from larqlpy.model.tensors import block_weights
+from larqlpy.weights import calibration_file
 
 # Where the text decoder lives: text-only checkpoints, the original multimodal one, transformers >= 4.52's.
 PREFIXES = ("model.", "language_model.model.", "model.language_model.")
@@ -162,12 +134,13 @@ class MappedSafetensors:
         if self.data + hi > len(self.map):
             raise LarqlError(f"{self.path}: truncated: tensor {name} runs past the end of the file")
         dt = np.dtype(DTYPES[info["dtype"]])
-        return np.frombuffer(self.map, dtype=dt, count=(hi - lo) // dt.itemsize, offset=self.data + lo).reshape(info["shape"])
+        return np.frombuffer(self.map, dtype=dt, count=(hi - lo) // dt.itemsize,
+                             offset=self.data + lo).reshape(info["shape"])
 
 
 def check_finite(file: Path, name: str, a: np.ndarray) -> None:
     """Refuse a weight tensor holding NaN or an infinity, naming it. (max and min propagate NaN and
-    show an infinity: two passes at memory speed, about 0.08 s per GB.)"""
+    show an infinity: two passes at memory speed.)"""
     if a.size and not (np.isfinite(a.max()) and np.isfinite(a.min())):
         bad = int(np.size(a) - np.isfinite(a).sum())
         raise LarqlError(f"{file}: tensor {name} holds {bad:,} non-finite values (NaN or infinity)")

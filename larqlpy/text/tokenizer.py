@@ -73,7 +73,8 @@ class Tokenizer:
         template brings its own). BOS is added here rather than by tokenizer.json's post-processor, so
         a prompt that already starts with it never gets it twice."""
         ids = self.ids_of(text)
-        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None and \
+                (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
 
@@ -97,7 +98,8 @@ def _post_processor_adds(inner: HFTokenizer, bos_id: int | None) -> bool:
     """Without tokenizer_config.json's add_bos_token: whether tokenizer.json itself would add BOS."""
     if bos_id is None:
         return False
-    return inner.encode("a", add_special_tokens=True).ids[:1] == [bos_id] != inner.encode("a", add_special_tokens=False).ids[:1]
+    return inner.encode("a", add_special_tokens=True).ids[:1] == [bos_id] != \
+        inner.encode("a", add_special_tokens=False).ids[:1]
 
 
 class Detokenizer:

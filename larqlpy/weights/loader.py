@@ -16,15 +16,16 @@ from safetensors import safe_open
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.qweight import PackedPart, PackedWeight, check_format, stack
-from larqlpy.model import calibration_file, native_file, packed_cache
-from larqlpy.model.native_file import NativeFile
+from larqlpy.weights import calibration_file, native_file, packed_cache
+from larqlpy.weights.native_file import NativeFile
 from larqlpy.model.config import ModelConfig
 from larqlpy.model.decoder import Block, Decoder
 from larqlpy.model.families import read_config
-from larqlpy.model.files import Checkpoint, block_weights
-from larqlpy.model.known_files import KnownFiles
-from larqlpy.model.tokenizer import Tokenizer
-from larqlpy.model.tokenizer_process import TokenizerProcess
+from larqlpy.model.tensors import block_weights
+from larqlpy.weights.checkpoint import Checkpoint
+from larqlpy.weights.known_files import KnownFiles
+from larqlpy.text.tokenizer import Tokenizer
+from larqlpy.text.tokenizer_process import TokenizerProcess
 
 
 @dataclass
@@ -35,7 +36,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     fingerprint: str  # config + weight file headers: what a saved state must match
     weights: str = "f32"  # f32 | bf16 | int8 | int4 | native: the precision the matrices run at
-    packed_from: str | None = None  # low-bit formats: "cache" or "built" (model/packed_cache.py)
+    packed_from: str | None = None  # low-bit formats: "cache" or "built" (weights/packed_cache.py)
     weights_digest: str | None = None  # of every byte the weights were read from (the fingerprint samples them)
 
     def held_weights(self) -> list:
@@ -48,7 +49,8 @@ class LoadedModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes the weights take on their device (packed matrices at their packed size)."""
-        return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size() for w in self.held_weights())
+        return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
+                   for w in self.held_weights())
 
     @property
     def device(self) -> torch.device:
@@ -160,7 +162,8 @@ def _pack_native(ckpt: Checkpoint, native: NativeFile, cfg: ModelConfig) -> dict
                 cat = [np.concatenate([p[f] for p in parts]) if parts[0][f] is not None else None for f in range(3)]
                 out[f"layers.{i}.{'|'.join(names)}"] = PackedWeight.from_codes(*cat, parts[0][3], parts[0][4])
             else:
-                out.update({f"layers.{i}.{n}": PackedWeight.from_codes(*p) for n, p in zip(names, parts) if p is not None})
+                out.update({f"layers.{i}.{n}": PackedWeight.from_codes(*p)
+                            for n, p in zip(names, parts) if p is not None})
     return out
 
 

@@ -8,6 +8,7 @@ is tokenized without adding BOS: the template writes its own.
 from __future__ import annotations
 
 import json
+import weakref
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from larqlpy.errors import LarqlError
 from larqlpy.files import read_text
-from larqlpy.model.messages import check_messages
+from larqlpy.text.messages import check_messages
 
 
 def _raise_exception(message):
@@ -84,6 +85,9 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+_OWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its model's template, compiled once
+
+
 class ChatTemplate:
     def __init__(self, source: str, special: dict[str, str], origin: str):
         self.source, self.special, self.origin = source, dict(special), origin
@@ -98,13 +102,17 @@ class ChatTemplate:
         or the one in `override`; a model without one is refused."""
         if override is not None:
             return cls(read_text(override, "`chat_template`"), tokenizer.special_tokens(), str(override))
+        if tokenizer in _OWN:
+            return _OWN[tokenizer]
         source = tokenizer.config.get("chat_template")
         if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
+                          None)
         if not isinstance(source, str) or not source.strip():
             raise LarqlError("this model has no chat template (tokenizer_config.json has no chat_template); "
                              "give one with `chat_template`")
-        return cls(source, tokenizer.special_tokens(), "the model's chat template")
+        _OWN[tokenizer] = own = cls(source, tokenizer.special_tokens(), "the model's chat template")
+        return own
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         check_messages(messages)

@@ -1,6 +1,6 @@
 """What is known about a model's weight files while they stay unchanged: which tensors were checked
-finite (so a load skips its pass over every weight: f32 on the 270M, 1.07 GB, 0.1-0.2 s of each fresh
-`run`) and the digest of the whole file (what the packed-weight cache was built from).
+finite (so a load skips its pass over every weight, a visible part of each fresh f32 `run`) and the
+digest of the whole file (what the packed-weight cache was built from).
 
 A file is known by its identity -- device, inode, size, modification and change times -- the stat
 data git's index trusts to skip rehashing a file. Writing a file (or chmod, or a copy over it)
@@ -22,7 +22,7 @@ import xxhash
 
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write
-from larqlpy.model.files import check_finite
+from larqlpy.weights.checkpoint import check_finite
 
 NAME = "known-files.json"
 OLD_NAMES = ("finite.json",)  # the record's earlier name (finite checks only): removed when it is rewritten
@@ -35,8 +35,8 @@ def identity(file: Path) -> list[int]:
 
 
 def file_digest(file: Path) -> str:
-    """xxh3-128 of every byte of `file` (25 GB/s over pages in memory; a file not read yet costs its
-    page faults too, ~0.07 s per GB)."""
+    """xxh3-128 of every byte of `file` (at memory speed over pages in memory; a file not read yet
+    costs its page faults too)."""
     with open(file, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return xxhash.xxh3_128_hexdigest(b"")

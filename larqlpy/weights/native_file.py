@@ -66,5 +66,6 @@ class NativeFile:
         except Exception as e:
             raise LarqlError(f"{self.path}: cannot read {name} ({str(e).splitlines()[0]})") from None
         if u.dtype != np.uint8 or u.ndim != 2 or scale.shape[0] != u.shape[0] or u.shape[1] % scale.shape[1]:
-            raise LarqlError(f"{self.path}: {name} has codes {list(u.shape)} and scales {list(scale.shape)} that do not fit")
+            raise LarqlError(f"{self.path}: {name} has codes {list(u.shape)} and scales {list(scale.shape)} "
+                             "that do not fit")
         return u, scale.astype(np.float32, copy=False), minimum, m["zero"], m["bits"]

@@ -1,9 +1,10 @@
 """A model's tokenizer loaded in a helper process, for one-shot commands.
 
-`tokenizers` takes ~0.7-1 s on 2 cores to read a 262K-entry vocabulary with 515K merges (Gemma's
+`tokenizers` takes most of a second to read a large vocabulary and merge list (Gemma's
 tokenizer.json), and holds the GIL throughout, so a thread cannot overlap it with torch's import. A
 process forked before torch is imported loads it on the other core meanwhile; this process then asks
-it to encode and decode over a pipe (~50-80 us a round trip, two per generated token). vLLM keeps
+it to encode and decode over a pipe (two round trips per generated token, a small cost beside a
+decode step: docs/benchmarks.md). vLLM keeps
 its tokenizer apart from its engine core the same way. The helper ends when this process closes the
 pipe or exits, killed included.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from larqlpy.errors import LarqlError
 from larqlpy.model.families import read_config
-from larqlpy.model.tokenizer import Tokenizer
+from larqlpy.text.tokenizer import Tokenizer
 
 
 def _serve(conn, parents_end, path: str) -> None:  # pragma: no cover - runs in the helper process

@@ -1,0 +1,46 @@
+"""One id from a row of logits: greedy, or temperature / top-k / top-p with a seeded generator.
+Logits that are not finite (an overflow in the weights' arithmetic) are refused, never sampled."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from larqlpy.config import SamplingConfig
+from larqlpy.errors import LarqlError
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
+    """One id from `logits` (V,). Under greedy decoding the argmax itself tells whether a logit is
+    not finite (a NaN anywhere is what argmax picks, and an infinity is the maximum): no extra pass."""
+    if cfg.temperature == 0.0:  # numpy's argmax (the first maximum, as torch's) is faster on a CPU row
+        cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
+        best = int(logits.numpy().argmax()) if cpu else int(torch.argmax(logits))
+        if not math.isfinite(float(logits[best])):
+            raise non_finite()
+        return best
+    refuse_non_finite(logits)
+    logits = logits.float() / cfg.temperature
+    if cfg.top_k:
+        kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < cfg.top_p  # always keeps the most likely token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+
+
+def non_finite() -> LarqlError:
+    return LarqlError("the model produced non-finite logits (NaN or infinity); its weights or this `dtype` overflow")
+
+
+def refuse_non_finite(logits: torch.Tensor) -> None:
+    """Raise unless every logit is finite."""
+    # A finite sum means every logit is finite (an infinity or NaN makes the sum one), at a fraction
+    # of isfinite's cost over a large vocabulary; only a non-finite sum needs the full check.
+    if not math.isfinite(float(logits.sum())) and not bool(torch.isfinite(logits).all()):
+        raise non_finite()

@@ -1,0 +1,46 @@
+"""One sequence over the model, as mlx-lm layers `generate_step` under `stream_generate`:
+
+- `generate_step(model, seq)`: run the sequence's blocks (its prompt in chunks, then a row per
+  token) and yield its tokens until it finishes;
+- `stream_generate(model, prompt_ids, spec, cfg, ...)`: a sequence made from a prompt, streamed.
+
+`prefill` runs ids through a state for the measurements that need no sampling (tools/).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Sequence as Ids
+
+import torch
+
+from larqlpy.config import GenerationConfig
+from larqlpy.decode.sequence import Given, Held, Sequence, Token
+from larqlpy.engines import EngineSpec
+from larqlpy.engines.stores.base import EngineState
+
+
+def generate_step(model, seq: Sequence) -> Iterator[Token]:
+    """The sequence's tokens, one forward pass of its own rows at a time, until it finishes."""
+    seq.start()
+    while not seq.finished:
+        yield from seq.sample() if seq.ready else seq.feed(model.forward_many([seq.block()])[0])
+
+
+def stream_generate(model, prompt_ids: Ids[int], spec: EngineSpec = EngineSpec(),
+                    cfg: GenerationConfig = GenerationConfig(), stop_ids: Iterable[int] = (), tokenizer=None,
+                    held: Held | None = None) -> Iterator[Token]:
+    """The tokens generated after `prompt_ids`. `held`: a state to run on, which may already hold a
+    prefix of them (only the rest is prefilled); the caller keeps it."""
+    source = Given(held) if held is not None else None
+    yield from generate_step(model, Sequence(model, list(prompt_ids), spec, cfg, stop_ids=stop_ids,
+                                             tokenizer=tokenizer, source=source))
+
+
+def prefill(model, state: EngineState, ids: Ids[int], chunk: int, all_logits: bool = False) -> torch.Tensor:
+    """Run ids through the model in chunks; logits of the last position (or of every position)."""
+    outs = []
+    chunk = min(chunk, state.max_chunk or chunk)
+    for lo in range(0, len(ids), chunk):
+        block = torch.tensor(ids[lo:lo + chunk], dtype=torch.long)
+        outs.append(model(block, state, all_logits=all_logits))
+    return torch.cat(outs) if all_logits else outs[-1]

@@ -1,0 +1,64 @@
+"""A request made into a sequence, the same way for every entry point: the engine, the prompt's ids
+(a conversation through the chat template, text through the tokenizer, or ids as given), the fit in
+the model's context, and where its first state comes from -- a state file to resume, a server's
+kept states, a chat's previous turn, or nothing (a fresh state). Every refusal raises LarqlError
+here, before the first forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from larqlpy.config import GenerationConfig
+from larqlpy.decode.sequence import Sequence, StateSource
+from larqlpy.errors import LarqlError
+from larqlpy.request import Request
+from larqlpy.session import FileSource
+from larqlpy.text.chat_template import ChatTemplate
+
+
+def prepare(loaded, req: Request, source: StateSource | None = None, key=None, spec=None) -> Sequence:
+    """`req` as a sequence on `loaded`. `source`: the kept states it may start from (a request that
+    resumes a file reads it here); given one, the engine must keep a state. `spec`: an engine
+    already chosen (a chat's), instead of the request's."""
+    spec = req.spec() if spec is None else spec
+    ids = prompt_ids(loaded, req)
+    if req.resume is not None:
+        source = FileSource(loaded, req.resume, req.reprefill)
+        spec = source.spec(spec)
+        ids = source.tokens if ids is None else ids
+    elif source is not None:
+        spec.stateful("keep its state for later requests")
+    gen, notes = fit_context(req.gen, len(ids), loaded.config.max_position_embeddings)
+    return Sequence(loaded.model, ids, spec, gen, stop_ids=loaded.tokenizer.stop_ids, tokenizer=loaded.tokenizer,
+                    source=source, key=key if key is not None else req.id, request=req, notes=notes)
+
+
+def prompt_ids(loaded, req: Request) -> list[int] | None:
+    """The request's prompt as ids: its conversation rendered with the chat template (which writes
+    BOS itself), its ids, or its text; None for an empty prompt that continues a resumed state."""
+    tok = loaded.tokenizer
+    if req.messages is not None:
+        return tok.encode(ChatTemplate.for_tokenizer(tok, req.chat_template).render(list(req.messages)), add_bos=False)
+    if req.ids is not None:
+        vocab = loaded.config.vocab_size
+        if max(req.ids) >= vocab or min(req.ids) < 0:
+            raise LarqlError(f"`prompt` token ids must be in [0, {vocab})")
+        return list(req.ids)
+    if req.prompt == "" and req.resume is not None:
+        return None
+    return tok.encode(req.prompt)
+
+
+def fit_context(gen: GenerationConfig, prompt_tokens: int, context: int) -> tuple[GenerationConfig, list[str]]:
+    """The prompt and its output must fit the model's context: a prompt that fills it is refused; a
+    `max_tokens` past it is capped to what is left, and the note says so."""
+    if gen.max_tokens and prompt_tokens >= context:
+        raise LarqlError(f"the prompt is {prompt_tokens:,} tokens; the model's context is {context:,} positions, "
+                         "so nothing can be generated after it")
+    room = context - prompt_tokens
+    if gen.max_tokens <= room:
+        return gen, []
+    note = (f"`max_tokens` {gen.max_tokens:,} capped to {room:,}: the prompt's {prompt_tokens:,} tokens and the "
+            f"output must fit the model's context of {context:,} positions")
+    return dataclasses.replace(gen, max_tokens=room), [note]

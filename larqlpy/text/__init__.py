@@ -1,0 +1,1 @@
+"""Text: the tokenizer (and its helper process), chat templates and chat messages."""
