@@ -92,10 +92,11 @@ class ChatSession:
                 "position": state.position if state else 0, "tokens": len(self.tokens),
                 "resident_kv_bytes": state.resident_bytes() if state else 0, "engine": self.spec.describe()}
 
-    def save(self, path: str | Path) -> int:
+    def save(self, path: str | Path, what: str = "`path`") -> int:
+        """The conversation, its state and messages, to `path` (`what` names it in a refusal)."""
         if self.held is None:
             raise LarqlError("nothing to save yet: the conversation has no turns")
-        return save(self.loaded, path, self.held, extra={"chat": {"messages": self.messages}})
+        return save(self.loaded, path, self.held, extra={"chat": {"messages": self.messages}}, what=what)
 
     def load(self, path: str | Path) -> None:
         """Continue the conversation saved in `path` (its engine, messages and state)."""

@@ -126,6 +126,8 @@ class ServeConfig:
                 raise LarqlError(f"`{name}` must be positive, got {getattr(self, name)}")
         if self.queue_size < 0:
             raise LarqlError(f"`queue_size` must be >= 0, got {self.queue_size}")
+        if not 0 <= self.shutdown_grace_s < float("inf"):
+            raise LarqlError(f"`shutdown_grace_s` must be a number of seconds >= 0, got {self.shutdown_grace_s}")
         if self.parallel is not None and self.parallel < 1:
             raise LarqlError(f"`parallel` must be >= 1, got {self.parallel}")
         if self.api_key is not None and not self.api_key:

@@ -1,14 +1,18 @@
-"""Files the library writes: output paths checked before any work starts, and atomic writes that
+"""Files the library writes: output paths opened before any work starts, and atomic writes that
 never leave a half-written target and clean up after writers that died.
 
 A write goes to `.NAME.<pid>.<random>.tmp` beside the target (a file, or a directory for a model),
 held under an exclusive lock (flock) while it is written, then fsynced and renamed over the target.
-A temp file of the same target whose lock nobody holds belongs to a writer that died (kill -9, a
-power cut): the next write of that target removes it. Two live writers never remove each other's.
+`check_output` creates that temp file at the boundary, before any work (asking the file system,
+not `os.access`, which says yes to root wherever it looks), and the write uses it; one the process
+never wrote is removed at its exit. A temp file of the same target whose lock nobody holds belongs
+to a writer that died (kill -9, a power cut): the next command that writes the target, or the write
+itself, removes it. Two live writers never remove each other's.
 """
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import secrets
@@ -20,13 +24,16 @@ from typing import BinaryIO, Iterator, Sequence
 from larqlpy.errors import LarqlError
 
 LOCK = ".lock"  # inside a temp directory: the file its writer holds locked
+_OPENED: dict[Path, tuple[Path, int]] = {}  # target -> its temp file, and the descriptor holding its lock
 
 
 def check_output(path: str | os.PathLike, what: str, inputs: Sequence[str | os.PathLike] = (),
                  directory: bool = False) -> Path:
     """Refuse, before any work, an output path that cannot be written: an existing directory (or,
-    with `directory`, an existing file), a parent that is missing or not writable, or one of the
-    `inputs`. `what` names the path in the refusal (a parameter in backticks, or a file)."""
+    with `directory`, an existing file), a missing parent, one of the `inputs`, or a place no file can
+    be created (the temp file the write will use is created now: `atomic_path` takes it). The stale
+    temp files of dead writers of `path` are removed. `what` names the path in the refusal (a
+    parameter in backticks, or a file)."""
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir() and not directory:
@@ -35,14 +42,39 @@ def check_output(path: str | os.PathLike, what: str, inputs: Sequence[str | os.P
         raise LarqlError(f"{what} {path}: is a file, not a directory")
     if not parent.is_dir():
         raise LarqlError(f"{what} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise LarqlError(f"{what} {path}: directory {parent} is not writable")
-    if path.exists() and not directory and not os.access(path, os.W_OK):
-        raise LarqlError(f"{what} {path}: not writable")
     for given in inputs:
         if given is not None and _same(path, Path(given)):
             raise LarqlError(f"{what} {path}: is also an input; writing it would destroy what is read")
+    remove_stale(path)
+    if directory:  # what is written goes inside it (or it is made): a file must be creatable there
+        probe = temp_name((path if path.is_dir() else parent) / "probe")
+        os.close(_open_temp(probe, what, path))
+        probe.unlink()
+    elif path.resolve() not in _OPENED:
+        tmp = temp_name(path)
+        _OPENED[path.resolve()] = (tmp, _open_temp(tmp, what, path))
     return path
+
+
+def _open_temp(tmp: Path, what: str, path: Path) -> int:
+    """The temp file `tmp`, created and locked; a refusal naming `path` when no file can be made there."""
+    try:
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    except OSError as e:
+        raise LarqlError(f"{what + ' ' if what else ''}{path}: cannot be written ({e.strerror or e})") from None
+    if not _lock(fd):
+        os.close(fd)
+        raise LarqlError(f"{path}: cannot lock its temp file {tmp.name}")
+    return fd
+
+
+@atexit.register
+def _remove_unwritten() -> None:
+    """Temp files opened for outputs the process never wrote (its work failed first)."""
+    for tmp, fd in _OPENED.values():
+        Path(tmp).unlink(missing_ok=True)
+        os.close(fd)
+    _OPENED.clear()
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -66,10 +98,11 @@ def _lock(fd: int) -> bool:
         return False
 
 
-def remove_stale(path: Path) -> list[Path]:
-    """Remove the temp files (and temp directories) of `path` that no live writer holds."""
+def remove_stale(path: Path, pattern: str | None = None) -> list[Path]:
+    """Remove the temp files (and temp directories) of `path` that no live writer holds (with
+    `pattern`, those of every target in directory `path` that match it, e.g. ".*.lqkv.*.tmp")."""
     removed = []
-    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+    for tmp in (path.glob(pattern) if pattern else path.parent.glob(f".{path.name}.*.tmp")):
         lock_path = tmp / LOCK if tmp.is_dir() else tmp
         try:
             fd = os.open(lock_path, os.O_RDONLY)
@@ -104,15 +137,14 @@ def atomic_path(path: str | os.PathLike, what: str = "") -> Iterator[Path]:
     only once the block has finished (fsynced, renamed, the directory fsynced); if the block fails,
     `path` is as it was."""
     path = Path(path)
-    remove_stale(path)
-    tmp = temp_name(path)
+    opened = _OPENED.pop(path.resolve(), None)
+    if opened is not None:  # check_output made it at the boundary
+        tmp, fd = opened
+    else:
+        remove_stale(path)
+        tmp = temp_name(path)
+        fd = _open_temp(tmp, what, path)
     try:
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
-    except OSError as e:
-        raise LarqlError(f"{what or path}: cannot write {path} ({e.strerror or e})") from None
-    try:
-        if not _lock(fd):
-            raise LarqlError(f"{path}: cannot lock its temp file {tmp.name}")
         yield tmp
         os.fsync(fd)
         os.replace(tmp, path)
@@ -164,7 +196,10 @@ def utf8(data: bytes | str, where: str) -> str:
             data.encode("utf-8")
             return data
         except UnicodeEncodeError:
-            data = data.encode("utf-8", "surrogateescape")
+            try:
+                data = data.encode("utf-8", "surrogateescape")  # argv's undecodable bytes
+            except UnicodeEncodeError:  # a lone surrogate, as a JSON "\ud800" escape carries
+                json_text(data, where)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -172,6 +207,30 @@ def utf8(data: bytes | str, where: str) -> str:
         at = f"line {line}, " if b"\n" in data[:e.start] else ""
         raise LarqlError(f"{where}: not valid UTF-8 "
                          f"(byte 0x{data[e.start]:02x} at {at}byte offset {e.start})") from None
+
+
+def json_text(text: str, where: str) -> str:
+    """A string from JSON, which UTF-8 text can hold: a lone surrogate (a "\ud800" escape) is refused."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError as e:
+        raise LarqlError(f"{where}: not valid text (a lone surrogate U+{ord(text[e.start]):04X} at character "
+                         f"{e.start}, which no UTF-8 text can hold)") from None
+
+
+def check_strings(value, where: str) -> None:
+    """Every string in a parsed JSON value (keys included) must be text UTF-8 can carry: refuse the
+    first that is not, naming where it is (`where`, then [i] and .key down to it)."""
+    if isinstance(value, str):
+        json_text(value, where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            json_text(k, where)
+            check_strings(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_strings(v, f"{where}[{i}]")
 
 
 def read_bytes(path: str | os.PathLike, what: str = "") -> bytes:

@@ -32,6 +32,7 @@ from larqlpy.budget import KVBudget
 from larqlpy.decode.sequence import Held, Reuse
 from larqlpy.engines import EngineSpec
 from larqlpy.errors import LarqlError
+from larqlpy.files import remove_stale
 from larqlpy.session import align, restore, save
 from larqlpy.state.format import common_prefix, load_state
 
@@ -75,7 +76,9 @@ class PrefixCache:
             self._load_dir()
 
     def _load_dir(self) -> None:
-        """Every state file the directory holds, as PERSISTED entries (checked again on recovery)."""
+        """Every state file the directory holds, as PERSISTED entries (checked again on recovery);
+        the temp files of a server that died while it saved one are removed."""
+        remove_stale(self.dir, f".*{SUFFIX}.*.tmp")
         for path in sorted(self.dir.glob(f"*{SUFFIX}")):
             try:
                 saved = load_state(path)

@@ -80,12 +80,14 @@ def align(held: Held, ids: list[int]) -> Held | None:
     return None
 
 
-def save(loaded: LoadedModel, path: str | Path, held: Held, extra: dict | None = None) -> int:
+def save(loaded: LoadedModel, path: str | Path, held: Held, extra: dict | None = None,
+         what: str = "`save_state`") -> int:
     """Save a state where its run stopped: `held.tokens` is the whole history (the last sampled token
-    included, though the state has not run it); `extra` goes into the header too (a chat's messages)."""
+    included, though the state has not run it); `extra` goes into the header too (a chat's messages);
+    `what` names the path in a refusal."""
     return save_state(path, held.state, model_fingerprint=loaded.fingerprint,
                       tokenizer_fingerprint=loaded.tokenizer.fingerprint, tokens=held.tokens, logits=held.logits,
-                      extra={"larqlpy": __version__, **numerics(loaded), **(extra or {})})
+                      extra={"larqlpy": __version__, **numerics(loaded), **(extra or {})}, what=what)
 
 
 def numerics(loaded: LoadedModel) -> dict[str, str]:

@@ -55,3 +55,12 @@ def test_what_can_never_fit_is_refused_and_a_process_budget_must_be_positive(tin
     assert event.token is None and seq.error.startswith("needs ") and seq.state is None
     with pytest.raises(LarqlError, match="`kv_budget` must be positive"):
         KVBudget(0)
+
+
+def test_a_state_dir_loses_the_temp_files_of_a_server_that_died_while_saving(tiny, tmp_path):
+    stale = tmp_path / ".0123abcd.lqkv.999999.deadbeef.tmp"  # a kill -9 in the middle of a persist
+    stale.write_bytes(b"x" * 4096)
+    kept = tmp_path / "notes.txt"
+    kept.write_text("not ours")
+    cache = PrefixCache(tiny, KVBudget(), state_dir=tmp_path)
+    assert not stale.exists() and kept.exists() and cache.entries == []

@@ -14,7 +14,8 @@ from typing import Optional
 
 import typer
 
-from larqlpy.cli.common import DEVICE, DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, err, monitored, started
+from larqlpy.cli.common import (ALLOW_UNUSED, DEVICE, DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, err,
+                                monitored, started)
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write, check_output, read_bytes
 
@@ -43,6 +44,7 @@ def batch(
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
+    allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Run one request per input line; one result per output line, in input order.
 
@@ -54,9 +56,12 @@ def batch(
     budget, part = checked(model, infile, output, workers, ray_address, actors, actor_cpus, worker_model,
                            resume_output, kv_budget, shard, parallel, monitor, monitor_plot)
     items = read_lines(infile, part)
+    from larqlpy.tools.batch_run import Setup, cores
+
     procs = actors if ray_address is not None else workers
-    run = _Run(str(model), device, dtype, weights, workers, parallel, budget // procs if budget else None,
-               ray_address, actors, actor_cpus, worker_model)
+    run = _Run(Setup(str(model), device, dtype, weights, parallel, budget // procs if budget else None,
+                     max(1, cores() // workers) if workers > 1 else None, allow_unused_tensors),
+               workers, ray_address, actors, actor_cpus, worker_model)
     if resume_output:
         failed = run.resumed(output, items, quiet, monitor, monitor_plot)
     else:
@@ -131,13 +136,9 @@ def write_sorted(path: Path, records: list[dict]) -> None:
 class _Run:
     """Every line's record into the sink, from this process, worker processes or Ray actors."""
 
-    def __init__(self, model, device, dtype, weights, workers, parallel, kv_budget, ray_address=None, actors=1,
-                 actor_cpus=1, worker_model=None):
-        from larqlpy.tools.batch_run import Setup, cores
-
+    def __init__(self, setup, workers, ray_address=None, actors=1, actor_cpus=1, worker_model=None):
         started()  # the weights load with the first lines: the long-lived imports are in
-        threads = max(1, cores() // workers) if workers > 1 else None
-        self.setup = Setup(model, device, dtype, weights, parallel, kv_budget, threads)
+        self.setup = setup
         self.workers, self.ray_address, self.actors, self.actor_cpus = workers, ray_address, actors, actor_cpus
         self.worker_model = worker_model
 

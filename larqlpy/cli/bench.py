@@ -11,8 +11,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from larqlpy.cli.common import (CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS,
-                                check_paths, err, fmt_bytes, load_model, monitored, one_engine, out)
+from larqlpy.cli.common import (ALLOW_UNUSED, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, MONITOR, MONITOR_PLOT,
+                                WEIGHTS, check_paths, err, fmt_bytes, load_model, monitored, one_engine, out)
 from larqlpy.errors import LarqlError
 from larqlpy.files import check_output
 
@@ -37,17 +37,13 @@ def bench_ladder(
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
+    allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Each engine at several lengths: live KV bytes, speed, row cosine and KL against canonical/v1."""
     from larqlpy.tools.ladder import ladder
     from larqlpy.tools.ladder import plot as draw
 
-    try:
-        lengths = [int(p) for p in positions.split(",")]
-    except ValueError:
-        raise LarqlError(f"--positions: expected comma-separated integers, got {positions!r}") from None
-    if not lengths or min(lengths) < 1 or steps < 1:
-        raise LarqlError("--positions and --steps must be positive")
+    lengths = _lengths(positions, steps)
     specs = one_engine("bench ladder", engine, continuation, continuation_option)
     if plot is not None and plot.suffix.lower() != ".png":
         raise LarqlError(f"--plot: expected a .png path, got {plot}")
@@ -56,9 +52,12 @@ def bench_ladder(
     check_paths(monitor, monitor_plot)
     if budget is not None:
         with monitored(monitor, monitor_plot):
-            return _ladder_budget(model, budget, specs, max_positions, as_json, device, dtype, weights)
+            return _ladder_budget(model, budget, specs, max_positions, as_json,
+                                  dict(device=device, dtype=dtype, weights=weights,
+                                       allow_unused_tensors=allow_unused_tensors))
     with monitored(monitor, monitor_plot) as mon:
-        loaded = load_model(model, device=device, dtype=dtype, weights=weights)
+        loaded = load_model(model, device=device, dtype=dtype, weights=weights,
+                            allow_unused_tensors=allow_unused_tensors)
         result = ladder(loaded, lengths, specs, steps, on_length=lambda n: setattr(mon, "position", n))
     if plot is not None:
         draw(result, plot)
@@ -81,8 +80,17 @@ def bench_ladder(
         err.print(f"wrote {plot}", markup=False)
 
 
-def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json: bool, device: str, dtype: str,
-                   weights: str):
+def _lengths(positions: str, steps: int) -> list[int]:
+    try:
+        lengths = [int(p) for p in positions.split(",")]
+    except ValueError:
+        raise LarqlError(f"--positions: expected comma-separated integers, got {positions!r}") from None
+    if not lengths or min(lengths) < 1 or steps < 1:
+        raise LarqlError("--positions and --steps must be positive")
+    return lengths
+
+
+def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json: bool, load: dict):
     """Confirm `residency --budget` by running: each engine grows a context until the process's
     memory grew by the budget."""
     from larqlpy.engines import preset_spec
@@ -98,7 +106,7 @@ def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json:
     if max_positions < 1:
         raise LarqlError("--max-positions must be >= 1")
     specs = specs or [preset_spec(p) for p in LADDER]
-    loaded = load_model(model, device=device, dtype=dtype, weights=weights)
+    loaded = load_model(model, **load)
     accounted = capacity(str(model), nbytes, specs)["engines"]
     rows = []
     for spec, acc in zip(specs, accounted):
@@ -131,6 +139,7 @@ def bench_consistency(
     monitor_plot: Optional[Path] = MONITOR_PLOT,
     device: str = DEVICE,
     weights: str = WEIGHTS,
+    allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """A fixed question set answered greedily by each engine, against canonical/v1."""
     from larqlpy.engines import preset_spec
@@ -144,7 +153,7 @@ def bench_consistency(
     items = load_questions(questions)
     check_paths(monitor, monitor_plot)
     with monitored(monitor, monitor_plot):
-        loaded = load_model(model, device=device, weights=weights)
+        loaded = load_model(model, device=device, weights=weights, allow_unused_tensors=allow_unused_tensors)
         r = consistency(loaded, items, specs, max_tokens)
     if as_json:
         sys.stdout.write(json.dumps(r) + "\n")

@@ -14,10 +14,11 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import (CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, WEIGHTS,
-                                err, error_line, fmt_bytes, load_model)
+from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE,
+                                WEIGHTS, err, error_line, fmt_bytes, load_model)
 from larqlpy.config import GenerationConfig, SamplingConfig
 from larqlpy.errors import LarqlError
+from larqlpy.files import utf8
 
 HELP = "/save FILE  /load FILE  /stats  /reset  /help  /quit  (anything else is a message)"
 
@@ -41,6 +42,7 @@ def chat(
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
+    allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Talk to MODEL, keeping the conversation's attention state between turns."""
     from larqlpy.request import Request
@@ -54,7 +56,7 @@ def chat(
     from larqlpy.chat import ChatSession
     from larqlpy.text.chat_template import ChatTemplate
 
-    loaded = load_model(model, device=device, dtype=dtype, weights=weights)
+    loaded = load_model(model, device=device, dtype=dtype, weights=weights, allow_unused_tensors=allow_unused_tensors)
     template = str(chat_template) if chat_template is not None else None
     ChatTemplate.for_tokenizer(loaded.tokenizer, template)  # a model without one is refused before the first turn
     session = ChatSession(loaded, spec, req.gen, template, system)
@@ -68,23 +70,42 @@ class Repl:
         self.session, self.as_json = session, as_json
         self.tty = sys.stdin.isatty()
         self.failed = False
+        self.lineno = 0  # lines read from a pipe
 
     def say(self, record: dict, text: str) -> None:
         sys.stdout.write((json.dumps(record) if self.as_json else text) + "\n")
         sys.stdout.flush()
+
+    def read(self) -> str | None:
+        """The next line (None at the end of the input); one that is not UTF-8 is refused."""
+        if self.tty:
+            try:
+                return input("> ")
+            except EOFError:
+                return None
+            except UnicodeDecodeError as e:
+                raise LarqlError(f"that line is not valid UTF-8 (byte 0x{e.object[e.start]:02x}); "
+                                 "the conversation goes on") from None
+        self.lineno += 1
+        raw = getattr(sys.stdin, "buffer", sys.stdin).readline()
+        if not raw:
+            return None
+        return utf8(raw, f"line {self.lineno}") if isinstance(raw, bytes) else raw
 
     def run(self) -> None:
         if self.tty and not self.as_json:
             err.print(f"larqlpy chat ({self.session.spec.describe()}); {HELP}", markup=False)
         while True:
             try:
-                line = input("> ") if self.tty else sys.stdin.readline()
-            except EOFError:
-                break
+                line = self.read()
             except KeyboardInterrupt:  # at the prompt: a fresh line, like a shell
                 sys.stdout.write("\n")
                 continue
-            if not self.tty and line == "":
+            except LarqlError as e:  # refused; the conversation goes on, as a bad batch line does
+                self.failed = True
+                err.print(f"larqlpy: error: {error_line(e)}", markup=False, soft_wrap=True)
+                continue
+            if line is None:
                 break
             line = line.rstrip("\r\n")
             if not line.strip():
@@ -135,7 +156,7 @@ class Repl:
             if not arg:
                 raise LarqlError(f"{name} needs a FILE")
             if name == "/save":
-                n = s.save(arg)
+                n = s.save(arg, what="/save")
                 self.say({"saved": arg, "bytes": n}, f"saved {fmt_bytes(n)} to {arg}")
             else:
                 s.load(arg)

@@ -32,6 +32,9 @@ WEIGHTS = typer.Option("f32", "--weights", help="f32 | bf16 | int8 | int4 | nati
 ENGINE = typer.Option(None, "--engine", help="V2 spelling: standard | no-cache | name:k=v,...")
 CONTINUATION = typer.Option(None, "--continuation", help="provider identity, e.g. canonical/v1")
 CONTINUATION_OPTION = typer.Option([], "--continuation-option", help="key=value (repeatable)")
+ALLOW_UNUSED = typer.Option(False, "--allow-unused-tensors",
+                            help="load weight files that hold tensors the model's family does not use "
+                                 "(refused otherwise: a config.json over another model's weights)")
 CHAT_TEMPLATE = typer.Option(None, "--chat-template", help="a jinja chat template file instead of the model's")
 
 # Library parameter -> how a CLI user gives it. The library names parameters in backticks
@@ -47,6 +50,7 @@ FLAGS = {
     "chat_template": "--chat-template", "parallel": "--parallel", "port": "--port", "api_key": "--api-key",
     "queue_size": "--queue-size", "max_tokens_limit": "--max-tokens-limit", "max_body_bytes": "--max-body",
     "disk_budget": "--disk-budget", "state_dir": "--state-dir", "shard": "--shard",
+    "shutdown_grace_s": "--shutdown-grace", "host": "--host", "allow_unused_tensors": "--allow-unused-tensors",
 }
 
 
@@ -74,9 +78,12 @@ def started() -> None:
 
 
 def load_model(model: Path, **kw):
-    """`model.loader.load(model, **kw)`, and then start-up is over (`started`)."""
+    """`model.loader.load(model, **kw)` on the CPUs this process may use, and then start-up is over
+    (`started`)."""
+    from larqlpy.kernels.threads import use_cores
     from larqlpy.weights.loader import load
 
+    use_cores()
     loaded = load(model, **kw)
     started()
     return loaded

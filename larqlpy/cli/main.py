@@ -13,6 +13,7 @@ import typer
 from larqlpy.cli import batch, batch_merge, bench, chat, model, observe, residency, run, serve, state
 from larqlpy.cli.common import err, error_line
 from larqlpy.errors import LarqlError
+from larqlpy.kernels.contention import choose_waits
 
 try:  # recent typer vendors click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError
@@ -84,6 +85,7 @@ def entry() -> None:
     collector is off until the command's start-up is over (common.started)."""
     gc.disable()
     atexit.register(_skip_teardown)
+    choose_waits()  # before torch or numba starts a thread: sleep, not spin, beside other busy work
     try:
         main()
     except SystemExit as e:

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from larqlpy.cli.common import DEVICE, cli_text, err, load_model, out, started
+from larqlpy.cli.common import ALLOW_UNUSED, DEVICE, cli_text, err, load_model, out, started
 from larqlpy.errors import LarqlError
 from larqlpy.files import check_output, read_text
 
@@ -27,7 +27,7 @@ def info(model: Path = typer.Argument(..., help="model directory"),
         return
     t = Table(title=str(model), show_header=False)
     for k in ("model_type", "parameters", "dtypes", "layers", "hidden_size", "heads", "kv_heads", "head_dim",
-              "sliding_window", "vocab_size", "rope", "final_logit_softcapping", "key_calibration"):
+              "sliding_window", "vocab_size", "rope", "final_logit_softcapping", "key_calibration", "unused_tensors"):
         v = d[k]
         t.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
     t.add_row("layer kinds",
@@ -60,6 +60,7 @@ def calibrate(
     text: Optional[Path] = typer.Option(None, "--text", help="calibration text (default: the packaged one)"),
     if_needed: bool = typer.Option(False, "--if-needed", help="do nothing when MODEL has a usable calibration"),
     device: str = DEVICE,
+    allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Measure the keys' mean and per-channel scale (what codec calib=on quantizes with) and write
     MODEL/kv_calibration.safetensors."""
@@ -70,7 +71,7 @@ def calibrate(
     if if_needed:
         cfg = read_config(model)
         pairs, problem = calibration_file.read(model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                               Checkpoint(model, cfg).fingerprint)
+                                               Checkpoint(model, cfg, allow_unused_tensors).fingerprint)
         if pairs is not None:
             err.print(f"{model}: already calibrated", markup=False)
             return
@@ -86,7 +87,7 @@ def calibrate(
     from larqlpy.tools.calibrate import calibrate as measure
 
     t0 = time.perf_counter()
-    loaded = load_model(model, device=device, key_calibration=False)
+    loaded = load_model(model, device=device, key_calibration=False, allow_unused_tensors=allow_unused_tensors)
     cals, meta = measure(loaded, body)
     path = calibration_file.save(model, cals, meta)
     t = Table(title=f"{model}: key calibration over {int(meta['tokens']):,} tokens")

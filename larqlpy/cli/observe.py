@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from larqlpy.cli.common import DEVICE, WEIGHTS, err, load_model, out, read_prompt
+from larqlpy.cli.common import ALLOW_UNUSED, DEVICE, WEIGHTS, err, load_model, out, read_prompt
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write, check_output, read_text
 
@@ -26,23 +26,20 @@ def kv_stats(
     as_json: bool = typer.Option(False, "--json"),
     device: str = DEVICE,
     weights: str = WEIGHTS,
+    allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Per layer, K and V: range, quantiles, outlier channels, and the per-row cosine each codec reaches."""
     from larqlpy.model.families import read_config
     from larqlpy.tools.observe import QUANTILES, QUERIES, WIDER
     from larqlpy.tools.observe import kv_stats as measure
 
-    context = read_config(model).max_position_embeddings
-    if max_positions is None:
-        max_positions = min(2048, context)
-    if max_positions < 1 or not 0 < min_cosine <= 1:
-        raise LarqlError("--max-positions must be >= 1 and --min-cosine in (0, 1]")
-    if max_positions > context:
-        raise LarqlError(f"--max-positions {max_positions:,} is past the model's context of {context:,} positions")
+    max_positions = _positions(read_config(model).max_position_embeddings, max_positions)
+    if not 0 < min_cosine <= 1:
+        raise LarqlError("--min-cosine must be in (0, 1]")
     if rules_out is not None:
         check_output(rules_out, "--rules-out")
     text = read_text(prompt, "PROMPT_OR_FILE") if prompt != "-" and _names_a_file(prompt) else read_prompt(prompt)
-    loaded = load_model(model, device=device, weights=weights)
+    loaded = load_model(model, device=device, weights=weights, allow_unused_tensors=allow_unused_tensors)
     ids = loaded.tokenizer.encode(text)[:max_positions]
     r = measure(loaded, ids, min_cosine)
     if rules_out is not None:
@@ -77,6 +74,16 @@ def kv_stats(
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measurements on a real model.")
+
+
+def _positions(context: int, given: int | None) -> int:
+    """--max-positions, checked against the model's context (default: 2048, or the context)."""
+    n = min(2048, context) if given is None else given
+    if n < 1:
+        raise LarqlError("--max-positions must be >= 1")
+    if n > context:
+        raise LarqlError(f"--max-positions {n:,} is past the model's context of {context:,} positions")
+    return n
 
 
 def _names_a_file(text: str) -> bool:

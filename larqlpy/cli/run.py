@@ -9,9 +9,9 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import (CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, MONITOR,
-                                MONITOR_PLOT, WEIGHTS, check_paths, cli_text, err, fmt_bytes, load_model, monitored,
-                                read_prompt)
+from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE,
+                                MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, cli_text, err, fmt_bytes, load_model,
+                                monitored, read_prompt)
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
 from larqlpy.config import GenerationConfig, SamplingConfig
@@ -51,6 +51,7 @@ def run(
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
+    allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Generate a continuation of PROMPT."""
     req = run_request(prompt, dict(
@@ -60,8 +61,8 @@ def run(
         reprefill=reprefill, max_tokens=max_tokens, prefill_chunk=prefill_chunk, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, stop=list(stop)))
     check_paths(monitor, monitor_plot)
-    show(generate(model, req, as_json, monitor, monitor_plot, device=device, dtype=dtype, weights=weights),
-         as_json, stats)
+    show(generate(model, req, as_json, monitor, monitor_plot, device=device, dtype=dtype, weights=weights,
+                  allow_unused_tensors=allow_unused_tensors), as_json, stats)
 
 
 def generate(model: Path, req, as_json: bool, monitor, monitor_plot, **load) -> dict:

@@ -9,7 +9,8 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, WEIGHTS, err, load_model
+from larqlpy.cli.common import (ALLOW_UNUSED, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, WEIGHTS, err,
+                                load_model)
 from larqlpy.config import ServeConfig
 from larqlpy.errors import LarqlError
 
@@ -36,32 +37,30 @@ def serve(
     max_tokens_limit: int = typer.Option(ServeConfig.max_tokens_limit, "--max-tokens-limit", help="largest max_tokens "
                                          "a request may ask"),
     max_body: str = typer.Option("1MiB", "--max-body", help="largest request body"),
+    shutdown_grace: float = typer.Option(ServeConfig.shutdown_grace_s, "--shutdown-grace",
+                                         help="seconds in-flight requests get to finish at SIGTERM"),
     queue_size: int = typer.Option(ServeConfig.queue_size, "--queue-size", help="requests waiting "
                                    "beyond the live ones before 429"),
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
+    allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Serve MODEL over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics). Conversations' attention states are kept and reused by later requests that
     share their prefix."""
-    from larqlpy.engines.options import parse_size
     from larqlpy.files import check_output
     from larqlpy.model.families import read_config
 
-    sizes = {}
-    for flag, text in (("--kv-budget", kv_budget), ("--disk-budget", disk_budget), ("--max-body", max_body)):
-        try:
-            sizes[flag] = parse_size(text)
-        except ValueError as e:
-            raise LarqlError(f"{flag}: {e}") from None
+    sizes = _sizes(("--kv-budget", kv_budget), ("--disk-budget", disk_budget), ("--max-body", max_body))
     if state_dir is not None:
         check_output(state_dir, "--state-dir", directory=True)
     cfg = ServeConfig(host=host, port=port, api_key=api_key, max_body_bytes=sizes["--max-body"],
                       max_tokens_limit=max_tokens_limit, queue_size=queue_size, parallel=parallel,
                       kv_budget=sizes["--kv-budget"], disk_budget=sizes["--disk-budget"],
                       state_dir=str(state_dir) if state_dir else None, name=Path(model).resolve().name,
-                      engine=engine, continuation=continuation, options=tuple(continuation_option))
+                      engine=engine, continuation=continuation, options=tuple(continuation_option),
+                      shutdown_grace_s=shutdown_grace)
     read_config(model)
     if state_dir is not None:
         state_dir.mkdir(exist_ok=True)
@@ -69,9 +68,23 @@ def serve(
         err.print(f"larqlpy: warning: listening on {host} without --api-key: anyone who can reach it may use it",
                   markup=False)
 
-    from larqlpy.server import serve as run_server
+    from larqlpy.server import listen, serve as run_server
 
-    run_server(load_model(model, device=device, dtype=dtype, weights=weights), cfg, announce)
+    sock = listen(host, port)  # a busy port is refused before the weights load
+    loaded = load_model(model, device=device, dtype=dtype, weights=weights, allow_unused_tensors=allow_unused_tensors)
+    run_server(loaded, cfg, announce, sock)
+
+
+def _sizes(*flags: tuple[str, str]) -> dict[str, int]:
+    from larqlpy.engines.options import parse_size
+
+    sizes = {}
+    for flag, text in flags:
+        try:
+            sizes[flag] = parse_size(text)
+        except ValueError as e:
+            raise LarqlError(f"{flag}: {e}") from None
+    return sizes
 
 
 def announce(s: dict) -> None:

@@ -101,7 +101,7 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
              "pad_token_id": config["pad_token_id"]}, indent=2) + "\n")
         save_tokenizer(tokenizer, tmp / "tokenizer.json")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-        fingerprint = Checkpoint(tmp, read_config(tmp)).fingerprint  # the path is not part of it
+        fingerprint = Checkpoint(tmp, read_config(tmp), allow_unused_tensors=True).fingerprint  # not the path
         native_file.write(tmp / native_file.FILE, codes, floats, fingerprint)
     step("done", total, total)
     return dest

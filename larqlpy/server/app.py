@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import secrets
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import AsyncIterator
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -32,6 +34,8 @@ from larqlpy.server import protocol
 from larqlpy.server.engine import Handle, QueueFull, ServeEngine, ShuttingDown
 from larqlpy.server.metrics import Metrics
 from larqlpy.server.protocol import ApiError
+
+LOG = logging.getLogger("uvicorn.error")  # uvicorn's own log: what the server prints
 
 
 @dataclass
@@ -119,12 +123,17 @@ async def events(request: HttpRequest, h: Handle) -> AsyncIterator[tuple[str, ob
             served(request).engine.cancel(h)
 
 
+CUT = "the server shut down before this answer was complete"
+
+
 async def whole(request: HttpRequest, h: Handle, rid: str, chat: bool):
     s = served(request)
     async with aclosing(events(request, h)) as source:
         async for kind, value in source:
             if kind == "error":
                 raise ApiError(500, value, kind="server_error")
+            if kind == "cut":
+                raise ApiError(503, CUT, kind="server_error")
             if kind == "done":
                 s.metrics.served(h.seq)
                 return JSONResponse(protocol.response(rid, chat, s.name, h.seq))
@@ -142,13 +151,17 @@ async def streamed(request: HttpRequest, h: Handle, rid: str, chat: bool, includ
                 return
             if kind == "token" and value.text:
                 yield json.dumps(protocol.chunk(rid, chat, s.name, value.text, None))
-            if kind == "done":
+            if kind in ("done", "cut"):
                 break
         else:
             return  # the client went away
     last = protocol.chunk(rid, chat, s.name, None if chat else "", seq.finish_reason or "length")
     last["larqlpy"] = protocol.extra(seq)
     yield json.dumps(last)
+    if kind == "cut":  # ended where it stood, its finish "length"; the error says why; then [DONE]
+        yield json.dumps(ApiError(503, CUT, kind="server_error").body())
+        yield "[DONE]"
+        return
     if include_usage:
         yield json.dumps({"id": rid, "object": last["object"], "created": last["created"], "model": s.name,
                           "choices": [], "usage": protocol.usage(seq)})
@@ -218,11 +231,18 @@ class Guard:
 
 
 async def read_limited(request: HttpRequest, limit: int) -> bytes:
-    """The body, refused once it passes `limit` (a chunked body declares no length)."""
+    """The body, refused once it passes `limit` (a chunked body declares no length). A client that
+    gives up halfway is one line in the log."""
     parts, n = [], 0
-    async for part in request.stream():
-        n += len(part)
-        if n > limit:
-            raise ApiError(413, f"the request body is over the limit of {limit:,} bytes")
-        parts.append(part)
+    try:
+        async for part in request.stream():
+            n += len(part)
+            if n > limit:
+                raise ApiError(413, f"the request body is over the limit of {limit:,} bytes")
+            parts.append(part)
+    except ClientDisconnect:
+        client = request.client
+        LOG.warning("a client%s went away while sending its request body (%s bytes of it came)",
+                    f" ({client.host}:{client.port})" if client else "", f"{n:,}")
+        raise ApiError(499, "the client went away while sending its request body") from None
     return b"".join(parts)

@@ -30,7 +30,8 @@ class ShuttingDown(Exception):
 
 class Handle:
     """One request inside the server: its sequence, and the asyncio queue its events arrive on --
-    ("token", Token) ..., then ("done", the sequence) or ("error", message)."""
+    ("token", Token) ..., then ("done", the sequence), ("error", message) or, at shutdown, ("cut",
+    the sequence)."""
 
     def __init__(self, seq: Sequence, loop: asyncio.AbstractEventLoop):
         self.seq, self.loop, self.events = seq, loop, asyncio.Queue()
@@ -82,6 +83,14 @@ class ServeEngine:
         if h.seq in self.handles:
             self.inbox.put(("cancel", h))
 
+    def drain(self) -> None:
+        """Shutting down: no new requests; those in flight go on."""
+        self.accepting = False
+
+    def cut_off(self) -> None:
+        """The drain's time is up: every request still in flight ends now ("cut"), its state kept."""
+        self.inbox.put(("cut", None))
+
     # -- the engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         while self.running:
@@ -101,9 +110,14 @@ class ServeEngine:
                         self._event(e)
                 self._publish()
 
-    def _take(self, what: str, h: Handle) -> None:
+    def _take(self, what: str, h: Handle | None) -> None:
         if what == "new":
             self.sched.submit(h.seq)
+        elif what == "cut":
+            for h in list(self.handles.values()):
+                self._drop(h.seq)
+                self._deliver(h, ("cut", h.seq))
+            self.handles.clear()
         elif self.handles.pop(h.seq, None) is not None:
             self._drop(h.seq)
 

@@ -16,8 +16,9 @@ from larqlpy.files import atomic_write
 from larqlpy.state.format import ALIGN, MAGIC, PAGE, PREFIX, VERSION, SavedState, align, jsonable
 
 def save_state(path: str | Path, state: EngineState, *, model_fingerprint: str, tokenizer_fingerprint: str,
-               tokens: list[int], logits: torch.Tensor | None, extra: dict | None = None) -> int:
-    """Write `state` to `path` atomically. Returns the file size."""
+               tokens: list[int], logits: torch.Tensor | None, extra: dict | None = None,
+               what: str = "`save_state`") -> int:
+    """Write `state` to `path` atomically (`what` names the path in a refusal). Returns the file size."""
     path = Path(path)
     blobs: list[bytes] = []
     offset = 0
@@ -50,7 +51,7 @@ def save_state(path: str | Path, state: EngineState, *, model_fingerprint: str, 
     raw_header = json.dumps(header, separators=(",", ":")).encode()
     data_offset = align(PREFIX.size + len(raw_header), PAGE)
     header_bytes = PREFIX.pack(MAGIC, VERSION, 0, len(raw_header), zlib.crc32(raw_header), 0) + raw_header
-    with atomic_write(path, "`save_state`") as f:
+    with atomic_write(path, what) as f:
         f.write(header_bytes)
         f.write(b"\0" * (data_offset - len(header_bytes)))
         for b in blobs:

@@ -5,17 +5,14 @@ through `show(live sequences, tokens generated, processes alive)`."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-import numba
-import torch
-
 from larqlpy.batch_lines import Item, line_records
 from larqlpy.config import default_parallel
 from larqlpy.errors import LarqlError
+from larqlpy.kernels.threads import cores, use_cores
 from larqlpy.weights.loader import load as load_model
 
 Show = Callable[[int, int, int], None]
@@ -32,19 +29,15 @@ class Setup:
     parallel: int | None = None
     kv_budget: int | None = None  # per process
     threads: int | None = None  # torch and numba threads; None: all this process may use
+    allow_unused_tensors: bool = False
 
     def load(self):
-        if self.threads is not None:  # the cores are shared between processes
-            torch.set_num_threads(self.threads)
-            numba.set_num_threads(self.threads)
-        return load_model(self.model, device=self.device, dtype=self.dtype, weights=self.weights)
+        use_cores(self.threads)  # worker processes share the cores this one may use
+        return load_model(self.model, device=self.device, dtype=self.dtype, weights=self.weights,
+                          allow_unused_tensors=self.allow_unused_tensors)
 
     def slots(self, loaded, cores: int) -> int:
         return self.parallel or default_parallel(cores, 1, loaded.device.type)
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0))
 
 
 def local_records(setup: Setup, items: list[Item], show: Show) -> Iterator[tuple[int, dict]]:

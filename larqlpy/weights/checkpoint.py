@@ -73,6 +73,18 @@ def wanted_tensors(path: Path, cfg: ModelConfig, files: dict[str, Path]) -> Want
 
 
 SAMPLE = 1 << 20  # bytes the fingerprint reads from each end of each weight file
+IGNORED = (".rotary_emb.inv_freq",)  # buffers some checkpoints saved beside the weights: nothing to load
+
+
+def unused_tensors(files: dict[str, Path], wanted: Wanted, cfg: ModelConfig) -> list[str]:
+    """The tensors of the decoder's part of the files (under its prefix, and its head) that the
+    family does not take: weights of another family, or more layers than config.json says. Other
+    parts of a multimodal checkpoint (a vision tower) lie outside the prefix."""
+    used = {hf for hf, _ in wanted.values()}
+    prefix = wanted["embed_tokens"][0].removesuffix("embed_tokens.weight")
+    head = prefix.removesuffix("model.") + "lm_head.weight"
+    extra = [n for n in files if (n.startswith(prefix) or n == head) and n not in used and not n.endswith(IGNORED)]
+    return sorted(n for n in extra if not (n == head and cfg.tie_word_embeddings))  # a tied head's own copy
 
 
 class Checkpoint:
@@ -80,10 +92,16 @@ class Checkpoint:
     fingerprint of config + headers + a sample of each file's bytes (what a saved state, a key
     calibration and a packed-weight cache must match)."""
 
-    def __init__(self, path: Path, cfg: ModelConfig):
+    def __init__(self, path: Path, cfg: ModelConfig, allow_unused_tensors: bool = False):
         self.path, self.cfg = path, cfg
         self.files = weight_files(path)
         self.wanted = wanted_tensors(path, cfg, self.files)
+        self.unused = unused_tensors(self.files, self.wanted, cfg)
+        if self.unused and not allow_unused_tensors:
+            names = ", ".join(self.unused[:3]) + (", ..." if len(self.unused) > 3 else "")
+            raise LarqlError(f"{path}: {len(self.unused):,} tensors of its weight files are not used by its family "
+                             f"({cfg.model_type}: {names}), so its config.json may not describe these weights; "
+                             "pass `allow_unused_tensors` to load it anyway")
         self.handles = {f: open_safetensors(f) for f in sorted(set(self.files[hf] for hf, _ in self.wanted.values()))}
         hasher = hashlib.sha256(json.dumps(read_raw_config(path), sort_keys=True).encode())
         self.dtypes: dict[str, str] = {}
@@ -150,7 +168,7 @@ def describe(path: str | Path) -> dict:
     """What `info` shows, read from config.json and the safetensors headers (no weights loaded)."""
     path = Path(path)
     cfg = read_config(path)
-    ckpt = Checkpoint(path, cfg)
+    ckpt = Checkpoint(path, cfg, allow_unused_tensors=True)  # shown, not refused
     params, dtypes = 0, set()
     for f, h in ckpt.handles.items():
         for name in h.keys():
@@ -169,7 +187,7 @@ def describe(path: str | Path) -> dict:
         "vocab_size": cfg.vocab_size, "rope": _rope_text(cfg), "tied_embeddings": cfg.tie_word_embeddings,
         "attention_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.final_softcap,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "fingerprint": ckpt.fingerprint,
+        "fingerprint": ckpt.fingerprint, "unused_tensors": len(ckpt.unused),
         "key_calibration": calibration_file.summary(path, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                                     cfg.head_dim, ckpt.fingerprint),
     }

@@ -58,13 +58,16 @@ class LoadedModel:
 
 
 def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str = "f32",
-         key_calibration: bool = True, tokenizer: TokenizerProcess | None = None) -> LoadedModel:
+         key_calibration: bool = True, tokenizer: TokenizerProcess | None = None,
+         allow_unused_tensors: bool = False) -> LoadedModel:
     """Load a model directory. device: auto|cpu|cuda; dtype: float32|bfloat16 (activations);
     weights: f32|bf16|int8|int4 -- the matrices (embedding / tied LM head included) packed, from the
     packed-weight cache after the first load; native -- each matrix as the GGUF held it
     (native.safetensors, written by the converter); key_calibration: read kv_calibration.safetensors when
     the directory has one (a stale or damaged one is reported on the model, not raised); tokenizer: a
-    helper already loading it (tokenizer_process.start), else it is loaded here.
+    helper already loading it (tokenizer_process.start), else it is loaded here; allow_unused_tensors:
+    load weight files that hold tensors the family does not take (refused otherwise: a config.json
+    over another family's weights).
     Every weight read is checked finite (a file unchanged since it passed once is not read again:
     known_files.py); a NaN or infinity is refused naming its tensor."""
     path = Path(path)
@@ -73,7 +76,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     tdtype = resolve_dtype(dtype)
     cfg = read_config(path)
     tokenizer = Tokenizer.from_dir(path, cfg) if tokenizer is None else tokenizer.tokenizer()
-    ckpt = Checkpoint(path, cfg)
+    ckpt = Checkpoint(path, cfg, allow_unused_tensors)
     model = Decoder(cfg, device=dev, dtype=tdtype)
     packed_from, matrices = None, set()
     handles: dict[Path, object] = {}

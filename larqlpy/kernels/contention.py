@@ -1,0 +1,50 @@
+"""Whether other work already runs on the CPUs this process will use, and the thread pools' way of
+waiting that follows from it (no torch, no numba: decided before either starts its threads).
+
+The kernels' threads (one OpenMP runtime serves torch and numba here) spin after every parallel
+region, waiting for the next one. On a quiet machine that makes each of the many small regions of
+a decode step start at once; beside another busy process the spinning threads take the CPU from
+the threads doing the work, and throughput collapses (docs/batch.md: a one-core background load
+cost 2.5-3.3x the time, where sleeping threads lose nothing). So a process that starts beside
+other runnable work waits by sleeping (OMP_WAIT_POLICY=PASSIVE); one that starts on a quiet
+machine spins. The choice is made once, at start: OpenMP reads it when it starts its threads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+SAMPLES, GAP_S = 3, 0.004  # the kernel's count of runnable tasks, read a few times apart (its minimum)
+WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def others_runnable() -> int:
+    """Runnable tasks beside this process, as the kernel counts them now (/proc/loadavg's running
+    field, fewest of a few readings: a busy process is always there, a passing one is not)."""
+    seen = []
+    for i in range(SAMPLES):
+        with open("/proc/loadavg") as f:
+            seen.append(int(f.read().split()[3].split("/")[0]) - 1)  # this process itself is running
+        if i + 1 < SAMPLES:
+            time.sleep(GAP_S)
+    return max(0, min(seen))
+
+
+def contended() -> bool:
+    """Whether other runnable work must share the CPUs this process may use: more of it than the
+    machine has CPUs outside them."""
+    try:
+        outside = (os.cpu_count() or 1) - len(os.sched_getaffinity(0))
+        return others_runnable() > outside
+    except (OSError, ValueError, IndexError):  # no /proc (not Linux): as if quiet
+        return False
+
+
+def choose_waits(environ=os.environ) -> str | None:
+    """Set OMP_WAIT_POLICY=PASSIVE when the machine is contended and the user set no wait policy;
+    returns what was set (None: nothing)."""
+    if any(k in environ for k in WAIT_SETTINGS) or not contended():
+        return None
+    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return "PASSIVE"
