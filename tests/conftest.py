@@ -9,6 +9,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 REAL_DIR = ROOT / "models" / "gemma-3-270m"
 SMOL_DIR = ROOT / "models" / "smollm2-135m-instruct"
+QWEN_DIR = ROOT / "models" / "qwen2.5-coder-0.5b-instruct"
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -39,6 +40,20 @@ def smol(smol_dir):
     from larqlpy.weights.loader import load
 
     return load(smol_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def qwen_dir() -> Path:
+    if not (QWEN_DIR / "config.json").is_file():
+        pytest.fail(f"{QWEN_DIR} is missing: run `make model` (make test does it)")
+    return QWEN_DIR
+
+
+@pytest.fixture(scope="session")
+def qwen(qwen_dir):
+    from larqlpy.weights.loader import load
+
+    return load(qwen_dir, device="cpu")
 
 
 @pytest.fixture(scope="session")

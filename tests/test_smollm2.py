@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from conftest import smol_gguf
-from larqlpy.text.chat_template import ChatTemplate
-from larqlpy.config import GenerationConfig
+from hf_compare import assert_chats_match, assert_prompts_match
 from larqlpy.engines import EngineSpec, new_state, parse_engine_spec
-from larqlpy.decode.stream import prefill, stream_generate
+from larqlpy.decode.stream import prefill
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -76,37 +75,13 @@ def test_logits_match_transformers_over_1100_positions(smol, hf_model, long_text
     assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-3
 
 
-def greedy_hf(hf_model, ids, n):
-    """transformers' greedy ids: argmax of its logits, step by step with its KV cache (its generate()
-    would also apply the generation config's processors, e.g. a repetition penalty)."""
-    out, past, x = [], None, torch.tensor([ids])
-    with torch.no_grad():
-        for _ in range(n):
-            r = hf_model(x, cache=past, use_cache=True)
-            past, tok = r.cache, int(r.logits[0, -1].argmax())
-            out.append(tok)
-            x = torch.tensor([[tok]])
-    return out
-
-
 def test_greedy_ids_equal_transformers_on_plain_prompts(smol, hf_model):
-    cfg = GenerationConfig(max_tokens=32, stop_at_eos=False)
-    for prompt in ("The history of the printing press begins", "def fibonacci(n):", "Water boils at"):
-        ids = smol.tokenizer.encode(prompt)
-        ours = [t.id for t in stream_generate(smol.model, ids, EngineSpec(), cfg)]
-        assert ours == greedy_hf(hf_model, ids, 32), prompt
+    assert_prompts_match(smol, hf_model, ("The history of the printing press begins", "def fibonacci(n):",
+                                          "Water boils at"), 32)
 
 
 def test_chat_answers_equal_transformers(smol, hf_model, hf_tokenizer):
-    template = ChatTemplate.for_tokenizer(smol.tokenizer)
-    cfg = GenerationConfig(max_tokens=24, stop_at_eos=False)
-    for messages in CONVERSATIONS:
-        text = template.render(messages, add_generation_prompt=True)
-        assert text == hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = smol.tokenizer.encode(text, add_bos=False)
-        ours = [t.id for t in stream_generate(smol.model, ids, EngineSpec(), cfg)]
-        assert ours == greedy_hf(hf_model, ids, 24), messages
-    answer = smol.tokenizer.decode(ours)
+    answer = smol.tokenizer.decode(assert_chats_match(smol, hf_model, hf_tokenizer, CONVERSATIONS, 24))
     assert "Moon" in answer or "moon" in answer, answer
 
 
