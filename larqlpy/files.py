@@ -146,7 +146,7 @@ def atomic_path(path: str | os.PathLike, what: str = "") -> Iterator[Path]:
         fd = _open_temp(tmp, what, path)
     try:
         yield tmp
-        os.fsync(fd)
+        _settle(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -164,6 +164,19 @@ def atomic_write(path: str | os.PathLike, what: str = "") -> Iterator[BinaryIO]:
         f.flush()
 
 
+def _settle(f: Path) -> None:
+    """A written file made durable and as readable as this module creates its own (0644), through its
+    name: a writer that makes its own temp file and renames it over `f` (safetensors' save_file)
+    leaves another inode than the one opened here, at 0600, which other users of a shared models
+    directory cannot read."""
+    os.chmod(f, 0o644)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def atomic_directory(path: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
     """A temp directory to fill; renamed to `path` when the block finishes (an existing `path` is
@@ -177,6 +190,9 @@ def atomic_directory(path: str | os.PathLike, replace: bool = False) -> Iterator
         _lock(fd)
         yield tmp
         os.unlink(tmp / LOCK)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _settle(f)
         if path.exists() and replace:
             shutil.rmtree(path)
         os.replace(tmp, path)

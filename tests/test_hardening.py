@@ -294,3 +294,22 @@ def test_the_kernels_run_on_the_cpus_this_process_may_use(monkeypatch):
     finally:
         torch.set_num_threads(before[0])
         numba.set_num_threads(before[1])
+
+
+def test_written_files_are_readable_by_others_and_synced_through_their_name(tmp_path):
+    """safetensors' save_file renames its own 0600 temp over the path it is given: the files
+    atomic_path and atomic_directory put in place are 0644 all the same."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from larqlpy.files import atomic_directory, atomic_path
+
+    one = tmp_path / "one.safetensors"
+    with atomic_path(one) as tmp:
+        save_file({"a": np.arange(3, dtype=np.float32)}, str(tmp))
+    assert oct(one.stat().st_mode & 0o777) == "0o644" and load_file(str(one))["a"].tolist() == [0, 1, 2]
+    with atomic_directory(tmp_path / "dir") as d:
+        save_file({"b": np.ones(2, np.float32)}, str(d / "model.safetensors"))
+        (d / "config.json").write_text("{}")
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in (tmp_path / "dir").iterdir()} == \
+        {"model.safetensors": "0o644", "config.json": "0o644"}
