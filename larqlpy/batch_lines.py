@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from larqlpy.errors import LarqlError
-from larqlpy.files import check_strings, utf8
+from larqlpy.files import check_fields, utf8
 from larqlpy.request import Request
 from larqlpy.runner import error_record, execute_many
 
@@ -39,8 +39,7 @@ def parse_line(lineno: int, line: bytes) -> tuple[Any, Request | str]:
         if isinstance(raw, dict):
             rid = raw.get("id", lineno)
             raw = {**raw, "id": rid}
-            for key, value in raw.items():  # a JSON "\ud800" escape is a str no tokenizer takes
-                check_strings(value, f"`{key}`")
+            check_fields(raw)
         return rid, Request.from_dict(raw)
     except json.JSONDecodeError as e:
         msg = f"line {lineno}: not valid JSON ({e.msg})"

@@ -249,6 +249,13 @@ def check_strings(value, where: str) -> None:
             check_strings(v, f"{where}[{i}]")
 
 
+def check_fields(obj: dict) -> None:
+    """`check_strings` over each field of a JSON object (a request body, a batch line), naming the
+    field as a parameter: a JSON "\ud800" escape is a str no tokenizer or template takes."""
+    for key, value in obj.items():
+        check_strings(value, f"`{key}`")
+
+
 def read_bytes(path: str | os.PathLike, what: str = "") -> bytes:
     """A file the user named, or a one-line refusal (missing, a directory, unreadable) that names
     it (after `what`, the flag or argument it came in, when given)."""

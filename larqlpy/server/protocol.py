@@ -9,7 +9,7 @@ import time
 
 from larqlpy.decode.sequence import Sequence
 from larqlpy.errors import NAMED, LarqlError
-from larqlpy.files import check_strings
+from larqlpy.files import check_fields
 
 
 class ApiError(Exception):
@@ -46,8 +46,7 @@ def parse_body(raw: bytes, limit: int) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        for key, value in body.items():  # a JSON "\ud800" escape is a str no tokenizer or template takes
-            check_strings(value, f"`{key}`")
+        check_fields(body)
     except LarqlError as e:
         raise invalid(e) from None
     return body
