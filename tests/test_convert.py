@@ -86,3 +86,29 @@ def test_convert_refuses_bad_input(tmp_path, gguf_path):
     with pytest.raises(LarqlError, match="already exists"):
         convert_gguf(gguf_path, tmp_path / "exists")
     assert not (tmp_path / "out").exists()
+
+
+def test_convert_writes_bfloat16_matrices_by_default(tmp_path, smol_dir):
+    """A converted directory holds its matrices in bfloat16 unless asked for float32 (the reference
+    directories `make model` writes), norms in float32; it loads at bf16 by default, the same
+    matrices as packing the float32 conversion to bf16."""
+    from safetensors import safe_open
+
+    from larqlpy.convert.gguf import convert_gguf
+    from larqlpy.errors import LarqlError
+    from larqlpy.weights.loader import load
+    from conftest import smol_gguf
+
+    with pytest.raises(LarqlError, match="`dtype`: expected bfloat16 or float32"):
+        convert_gguf(smol_gguf(), tmp_path / "x", dtype="float16")
+    dest = convert_gguf(smol_gguf(), tmp_path / "bf16")
+    with safe_open(str(dest / "model.safetensors"), framework="pt") as f:
+        kinds = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert kinds["model.layers.0.mlp.down_proj.weight"] == "BF16" and kinds["model.norm.weight"] == "F32"
+    assert json.loads((dest / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    size = (dest / "model.safetensors").stat().st_size
+    assert size < 0.55 * (smol_dir / "model.safetensors").stat().st_size
+    half = load(dest, device="cpu")
+    assert half.weights == "bf16"
+    packed = load(smol_dir, device="cpu", weights="bf16")
+    assert torch.equal(half.model.layers[3].down_proj.codes, packed.model.layers[3].down_proj.codes)

@@ -15,12 +15,12 @@ from typing import Optional
 import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, DEVICE, DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, err,
-                                monitored, started)
+                                model_home, monitored, started)
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write, check_output, read_bytes
 
 def batch(
-    model: Path = typer.Argument(..., help="model directory"),
+    model: Path = typer.Argument(..., help="model directory or .gguf file"),
     infile: str = typer.Argument(..., help="JSON lines of requests, or - for stdin"),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="write results here (default stdout)"),
     parallel: Optional[int] = typer.Option(None, "--parallel", help="sequences decoded together in one process "
@@ -43,7 +43,7 @@ def batch(
     monitor_plot: Optional[Path] = MONITOR_PLOT,
     device: str = DEVICE,
     dtype: str = DTYPE,
-    weights: str = WEIGHTS,
+    weights: Optional[str] = WEIGHTS,
     allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Run one request per input line; one result per output line, in input order.
@@ -96,7 +96,7 @@ def checked(model, infile, output, workers, ray_address, actors, actor_cpus, wor
             raise LarqlError(f"--kv-budget: {e}") from None
     part = parse_shard(shard) if shard is not None else None
     BatchConfig(parallel, budget)
-    read_config(model)  # a bad model directory is one line, not one error per request
+    read_config(model_home(model))  # a bad model directory is one line, not one error per request
     check_paths(monitor, monitor_plot)
     if output is not None:
         check_output(output, "-o", inputs=[] if infile == "-" else [infile])

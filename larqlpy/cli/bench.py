@@ -21,7 +21,7 @@ bench_app = typer.Typer(no_args_is_help=True, help="Measurements on a real model
 
 @bench_app.command("ladder")
 def bench_ladder(
-    model: Path = typer.Argument(..., help="model directory"),
+    model: Path = typer.Argument(..., help="model directory or .gguf file"),
     positions: str = typer.Option("512,2048,8192", "--positions", help="comma-separated context lengths"),
     engine: Optional[str] = typer.Option(None, "--engine", help="one engine, V2 spelling"),
     continuation: Optional[str] = CONTINUATION,
@@ -36,7 +36,7 @@ def bench_ladder(
     monitor_plot: Optional[Path] = MONITOR_PLOT,
     device: str = DEVICE,
     dtype: str = DTYPE,
-    weights: str = WEIGHTS,
+    weights: Optional[str] = WEIGHTS,
     allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Each engine at several lengths: live KV bytes, speed, row cosine and KL against canonical/v1."""
@@ -128,7 +128,7 @@ def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json:
 
 @bench_app.command("consistency")
 def bench_consistency(
-    model: Path = typer.Argument(..., help="model directory"),
+    model: Path = typer.Argument(..., help="model directory or .gguf file"),
     questions: Optional[Path] = typer.Argument(None, help="JSON lines of {id, question}; default: the shipped set"),
     engine: Optional[str] = typer.Option(None, "--engine", help="one engine, V2 spelling"),
     continuation: Optional[str] = CONTINUATION,
@@ -138,7 +138,7 @@ def bench_consistency(
     monitor: Optional[Path] = MONITOR,
     monitor_plot: Optional[Path] = MONITOR_PLOT,
     device: str = DEVICE,
-    weights: str = WEIGHTS,
+    weights: Optional[str] = WEIGHTS,
     allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """A fixed question set answered greedily by each engine, against canonical/v1."""

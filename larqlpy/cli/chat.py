@@ -24,7 +24,8 @@ HELP = "/save FILE  /load FILE  /stats  /reset  /help  /quit  (anything else is 
 
 
 def chat(
-    model: Path = typer.Argument(..., help="model directory (with a chat template, or give --chat-template)"),
+    model: Path = typer.Argument(..., help="model directory or .gguf file "
+                               "(with a chat template, or give --chat-template)"),
     system: Optional[str] = typer.Option(None, "--system", help="a system message first"),
     chat_template: Optional[Path] = CHAT_TEMPLATE,
     resume_from: Optional[Path] = typer.Option(None, "--resume", help="continue a conversation saved with /save"),
@@ -41,7 +42,7 @@ def chat(
     as_json: bool = typer.Option(False, "--json", help="one JSON line per turn instead of streamed text"),
     device: str = DEVICE,
     dtype: str = DTYPE,
-    weights: str = WEIGHTS,
+    weights: Optional[str] = WEIGHTS,
     allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Talk to MODEL, keeping the conversation's attention state between turns."""

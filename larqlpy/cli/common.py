@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from larqlpy.errors import LarqlError, spell
-from larqlpy.files import utf8
+from larqlpy.files import is_gguf, utf8
 
 NO_COLOR = "NO_COLOR" in os.environ
 err = Console(stderr=True, no_color=NO_COLOR, highlight=False)
@@ -27,8 +27,8 @@ DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda")
 DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16")
 MONITOR = typer.Option(None, "--monitor", help="sample memory and position into FILE (.csv/.json)")
 MONITOR_PLOT = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG")
-WEIGHTS = typer.Option("f32", "--weights", help="f32 | bf16 | int8 | int4 | native (each matrix as the GGUF held it): "
-                       "weight precision, packed at load")
+WEIGHTS = typer.Option(None, "--weights", help="f32 | bf16 | int8 | int4 | native (each matrix as the GGUF held it): "
+                       "weight precision, packed at load; default: what the files hold (native for a .gguf)")
 ENGINE = typer.Option(None, "--engine", help="V2 spelling: standard | no-cache | name:k=v,...")
 CONTINUATION = typer.Option(None, "--continuation", help="provider identity, e.g. canonical/v1")
 CONTINUATION_OPTION = typer.Option([], "--continuation-option", help="key=value (repeatable)")
@@ -87,6 +87,16 @@ def load_model(model: Path, **kw):
     loaded = load(model, **kw)
     started()
     return loaded
+
+
+def model_home(model: Path) -> Path:
+    """Where MODEL's config.json and tokenizer are: MODEL itself, or a .gguf file's metadata cache
+    (made on first use). gguf-py is imported for a GGUF only."""
+    if not is_gguf(model):
+        return model
+    from larqlpy.weights.gguf_file import model_dir
+
+    return model_dir(model)
 
 
 def cli_text(text: str) -> str:

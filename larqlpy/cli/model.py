@@ -10,15 +10,15 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from larqlpy.cli.common import ALLOW_UNUSED, DEVICE, cli_text, err, load_model, out, started
+from larqlpy.cli.common import ALLOW_UNUSED, DEVICE, cli_text, err, load_model, model_home, out, started
 from larqlpy.errors import LarqlError
 from larqlpy.files import check_output, read_text
 
 
-def info(model: Path = typer.Argument(..., help="model directory"),
+def info(model: Path = typer.Argument(..., help="model directory or .gguf file"),
          as_json: bool = typer.Option(False, "--json")):
     """Architecture, layers and their kinds, parameter count, dtype."""
-    from larqlpy.weights.checkpoint import describe
+    from larqlpy.weights.info import describe
 
     d = describe(model)
     d["key_calibration"] = cli_text(d["key_calibration"])
@@ -37,8 +37,11 @@ def info(model: Path = typer.Argument(..., help="model directory"),
 
 def convert_gguf(src: Path = typer.Argument(..., help="a .gguf file (gemma3, llama, qwen2)"),
                  dest: Path = typer.Argument(..., help="output directory (HF layout)"),
-                 force: bool = typer.Option(False, "--force", help="overwrite DEST if it exists")):
-    """Dequantize a GGUF into safetensors + config.json + tokenizer.json (+ its chat template)."""
+                 force: bool = typer.Option(False, "--force", help="overwrite DEST if it exists"),
+                 dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float32 (exact): the "
+                                           "quantized matrices' precision in DEST")):
+    """Dequantize a GGUF into safetensors + config.json + tokenizer.json (+ its chat template). `run`
+    and every other command also take the .gguf file itself, with no conversion."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from larqlpy.convert.gguf import convert_gguf as convert
@@ -51,27 +54,28 @@ def convert_gguf(src: Path = typer.Argument(..., help="a .gguf file (gemma3, lla
         def step(what: str, done: int, total: int) -> None:
             bar.update(task, description=what[:40], completed=done, total=total)
 
-        convert(src, dest, step, force=force)
+        convert(src, dest, step, force=force, dtype=dtype)
     err.print(f"wrote {dest}")
 
 
 def calibrate(
-    model: Path = typer.Argument(..., help="model directory"),
+    model: Path = typer.Argument(..., help="model directory or .gguf file"),
     text: Optional[Path] = typer.Option(None, "--text", help="calibration text (default: the packaged one)"),
     if_needed: bool = typer.Option(False, "--if-needed", help="do nothing when MODEL has a usable calibration"),
     device: str = DEVICE,
     allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Measure the keys' mean and per-channel scale (what codec calib=on quantizes with) and write
-    MODEL/kv_calibration.safetensors."""
+    kv_calibration.safetensors into MODEL (a .gguf file's: into its metadata cache)."""
     from larqlpy.weights import calibration_file
     from larqlpy.model.families import read_config
-    from larqlpy.weights.checkpoint import Checkpoint
+    from larqlpy.weights.gguf_checkpoint import checkpoint
 
+    home = model_home(model)
     if if_needed:
-        cfg = read_config(model)
-        pairs, problem = calibration_file.read(model, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                               Checkpoint(model, cfg, allow_unused_tensors).fingerprint)
+        cfg = read_config(home)
+        pairs, problem = calibration_file.read(home, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                               checkpoint(model, cfg, allow_unused_tensors).fingerprint)
         if pairs is not None:
             err.print(f"{model}: already calibrated", markup=False)
             return
@@ -81,15 +85,15 @@ def calibrate(
     if text is not None and not text.exists():
         raise LarqlError(f"--text {text}: no such file")
     body = None if text is None else read_text(text, "--text")
-    read_config(model)
-    check_output(model / calibration_file.FILE, "MODEL")  # before the measurement, not after
+    read_config(home)
+    check_output(home / calibration_file.FILE, "MODEL")  # before the measurement, not after
 
     from larqlpy.tools.calibrate import calibrate as measure
 
     t0 = time.perf_counter()
     loaded = load_model(model, device=device, key_calibration=False, allow_unused_tensors=allow_unused_tensors)
     cals, meta = measure(loaded, body)
-    path = calibration_file.save(model, cals, meta)
+    path = calibration_file.save(home, cals, meta)
     t = Table(title=f"{model}: key calibration over {int(meta['tokens']):,} tokens")
     for col in ("layer", "kind", "mean share of key energy", "scale min", "scale max"):
         t.add_column(col, justify="right")

@@ -10,13 +10,13 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from larqlpy.cli.common import ALLOW_UNUSED, DEVICE, WEIGHTS, err, load_model, out, read_prompt
+from larqlpy.cli.common import ALLOW_UNUSED, DEVICE, WEIGHTS, err, load_model, model_home, out, read_prompt
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write, check_output, read_text
 
 
 def kv_stats(
-    model: Path = typer.Argument(..., help="model directory"),
+    model: Path = typer.Argument(..., help="model directory or .gguf file"),
     prompt: str = typer.Argument(..., help="a text file, - for stdin, or the text itself"),
     max_positions: Optional[int] = typer.Option(None, "--max-positions",
                                                 help="use at most this many tokens (default 2048, or the context)"),
@@ -25,7 +25,7 @@ def kv_stats(
     rules_out: Optional[Path] = typer.Option(None, "--rules-out", help="write the suggested cells/v1 rules here"),
     as_json: bool = typer.Option(False, "--json"),
     device: str = DEVICE,
-    weights: str = WEIGHTS,
+    weights: Optional[str] = WEIGHTS,
     allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Per layer, K and V: range, quantiles, outlier channels, and the per-row cosine each codec reaches."""
@@ -33,7 +33,7 @@ def kv_stats(
     from larqlpy.tools.observe import QUANTILES, QUERIES, WIDER
     from larqlpy.tools.observe import kv_stats as measure
 
-    max_positions = _positions(read_config(model).max_position_embeddings, max_positions)
+    max_positions = _positions(read_config(model_home(model)).max_position_embeddings, max_positions)
     if not 0 < min_cosine <= 1:
         raise LarqlError("--min-cosine must be in (0, 1]")
     if rules_out is not None:

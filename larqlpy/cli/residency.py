@@ -16,7 +16,8 @@ from larqlpy.errors import LarqlError
 
 
 def residency(
-    model: str = typer.Argument(..., help="model directory or named geometry (gemma3-270m ... qwen3-8b: see --help)"),
+    model: str = typer.Argument(..., help="model directory, .gguf file or named geometry "
+                                                   "(gemma3-270m ... qwen3-8b: see --help)"),
     positions: Optional[int] = typer.Option(None, "--positions", help="sequence length to account for"),
     budget: Optional[str] = typer.Option(None, "--budget", help="instead: the longest context "
                                          "each engine fits in this, e.g. 2GiB"),

@@ -11,14 +11,14 @@ import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE,
                                 MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, cli_text, err, fmt_bytes, load_model,
-                                monitored, read_prompt)
+                                model_home, monitored, read_prompt)
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
 from larqlpy.config import GenerationConfig, SamplingConfig
 
 
 def run(
-    model: Path = typer.Argument(..., help="model directory (HF layout)"),
+    model: Path = typer.Argument(..., help="model directory (HF layout) or .gguf file"),
     prompt: str = typer.Argument(..., help="prompt text, or - to read stdin ('' with --resume: continue); "
                                           "with --chat, the user's message"),
     max_tokens: int = typer.Option(GenerationConfig.max_tokens, "-n", "--max-tokens", help="tokens to generate "
@@ -50,7 +50,7 @@ def run(
     monitor_plot: Optional[Path] = MONITOR_PLOT,
     device: str = DEVICE,
     dtype: str = DTYPE,
-    weights: str = WEIGHTS,
+    weights: Optional[str] = WEIGHTS,
     allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Generate a continuation of PROMPT."""
@@ -69,7 +69,7 @@ def generate(model: Path, req, as_json: bool, monitor, monitor_plot, **load) -> 
     """The request's record, its text streamed to stdout as it comes (unless `as_json`)."""
     from larqlpy.text.tokenizer_process import start
 
-    helper = start(model)  # the tokenizer loads on another core while torch imports (before it: fork)
+    helper = start(model_home(model))  # the tokenizer loads on another core while torch imports (before it: fork)
 
     from larqlpy.runner import execute
 

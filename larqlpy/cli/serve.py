@@ -10,7 +10,7 @@ from typing import List, Optional
 import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, WEIGHTS, err,
-                                load_model)
+                                load_model, model_home)
 from larqlpy.config import ServeConfig
 from larqlpy.errors import LarqlError
 
@@ -18,7 +18,7 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 def serve(
-    model: Path = typer.Argument(..., help="model directory (HF layout)"),
+    model: Path = typer.Argument(..., help="model directory (HF layout) or .gguf file"),
     host: str = typer.Option(ServeConfig.host, "--host", help="address to bind (loopback by default)"),
     port: int = typer.Option(ServeConfig.port, "--port"),
     engine: Optional[str] = ENGINE,
@@ -43,7 +43,7 @@ def serve(
                                    "beyond the live ones before 429"),
     device: str = DEVICE,
     dtype: str = DTYPE,
-    weights: str = WEIGHTS,
+    weights: Optional[str] = WEIGHTS,
     allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Serve MODEL over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models,
@@ -61,7 +61,7 @@ def serve(
                       state_dir=str(state_dir) if state_dir else None, name=Path(model).resolve().name,
                       engine=engine, continuation=continuation, options=tuple(continuation_option),
                       shutdown_grace_s=shutdown_grace)
-    read_config(model)
+    read_config(model_home(model))
     if state_dir is not None:
         state_dir.mkdir(exist_ok=True)
     if host not in LOOPBACK and api_key is None:

@@ -16,7 +16,8 @@ from typing import Callable
 
 import gguf
 import numpy as np
-from safetensors.numpy import save_file
+import torch
+from safetensors.torch import save_file
 
 from larqlpy.convert.archs import ARCHS, Meta
 from larqlpy.convert.native import native_codes
@@ -53,10 +54,15 @@ def read_gguf(src: Path):
     return reader, ARCHS[arch]
 
 
-def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = None, force: bool = False) -> Path:
+def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = None, force: bool = False,
+                 dtype: str = "bfloat16") -> Path:
     """Dequantize a GGUF (gemma3, llama, qwen2) into an HF-layout directory, written to a temp directory
-    and renamed when whole."""
+    and renamed when whole. dtype: what the quantized matrices are written as -- bfloat16 (half the
+    bytes; a GGUF's values are rarely bfloat16 exactly) or float32 (exact); matrices the file holds
+    as float stay in their own precision where dtype is bfloat16, and norms and biases are float32."""
     src, dest = Path(src), Path(dest)
+    if dtype not in STORED:
+        raise LarqlError(f"`dtype`: expected {' or '.join(STORED)}, got {dtype!r}")
     if dest.exists() and not force:
         raise LarqlError(f"{dest}: already exists (pass `force` to overwrite)")
     check_output(dest, "DEST", inputs=[src], directory=True)
@@ -67,7 +73,7 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
     ours = [(t, arch.hf_name(t.name)) for t in reader.tensors]
     ours = [(t, m) for t, m in ours if m is not None]
     total = len(ours) + 1
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, torch.Tensor] = {}
     codes: dict[str, tuple] = {}
     floats: dict[str, str] = {}
     for i, (t, (name, is_norm)) in enumerate(ours):
@@ -89,22 +95,42 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
                                None if minimum is None else arch.restore(t.name, minimum, config),
                                zero, bits, t.tensor_type.name)
         w = arch.restore(t.name, w, config)
-        tensors[name] = w - 1.0 if is_norm else w  # llama.cpp stores Gemma norms as 1 + w
+        w = w - 1.0 if is_norm else w  # llama.cpp stores Gemma norms as 1 + w
+        tensors[name] = stored(w, t.tensor_type.name, dtype)
     step("tokenizer", len(ours), total)
-    tokenizer, tok_config = build_tokenizer(meta)
+    tokenizer = build_tokenizer(meta)
 
     with atomic_directory(dest, replace=True) as tmp:  # a crash leaves no half-written model directory
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": src.name})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-             "pad_token_id": config["pad_token_id"]}, indent=2) + "\n")
-        save_tokenizer(tokenizer, tmp / "tokenizer.json")
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+        write_metadata(tmp, {**config, "torch_dtype": dtype}, *tokenizer)
         fingerprint = Checkpoint(tmp, read_config(tmp), allow_unused_tensors=True).fingerprint  # not the path
         native_file.write(tmp / native_file.FILE, codes, floats, fingerprint)
     step("done", total, total)
     return dest
+
+
+STORED = ("bfloat16", "float32")
+OWN = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+
+
+def stored(w: np.ndarray, qtype: str, dtype: str) -> torch.Tensor:
+    """A dequantized float32 tensor as the converted checkpoint stores it (convert_gguf's dtype)."""
+    t = torch.from_numpy(np.ascontiguousarray(w))
+    if dtype == "float32" or t.ndim < 2:
+        return t
+    return t.to(OWN.get(qtype, torch.bfloat16))
+
+
+def write_metadata(dest: Path, config: dict, tokenizer, tok_config: dict) -> None:
+    """config.json, generation_config.json, tokenizer.json and tokenizer_config.json into `dest`:
+    what a converted directory and a GGUF's metadata cache (weights/gguf_file.py) hold beside the
+    weights."""
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (dest / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+         "pad_token_id": config["pad_token_id"]}, indent=2) + "\n")
+    save_tokenizer(tokenizer, dest / "tokenizer.json")
+    (dest / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
 
 
 def save_tokenizer(tok, path: Path) -> None:

@@ -100,13 +100,30 @@ def _to_half(a: np.ndarray) -> np.ndarray:
     return h if close else a
 
 
-def tile_codes(u: np.ndarray, bits: int) -> np.ndarray:
-    """Row-major codes (n, k), n a multiple of TILE -> the tiled layout above."""
+@njit(parallel=True, cache=True)
+def _tile(words, n, bits, zero, out):  # pragma: no cover - jitted
+    """Row-major codes as uint32 words (n, k/4) -> the tiled layout as words (tiles, k/4 or k/8, TILE);
+    rows from n on (the last tile's padding) hold the zero code."""
+    pad = np.uint32(zero * 0x01010101) if bits == 8 else np.uint32((zero | (zero << 4)) * 0x01010101)
+    for t in prange(out.shape[0]):
+        for r in range(TILE):
+            row = t * TILE + r
+            for o in range(out.shape[1]):
+                if row >= n:
+                    out[t, o, r] = pad
+                elif bits == 8:
+                    out[t, o, r] = words[row, o]
+                else:  # nibbles: inputs 8o+i low, 8o+4+i high (every code < 16, so no byte spills)
+                    out[t, o, r] = words[row, 2 * o] | (words[row, 2 * o + 1] << np.uint32(4))
+
+
+def tile_codes(u: np.ndarray, bits: int, zero: int = 0) -> np.ndarray:
+    """Row-major codes (n, k) -> the tiled layout above, the last tile padded with rows of `zero`."""
     n, k = u.shape
-    if bits == 8:
-        return np.ascontiguousarray(u.reshape(n // TILE, TILE, k // 4, 4).transpose(0, 2, 1, 3))
-    v = u.reshape(n // TILE, TILE, k // 8, 2, 4)
-    return np.ascontiguousarray((v[:, :, :, 0] | (v[:, :, :, 1] << 4)).transpose(0, 2, 1, 3))
+    nt = -(-n // TILE)
+    out = np.empty((nt, k // 4 if bits == 8 else k // 8, TILE, 4), np.uint8)
+    _tile(np.ascontiguousarray(u).view(np.uint32), n, bits, zero, out.view(np.uint32)[..., 0])
+    return out
 
 
 def tile_groups(a: np.ndarray) -> np.ndarray:
@@ -231,11 +248,10 @@ class PackedWeight:
         lowest, highest = (int(u.min()), int(u.max())) if u.size else (0, 0)
         scale, minimum = _halves_if_exact(scale, minimum)
         if pad:
-            u = np.concatenate([u, np.full((pad, k), zero, np.uint8)])
             scale = np.concatenate([scale, np.zeros((pad, scale.shape[1]), scale.dtype)])
             minimum = None if minimum is None else \
                 np.concatenate([minimum, np.zeros((pad, minimum.shape[1]), minimum.dtype)])
-        return cls("u8" if bits == 8 else "u4", (n, k), torch.from_numpy(tile_codes(u, bits)),
+        return cls("u8" if bits == 8 else "u4", (n, k), torch.from_numpy(tile_codes(u, bits, zero)),
                    _tensor(tile_groups(scale)), None if minimum is None else _tensor(tile_groups(minimum)),
                    zero, group, lowest, highest)
 

@@ -25,7 +25,7 @@ class Setup:
     model: str
     device: str = "auto"
     dtype: str = "float32"
-    weights: str = "f32"
+    weights: str | None = None  # None: what the files hold
     parallel: int | None = None
     kv_budget: int | None = None  # per process
     threads: int | None = None  # torch and numba threads; None: all this process may use

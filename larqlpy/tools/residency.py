@@ -11,6 +11,7 @@ from larqlpy.engines import EngineSpec, LayerGeometry, Provider, build_provider,
 from larqlpy.engines.presets import RESIDENCY
 from larqlpy.errors import LarqlError
 from larqlpy.model.families import read_config
+from larqlpy.weights.gguf_file import model_dir
 
 @dataclass(frozen=True)
 class Named:
@@ -64,7 +65,7 @@ def resolve_geometry(model_or_name: str) -> tuple[str, list[LayerGeometry], int]
     if not path.exists():
         raise LarqlError(f"{model_or_name}: neither a model directory nor a named geometry "
                          f"({', '.join(NAMED_GEOMETRIES)})")
-    cfg = read_config(path)
+    cfg = read_config(model_dir(path))
     return str(path), [LayerGeometry(i, cfg.window(i), cfg.num_key_value_heads, cfg.head_dim)
                        for i in range(cfg.num_hidden_layers)], cfg.max_position_embeddings
 

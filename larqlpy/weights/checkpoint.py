@@ -1,6 +1,6 @@
 """A model directory's files without torch: the safetensors index, tensor headers, zero-copy float32
-arrays straight from a file's pages, the fingerprint states and calibrations are checked against,
-and what `info` shows."""
+arrays straight from a file's pages, and the fingerprint states and calibrations are checked
+against."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from safetensors import safe_open
 
 from larqlpy.errors import LarqlError
 from larqlpy.model.config import ModelConfig
-from larqlpy.model.families import read_config, read_raw_config
+from larqlpy.model.families import read_raw_config
 from larqlpy.model.tensors import block_weights
-from larqlpy.weights import calibration_file
 
 # Where the text decoder lives: text-only checkpoints, the original multimodal one, transformers >= 4.52's.
 PREFIXES = ("model.", "language_model.model.", "model.language_model.")
@@ -162,41 +161,3 @@ def check_finite(file: Path, name: str, a: np.ndarray) -> None:
     if a.size and not (np.isfinite(a.max()) and np.isfinite(a.min())):
         bad = int(np.size(a) - np.isfinite(a).sum())
         raise LarqlError(f"{file}: tensor {name} holds {bad:,} non-finite values (NaN or infinity)")
-
-
-def describe(path: str | Path) -> dict:
-    """What `info` shows, read from config.json and the safetensors headers (no weights loaded)."""
-    path = Path(path)
-    cfg = read_config(path)
-    ckpt = Checkpoint(path, cfg, allow_unused_tensors=True)  # shown, not refused
-    params, dtypes = 0, set()
-    for f, h in ckpt.handles.items():
-        for name in h.keys():
-            if ckpt.files.get(name) != f:
-                continue
-            s = h.get_slice(name)
-            params += int(np.prod(s.get_shape(), dtype=np.int64))
-            dtypes.add(s.get_dtype())
-    windows = sorted({w for w in cfg.windows if w is not None})
-    return {
-        "model_type": cfg.model_type + (" (text part)" if cfg.weight_prefix != "model." else ""),
-        "parameters": params, "dtypes": ",".join(sorted(dtypes)), "layers": cfg.num_hidden_layers,
-        "layer_kinds": ["sliding" if cfg.is_sliding(i) else "global" for i in range(cfg.num_hidden_layers)],
-        "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim, "sliding_window": windows[0] if len(windows) == 1 else (windows or None),
-        "vocab_size": cfg.vocab_size, "rope": _rope_text(cfg), "tied_embeddings": cfg.tie_word_embeddings,
-        "attention_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.final_softcap,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "fingerprint": ckpt.fingerprint, "unused_tensors": len(ckpt.unused),
-        "key_calibration": calibration_file.summary(path, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                                    cfg.head_dim, ckpt.fingerprint),
-    }
-
-
-def _rope_text(cfg: ModelConfig) -> str:
-    def one(r) -> str:
-        return f"{r.theta:g}" + ("" if r.rope_type == "default" else f" ({r.rope_type} x{r.factor:g})")
-
-    if cfg.rope_local == cfg.rope_global or not any(cfg.windows):
-        return one(cfg.rope_global)
-    return f"global {one(cfg.rope_global)}, local {one(cfg.rope_local)}"

@@ -1,6 +1,6 @@
-"""Load a Hugging Face-layout model directory of any supported family: config.json, safetensors (single
-or sharded), tokenizer,
-the key calibration; low-bit weight formats come packed from the packed-weight cache."""
+"""Load a model of any supported family: a Hugging Face-layout directory (config.json, safetensors,
+single or sharded, tokenizer, the key calibration) or a .gguf file run directly; low-bit weight formats
+come packed from the packed-weight cache, a GGUF's own codes straight from its blocks."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from larqlpy.model.decoder import Block, Decoder
 from larqlpy.model.families import read_config
 from larqlpy.model.tensors import block_weights
 from larqlpy.weights.checkpoint import Checkpoint
+from larqlpy.weights.gguf_checkpoint import GGUFCheckpoint, checkpoint, default_weights
+from larqlpy.weights.gguf_file import model_dir
 from larqlpy.weights.known_files import KnownFiles
 from larqlpy.text.tokenizer import Tokenizer
 from larqlpy.text.tokenizer_process import TokenizerProcess
@@ -36,8 +38,10 @@ class LoadedModel:
     tokenizer: Tokenizer
     fingerprint: str  # config + weight file headers: what a saved state must match
     weights: str = "f32"  # f32 | bf16 | int8 | int4 | native: the precision the matrices run at
-    packed_from: str | None = None  # low-bit formats: "cache" or "built" (weights/packed_cache.py)
+    # low-bit formats: "cache", "built" (weights/packed_cache.py) or "file" (unpacked from a GGUF's blocks)
+    packed_from: str | None = None
     weights_digest: str | None = None  # of every byte the weights were read from (the fingerprint samples them)
+    home: Path | None = None  # where config, tokenizer, calibration and caches live: path, or a GGUF's metadata cache
 
     def held_weights(self) -> list:
         """Every weight as the model holds it: float tensors, packed matrices (not nn.Parameters), and
@@ -57,36 +61,46 @@ class LoadedModel:
         return self.model.device
 
 
-def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str = "f32",
+def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str | None = None,
          key_calibration: bool = True, tokenizer: TokenizerProcess | None = None,
          allow_unused_tensors: bool = False) -> LoadedModel:
-    """Load a model directory. device: auto|cpu|cuda; dtype: float32|bfloat16 (activations);
-    weights: f32|bf16|int8|int4 -- the matrices (embedding / tied LM head included) packed, from the
-    packed-weight cache after the first load; native -- each matrix as the GGUF held it
-    (native.safetensors, written by the converter); key_calibration: read kv_calibration.safetensors when
-    the directory has one (a stale or damaged one is reported on the model, not raised); tokenizer: a
-    helper already loading it (tokenizer_process.start), else it is loaded here; allow_unused_tensors:
-    load weight files that hold tensors the family does not take (refused otherwise: a config.json
-    over another family's weights).
+    """Load a model: a directory in the HF layout, or a .gguf file run directly (its metadata cached
+    beside it: weights/gguf_file.py). device: auto|cpu|cuda; dtype: float32|bfloat16 (activations);
+    weights: what the files hold when None (a GGUF's own codes, a bf16 checkpoint's bf16, else f32);
+    f32|bf16|int8|int4 -- the matrices (embedding / tied LM head included) packed, from the
+    packed-weight cache after the first load; native -- each matrix as the GGUF held it (unpacked
+    from a .gguf's blocks at every load; a converted directory's native.safetensors);
+    key_calibration: read kv_calibration.safetensors when the model has one (a stale or damaged one
+    is reported on the model, not raised); tokenizer: a helper already loading it
+    (tokenizer_process.start), else it is loaded here; allow_unused_tensors: load weight files that
+    hold tensors the family does not take (refused otherwise: a config.json over another family's
+    weights).
     Every weight read is checked finite (a file unchanged since it passed once is not read again:
     known_files.py); a NaN or infinity is refused naming its tensor."""
     path = Path(path)
-    check_format(weights)
+    if weights is not None:
+        check_format(weights)
     dev = resolve_device(device)
     tdtype = resolve_dtype(dtype)
-    cfg = read_config(path)
-    tokenizer = Tokenizer.from_dir(path, cfg) if tokenizer is None else tokenizer.tokenizer()
-    ckpt = Checkpoint(path, cfg, allow_unused_tensors)
+    home = model_dir(path)  # config, tokenizer, calibration and caches
+    cfg = read_config(home)
+    tokenizer = Tokenizer.from_dir(home, cfg) if tokenizer is None else tokenizer.tokenizer()
+    ckpt = checkpoint(path, cfg, allow_unused_tensors)
+    weights = weights or default_weights(ckpt)
     model = Decoder(cfg, device=dev, dtype=tdtype)
     packed_from, matrices = None, set()
     handles: dict[Path, object] = {}
-    checks = KnownFiles(packed_cache.cache_dir(path))
-    reads = [*ckpt.handles, *([path / native_file.FILE] if weights == "native" else [])]
+    checks = KnownFiles(packed_cache.cache_dir(home))
+    direct = isinstance(ckpt, GGUFCheckpoint)
+    reads = [*ckpt.handles, *([path / native_file.FILE] if weights == "native" and not direct else [])]
     sources = {f.name: checks.digest(f) for f in reads if f.is_file()}  # from the record while unchanged
-    if weights != "f32":
+    if weights == "native" and direct:  # unpacked from the file's blocks: nothing kept on disk
+        matrices = _install_packed(model, _pack_native(ckpt, ckpt.native(), cfg), dev)
+        packed_from = "file"
+    elif weights != "f32":
         build = (lambda: _pack_native(ckpt, NativeFile(path, ckpt.fingerprint), cfg)) if weights == "native" else \
             (lambda: _pack(ckpt, handles, checks, cfg, weights))
-        packed, packed_from = packed_cache.load_or_build(path, weights, ckpt.fingerprint, sources, build)
+        packed, packed_from = packed_cache.load_or_build(home, weights, ckpt.fingerprint, sources, build)
         matrices = _install_packed(model, packed, dev)
     for ours, (hf, _) in ckpt.wanted.items():
         if ours in matrices:
@@ -94,7 +108,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
         if ckpt.dtypes[ours] == "F32" and dev.type == "cpu" and tdtype == torch.float32:
             tensor = _float32(ckpt, handles, checks, ours)  # zero-copy from the file's pages, shared between processes
         else:
-            tensor = _read_tensor(handles, ckpt.files[hf], hf)
+            tensor = _tensor(ckpt, handles, ours)
             checks.check(ckpt.files[hf], hf, tensor.float().numpy())
         owner, _, attr = ours.rpartition(".")
         setattr(model.get_submodule(owner), attr,
@@ -102,11 +116,19 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     checks.record()
     if key_calibration:
         pairs, model.calibration_problem = calibration_file.read(
-            path, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, ckpt.fingerprint)
+            home, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, ckpt.fingerprint)
         if pairs is not None:
             model.key_calibration = [KeyCalibration.of(torch.from_numpy(m), torch.from_numpy(s)) for m, s in pairs]
     digest = xxhash.xxh3_128_hexdigest(json.dumps(sources, sort_keys=True).encode())
-    return LoadedModel(path, cfg, model, tokenizer, ckpt.fingerprint, weights, packed_from, digest)
+    return LoadedModel(path, cfg, model, tokenizer, ckpt.fingerprint, weights, packed_from, digest, home)
+
+
+def _tensor(ckpt: Checkpoint | GGUFCheckpoint, handles: dict, ours: str) -> torch.Tensor:
+    """A weight in memory, in its file's dtype (a GGUF's dequantized to float32)."""
+    if isinstance(ckpt, GGUFCheckpoint):
+        return torch.from_numpy(ckpt.mapped(ours))
+    hf = ckpt.wanted[ours][0]
+    return _read_tensor(handles, ckpt.files[hf], hf)
 
 
 def _read_tensor(handles: dict, file: Path, hf: str) -> torch.Tensor:
@@ -123,7 +145,7 @@ def _float32(ckpt: Checkpoint, handles: dict, checks: KnownFiles, ours: str) -> 
     """A weight as float32, checked finite: zero-copy when the file holds float32."""
     hf = ckpt.wanted[ours][0]
     file = ckpt.files[hf]
-    a = ckpt.mapped(ours) if ckpt.dtypes[ours] == "F32" else _read_tensor(handles, file, hf).float().numpy()
+    a = ckpt.mapped(ours) if ckpt.dtypes[ours] == "F32" else _tensor(ckpt, handles, ours).float().numpy()
     checks.check(file, hf, a)
     return torch.from_numpy(a)
 

@@ -1,0 +1,126 @@
+"""A GGUF file's tensors as the decoder takes them (what weights/checkpoint.py's Checkpoint is for a
+directory of safetensors files), read from a private mapping of the file: float32 ones zero-copy,
+quantized matrices unpacked into integer codes (kernels/gguf_blocks.py) for `weights` native, or
+dequantized by gguf-py for the other formats. The file itself, its metadata cache: gguf_file.py."""
+
+from __future__ import annotations
+
+import json
+import mmap
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from larqlpy.convert.archs import Arch
+from larqlpy.errors import LarqlError
+from larqlpy.files import is_gguf
+from larqlpy.kernels.gguf_blocks import LAYOUTS, unpack
+from larqlpy.model.config import ModelConfig
+from larqlpy.weights.checkpoint import Checkpoint, wanted_tensors
+from larqlpy.weights.gguf_file import GGUFFile
+
+
+def _transform(arch: Arch, gguf_name: str, is_norm: bool, a: np.ndarray, config: dict) -> np.ndarray:
+    """What convert-gguf does to a tensor on its way to the HF layout (rows un-permuted, 1 + w norms)."""
+    a = arch.restore(gguf_name, a, config)
+    return a - np.float32(1.0) if is_norm else a
+
+
+class GGUFCheckpoint:
+    """A GGUF file's tensors under the names and shapes the decoder takes: what weights/checkpoint.py's
+    Checkpoint is for a directory of safetensors files."""
+
+    def __init__(self, file: GGUFFile, cfg: ModelConfig):
+        self.file, self.cfg, self.path = file, cfg, file.path
+        self.raw_config = json.loads((file.dir / "config.json").read_text())
+        self.names: dict[str, tuple[str, bool]] = {}  # HF name -> (gguf name, stored as 1 + w)
+        for name in file.tensors:
+            hf = file.arch.hf_name(name)
+            if hf is not None:
+                self.names[hf[0]] = (name, hf[1])
+        self.files = {hf: file.path for hf in self.names}
+        self.wanted = wanted_tensors(file.path, cfg, self.files)
+        self.unused: list[str] = []
+        self.handles = {file.path: None}
+        self.dtypes: dict[str, str] = {}
+        for ours, (hf, shape) in self.wanted.items():
+            name, plus_one = self.names[hf]
+            qtype, got, _, _ = file.tensors[name]
+            if got != shape:
+                raise LarqlError(f"{file.path}: tensor {name} has shape {list(got)}, expected {list(shape)}")
+            moved = plus_one or (file.arch.permuted_qk and name.split(".")[2:3] in (["attn_q"], ["attn_k"]))
+            self.dtypes[ours] = "F32" if qtype == "F32" and not moved else qtype
+        self.fingerprint = file.fingerprint
+        with open(file.path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    def raw(self, name: str) -> np.ndarray:
+        """A tensor's bytes (or float32 values), zero-copy over the file's pages."""
+        qtype, shape, offset, nbytes = self.file.tensors[name]
+        if qtype == "F32":
+            return np.frombuffer(self.map, np.float32, nbytes // 4, offset).reshape(shape)
+        return np.frombuffer(self.map, np.uint8, nbytes, offset)
+
+    def mapped(self, ours: str) -> np.ndarray:
+        """A weight as float32 in the HF layout: zero-copy where the file holds it so, else a copy."""
+        hf = self.wanted[ours][0]
+        name, plus_one = self.names[hf]
+        qtype, shape, _, _ = self.file.tensors[name]
+        a = self.raw(name)
+        if qtype != "F32":
+            try:
+                a = gguf.quants.dequantize(a, gguf.GGMLQuantizationType[qtype]).astype(np.float32, copy=False)
+            except Exception as e:
+                raise LarqlError(f"{self.path}: cannot dequantize {name} ({qtype}: {e})") from None
+            a = a.reshape(shape)
+        return _transform(self.file.arch, name, plus_one, a, self.raw_config)
+
+    def native(self) -> "GGUFCodes":
+        return GGUFCodes(self)
+
+    def release(self, names: list[str]) -> None:
+        """Drop the file's pages behind tensors that were copied out (unpacked into codes): the
+        process keeps only what it runs on."""
+        page = mmap.PAGESIZE
+        for name in names:
+            _, _, offset, nbytes = self.file.tensors[name]
+            lo = offset // page * page
+            self.map.madvise(mmap.MADV_DONTNEED, lo, offset + nbytes - lo)
+
+
+class GGUFCodes:
+    """The quantized matrices of a GGUF as integer codes (what weights/native_file.NativeFile gives
+    for a converted directory), unpacked from the block bytes when asked for."""
+
+    def __init__(self, ckpt: GGUFCheckpoint):
+        self.ckpt = ckpt
+        self.matrices = {hf for hf, (name, plus_one) in ckpt.names.items()
+                         if not plus_one and ckpt.file.tensors[name][0] in LAYOUTS
+                         and len(ckpt.file.tensors[name][1]) == 2}
+
+    def codes(self, hf: str) -> tuple:
+        """(u, scale, minimum or None, zero, bits) of one matrix, rows as the HF layout has them."""
+        name, _ = self.ckpt.names[hf]
+        qtype, (n, k), _, _ = self.ckpt.file.tensors[name]
+        u, scale, minimum, zero, bits = unpack(self.ckpt.raw(name), qtype, (n, k))
+        if not (np.isfinite(scale).all() and (minimum is None or np.isfinite(minimum).all())):
+            raise LarqlError(f"{self.ckpt.path}: tensor {name} holds non-finite scales (NaN or infinity)")
+        self.ckpt.release([name])  # copied out: the file's pages behind it are not kept
+        arch, config = self.ckpt.file.arch, self.ckpt.raw_config
+        return (arch.restore(name, u, config), arch.restore(name, scale, config),
+                None if minimum is None else arch.restore(name, minimum, config), zero, bits)
+
+
+def checkpoint(path: Path, cfg: ModelConfig, allow_unused_tensors: bool = False) -> Checkpoint | GGUFCheckpoint:
+    """The weights behind a model path: a GGUF file's tensors, or a directory's safetensors files."""
+    return GGUFCheckpoint(GGUFFile(path), cfg) if is_gguf(path) else Checkpoint(path, cfg, allow_unused_tensors)
+
+
+def default_weights(ckpt: Checkpoint | GGUFCheckpoint) -> str:
+    """What the files hold: a GGUF's own codes (native); bf16 for a checkpoint whose matrices are all
+    bfloat16 (its norms may be float32); float32 otherwise."""
+    if isinstance(ckpt, GGUFCheckpoint):
+        return "native"
+    matrices = [ckpt.dtypes[ours] for ours, (_, shape) in ckpt.wanted.items() if len(shape) == 2]
+    return "bf16" if all(d == "BF16" for d in matrices) else "f32"

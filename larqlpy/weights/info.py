@@ -1,0 +1,57 @@
+"""What `larqlpy info` shows of a model directory or a .gguf file, without loading its weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from larqlpy.model.config import ModelConfig
+from larqlpy.model.families import read_config
+from larqlpy.weights import calibration_file
+from larqlpy.weights.checkpoint import Checkpoint
+from larqlpy.weights.gguf_checkpoint import GGUFCheckpoint, checkpoint
+from larqlpy.weights.gguf_file import model_dir
+
+
+def describe(path: str | Path) -> dict:
+    """What `info` shows, read from config.json and the weight files' headers (no weights loaded)."""
+    path = Path(path)
+    home = model_dir(path)
+    cfg = read_config(home)
+    ckpt = checkpoint(path, cfg, allow_unused_tensors=True)  # shown, not refused
+    params, dtypes = 0, set()
+    if isinstance(ckpt, GGUFCheckpoint):
+        for qtype, shape, _, _ in ckpt.file.tensors.values():
+            params += int(np.prod(shape, dtype=np.int64))
+            dtypes.add(qtype)
+    for f, h in ckpt.handles.items() if isinstance(ckpt, Checkpoint) else ():
+        for name in h.keys():
+            if ckpt.files.get(name) != f:
+                continue
+            s = h.get_slice(name)
+            params += int(np.prod(s.get_shape(), dtype=np.int64))
+            dtypes.add(s.get_dtype())
+    windows = sorted({w for w in cfg.windows if w is not None})
+    return {
+        "model_type": cfg.model_type + (" (text part)" if cfg.weight_prefix != "model." else ""),
+        "parameters": params, "dtypes": ",".join(sorted(dtypes)), "layers": cfg.num_hidden_layers,
+        "layer_kinds": ["sliding" if cfg.is_sliding(i) else "global" for i in range(cfg.num_hidden_layers)],
+        "hidden_size": cfg.hidden_size, "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "sliding_window": windows[0] if len(windows) == 1 else (windows or None),
+        "vocab_size": cfg.vocab_size, "rope": _rope_text(cfg), "tied_embeddings": cfg.tie_word_embeddings,
+        "attention_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.final_softcap,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "fingerprint": ckpt.fingerprint, "unused_tensors": len(ckpt.unused),
+        "key_calibration": calibration_file.summary(home, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                    cfg.head_dim, ckpt.fingerprint),
+    }
+
+
+def _rope_text(cfg: ModelConfig) -> str:
+    def one(r) -> str:
+        return f"{r.theta:g}" + ("" if r.rope_type == "default" else f" ({r.rope_type} x{r.factor:g})")
+
+    if cfg.rope_local == cfg.rope_global or not any(cfg.windows):
+        return one(cfg.rope_global)
+    return f"global {one(cfg.rope_global)}, local {one(cfg.rope_local)}"

@@ -1,0 +1,181 @@
+"""A .gguf file run directly (weights/gguf_file.py, weights/gguf_checkpoint.py, kernels/gguf_blocks.py):
+the same weights as its converted directory, code for code; the metadata cache made once, kept while
+the file keeps its bytes, rebuilt when they change; refusals of bad files in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from larqlpy.convert.native import SUPPORTED, decompose
+from larqlpy.errors import LarqlError
+from larqlpy.kernels.gguf_blocks import LAYOUTS, unpack
+from larqlpy.kernels.qweight import TILE, PackedWeight, tile_codes
+from larqlpy.weights import gguf_file
+from larqlpy.weights.gguf_file import GGUFFile, metadata_dir
+from larqlpy.weights.loader import load
+from conftest import QWEN_DIR, ROOT, smol_gguf
+from test_native import random_blocks
+
+Q = gguf.GGMLQuantizationType
+QWEN_GGUF = ROOT / "models" / "gguf" / "qwen2.5-coder-0.5b-instruct.gguf"
+
+
+@pytest.fixture(scope="session")
+def links(tmp_path_factory, gemma_gguf) -> dict[str, Path]:
+    """The three reference GGUFs, linked into a folder of the tests' own (so their metadata caches
+    are made there, beside the links)."""
+    d = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for name, src in (("gemma", gemma_gguf), ("smol", smol_gguf()), ("qwen", QWEN_GGUF)):
+        if not src.is_file():
+            pytest.fail(f"{src} is missing: run `make model` (make test does it)")
+        out[name] = d / f"{name}.gguf"
+        out[name].symlink_to(src)
+    return out
+
+
+def test_layouts_cover_what_native_holds():
+    assert set(LAYOUTS) == set(SUPPORTED)
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_block_bytes_unpack_to_the_reference_codes(name):
+    """The numba unpacker gives convert/native.py's codes (gguf-py's dequantizer probed), exactly."""
+    qtype = Q[name]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    n, k = 5, 3 * 256 if block == 256 else 7 * 32
+    data = random_blocks(qtype, n * k // block, seed=7 + len(name)).reshape(n, -1)
+    want, got = decompose(data, qtype, (n, k)), unpack(data, name, (n, k))
+    for a, b in zip(want, got):
+        assert (a is None and b is None) or np.array_equal(a, b)
+
+
+def test_float_types_are_not_unpacked():
+    assert unpack(np.zeros(8, np.uint8), "F16", (2, 2)) is None
+
+
+@pytest.mark.parametrize("bits,zero", [(8, 128), (4, 8), (4, 0)])
+@pytest.mark.parametrize("n", [TILE, TILE + 3, 2 * TILE - 1])
+def test_tiling_matches_the_layout_the_kernels_read(bits, zero, n):
+    rng = np.random.default_rng(n + bits)
+    u = rng.integers(0, 2 ** bits, (n, 96), dtype=np.uint8)
+    padded = np.concatenate([u, np.full((-n % TILE, 96), zero, np.uint8)])
+    m = padded.shape[0]
+    if bits == 8:
+        want = padded.reshape(m // TILE, TILE, 24, 4).transpose(0, 2, 1, 3)
+    else:
+        v = padded.reshape(m // TILE, TILE, 12, 2, 4)
+        want = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)
+    assert np.array_equal(tile_codes(u, bits, zero), want)
+
+
+def same_weights(a, b) -> None:
+    wa, wb = a.held_weights(), b.held_weights()
+    assert len(wa) == len(wb)
+    for x, y in zip(wa, wb):
+        assert type(x) is type(y)
+        if isinstance(x, PackedWeight):
+            assert x.meta() == y.meta()
+            for f in ("codes", "scale", "minimum"):
+                tx, ty = getattr(x, f), getattr(y, f)
+                assert (tx is None) == (ty is None) and (tx is None or torch.equal(tx, ty)), f
+        else:
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("model", ["gemma", "smol", "qwen"])
+def test_a_gguf_runs_its_own_codes_as_its_converted_directory_does(links, model, real_dir, smol_dir):
+    """Gemma (1 + w norms, tied head, Q4_K_M mix), SmolLM2 (llama's permuted q/k rows, Q4_1), Qwen2.5
+    (biases, Q5_0 / Q8_0 / Q6_K / Q4_K): loaded from the .gguf, every matrix holds the codes, scales
+    and minimums `native` loads from the converted directory, and every float tensor is equal."""
+    directory = {"gemma": real_dir, "smol": smol_dir, "qwen": QWEN_DIR}[model]
+    direct = load(links[model], device="cpu")
+    assert direct.weights == "native" and direct.packed_from == "file"  # the default: what the file holds
+    assert direct.home == metadata_dir(links[model]) and direct.home.name == f"{model}.gguf.larqlpy"
+    same_weights(direct, load(directory, device="cpu", weights="native"))
+
+
+@pytest.mark.parametrize("model", ["gemma", "smol"])
+def test_float32_from_a_gguf_is_the_converted_checkpoint(links, model, real_dir, smol_dir):
+    directory = {"gemma": real_dir, "smol": smol_dir}[model]
+    same_weights(load(links[model], device="cpu", weights="f32"), load(directory, device="cpu", weights="f32"))
+
+
+def test_low_bit_formats_pack_from_a_gguf_into_its_metadata_cache(links, smol_dir):
+    direct = load(links["smol"], device="cpu", weights="int4")
+    assert direct.packed_from in ("built", "cache")
+    assert list((direct.home / ".larqlpy-cache").glob("packed-int4-*.safetensors"))
+    again = load(links["smol"], device="cpu", weights="int4")
+    assert again.packed_from == "cache"
+    same_weights(direct, load(smol_dir, device="cpu", weights="int4"))
+
+
+def test_the_metadata_cache_is_made_once_and_holds_while_the_bytes_do(tmp_path, monkeypatch):
+    src = tmp_path / "m.gguf"
+    shutil.copyfile(smol_gguf(), src)
+    first = GGUFFile(src)
+    cache = tmp_path / "m.gguf.larqlpy"
+    assert first.dir == cache and (cache / "config.json").is_file() and (cache / "tokenizer.json").is_file()
+    disk = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
+    assert disk < 0.05 * src.stat().st_size  # the metadata cache is all a GGUF adds on disk
+
+    def no_parse(*a, **k):
+        raise AssertionError("the header was parsed again")
+
+    monkeypatch.setattr(gguf_file, "read_gguf", no_parse)
+    assert GGUFFile(src).fingerprint == first.fingerprint  # from the record
+    os.utime(src, ns=(0, 0))  # a new identity, the same bytes: kept, the record rewritten
+    assert GGUFFile(src).fingerprint == first.fingerprint
+    assert json.loads((cache / "gguf.json").read_text())["identity"][3] == 0
+    monkeypatch.undo()
+    with open(src, "r+b") as f:  # other bytes at the end: another fingerprint, the cache rebuilt
+        f.seek(-16, os.SEEK_END)
+        f.write(b"\x00" * 16)
+    assert GGUFFile(src).fingerprint != first.fingerprint
+
+
+def test_a_read_only_folder_keeps_the_cache_under_the_users_cache(tmp_path, monkeypatch):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    src = folder / "m.gguf"
+    src.symlink_to(smol_gguf())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != folder)
+    d = GGUFFile(src).dir
+    assert d.parent == tmp_path / "home-cache" / "larqlpy" / "gguf" and (d / "config.json").is_file()
+    assert not (folder / "m.gguf.larqlpy").exists()
+
+
+def test_bad_gguf_files_are_refused_in_one_line(tmp_path):
+    short = tmp_path / "short.gguf"
+    with open(smol_gguf(), "rb") as f:
+        short.write_bytes(f.read(1 << 20))  # the header whole, the tensors cut off
+    with pytest.raises(LarqlError, match="truncated") as e:
+        load(short, device="cpu")
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "short.gguf.larqlpy").exists()
+
+
+def test_the_cli_runs_a_gguf_and_says_so(links, smol_dir):
+    """`run FILE.gguf` answers as the converted directory does at `--weights native`, and `info` reads
+    the file."""
+    cmd = [sys.executable, "-m", "larqlpy.cli.main"]
+    prompt = ["What is the capital of France?", "--chat", "-n", "12", "--json"]
+    direct = subprocess.run([*cmd, "run", str(links["smol"]), *prompt], capture_output=True, text=True, check=True)
+    converted = subprocess.run([*cmd, "run", str(smol_dir), *prompt, "--weights", "native"],
+                               capture_output=True, text=True, check=True)
+    a, b = json.loads(direct.stdout), json.loads(converted.stdout)
+    assert a["weights"] == "native" and a["text"] == b["text"] and a["tokens"] == b["tokens"]
+    info = subprocess.run([*cmd, "info", str(links["smol"]), "--json"], capture_output=True, text=True, check=True)
+    d = json.loads(info.stdout)
+    assert d["model_type"] == "llama" and "Q4_1" in d["dtypes"]
