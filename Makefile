@@ -60,7 +60,7 @@ bench-setup: setup
 bench: model bench-setup
 	$(BIN)/python bench/decode.py --model $(MODEL_DIR)
 	$(BIN)/python bench/decode.py --model $(SMOL_DIR)
-	$(BIN)/python bench/decode.py --model $(QWEN_DIR)
+	$(BIN)/python bench/decode.py --model "$(QWEN_GGUF)"
 	$(BIN)/python bench/batch.py --model $(MODEL_DIR) --plot docs/img/batch-scaling.png
 	$(BIN)/python bench/busy.py --model $(MODEL_DIR)
 	$(BIN)/python bench/serve.py --model $(MODEL_DIR)
@@ -68,6 +68,7 @@ bench: model bench-setup
 	$(BIN)/python bench/resume.py --model $(MODEL_DIR)
 	$(BIN)/python bench/stream.py --model $(MODEL_DIR)
 	$(BIN)/python bench/startup.py --model $(MODEL_DIR)
+	$(BIN)/python bench/gguf.py
 
 # The codec accuracy tables in docs/codec.md (about 10 minutes).
 codec-quality: model

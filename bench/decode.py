@@ -1,8 +1,9 @@
 """Prefill and decode tokens/s: larqlpy at each weight precision, transformers and llama.cpp, one run.
 
 Same model throughout: larqlpy and transformers load the converted float32 checkpoint (larqlpy packs
-it at load for bf16/int8/int4, and native runs the GGUF's own codes); llama.cpp (llama-cpp-python,
-2 threads) runs the GGUF it was converted from. Two prompts: a short one and ~1,500 tokens of
+it at load for bf16/int8/int4, and native runs the GGUF's own codes) or the .gguf file itself
+(larqlpy runs it directly; transformers dequantizes it to float32); llama.cpp (llama-cpp-python,
+2 threads) runs the GGUF. Two prompts: a short one and ~1,500 tokens of
 larqlpy/data/long.txt; decode continues greedily after each; runners take turns within every repeat.
 Prints the CPU and the features that choose kernels, tokens/s, ratios, the bandwidth decode achieves
 (weight bytes read per token x tokens/s) beside a plain streaming read measured in the same run,
@@ -12,6 +13,7 @@ Asserts nothing.
     python bench/decode.py --model models/gemma-3-270m [--repeats 5] [--decode 64] [--prefill 1500]
     python bench/decode.py --model models/smollm2-135m-instruct   # its own Q4_1 GGUF for llama.cpp
     python bench/decode.py --model models/qwen2.5-coder-0.5b-instruct   # its Q5_0/Q8_0/Q6_K/Q4_K GGUF
+    python bench/decode.py --model models/gguf/qwen2.5-coder-0.5b-instruct.gguf --weights native,int4
 """
 
 from __future__ import annotations
@@ -87,7 +89,9 @@ class Transformers:
     def __init__(self, path: Path):
         from transformers import AutoModelForCausalLM
 
-        self.hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        where = dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name) if path.is_file() else \
+            dict(pretrained_model_name_or_path=str(path))
+        self.hf = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
         embed = self.hf.get_input_embeddings().weight
         untied = embed is not self.hf.get_output_embeddings().weight
         self.bytes_per_token = sum(p.numel() * p.element_size() for p in self.hf.parameters()) - \
@@ -159,6 +163,8 @@ def gguf_path(model: Path) -> Path | None:
     from larqlpy.convert.parts import QWEN_CODER_05B, assemble as assemble_parts
     from larqlpy.errors import LarqlError
 
+    if model.is_file():  # the .gguf itself
+        return model
     with safe_open(str(model / "model.safetensors"), framework="numpy") as f:
         source = (f.metadata() or {}).get("source", "")
     if source == QWEN_CODER_05B.name:

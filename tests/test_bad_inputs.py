@@ -16,6 +16,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from larqlpy.state.format import load_state
+from conftest import smol_gguf
 from tiny import make_tiny
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
@@ -62,6 +63,9 @@ def world(tmp_path_factory):
     w["short_state"].write_bytes(w["state"].read_bytes()[:5000])
     w["gguf_junk"] = root / "junk.gguf"
     w["gguf_junk"].write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 40)
+    w["gguf_short"] = root / "short.gguf"  # a real GGUF's header, its tensors cut off
+    with open(smol_gguf(), "rb") as f:
+        w["gguf_short"].write_bytes(f.read(1 << 20))
     w["utf8_file"] = root / "latin1.txt"
     w["utf8_file"].write_bytes(BAD_UTF8 * 20)
     w["lines"] = root / "in.jsonl"
@@ -93,6 +97,15 @@ CASES = [
     ("GGUF without a model", lambda w: ["convert-gguf", p(w, "gguf_junk"), p(w, "root", "out1")], None,
      "has no general.architecture"),
     ("GGUF not GGUF", lambda w: ["convert-gguf", p(w, "lines"), p(w, "root", "out2")], None, "not a readable GGUF"),
+    ("run a GGUF without a model", lambda w: ["run", p(w, "gguf_junk"), "hi"], None, "has no general.architecture"),
+    ("run a truncated GGUF", lambda w: ["run", p(w, "gguf_short"), "hi"], None, "truncated"),
+    ("chat a truncated GGUF", lambda w: ["chat", p(w, "gguf_short")], b"hi\n", "truncated"),
+    ("serve a GGUF without a model", lambda w: ["serve", p(w, "gguf_junk"), "--port", "18123"], None,
+     "has no general.architecture"),
+    ("batch a truncated GGUF", lambda w: ["batch", p(w, "gguf_short"), p(w, "lines"), "-o", p(w, "root", "o.jsonl")],
+     None, "truncated"),
+    ("info of a GGUF without a model", lambda w: ["info", p(w, "gguf_junk")], None, "has no general.architecture"),
+    ("run a file that is not a GGUF", lambda w: ["run", p(w, "lines"), "hi"], None, "in.jsonl"),
     ("GGUF dest parent missing", lambda w: ["convert-gguf", p(w, "gguf_junk"), p(w, "root", "no", "out")], None,
      "does not exist"),
     # engine and sampling options

@@ -22,8 +22,18 @@ def through(pieces: list[str], stops: tuple[str, ...]) -> tuple[list[Piece], boo
         when += [i + 1] * len(got)
         if s.cut:
             return out, True, when
-    rest = s.flush()
-    return out + rest, False, when + [len(pieces)] * len(rest)
+    rest = s.flush()  # cuts where a stop string waited on an earlier one that never completed
+    return out + rest, s.cut, when + [len(pieces)] * len(rest)
+
+
+def test_a_stop_string_waits_for_one_that_begins_earlier():
+    """'b' appears first, but '\nba' began before it and may still complete: it decides the cut;
+    where it does not complete, 'b' does, when the sequence ends."""
+    assert "".join(p.text for p in through(["\n", "b", "a"], ("b", "\nba"))[0]) == ""
+    out, cut, _ = through(["\n", "b"], ("b", "\nba"))
+    assert "".join(p.text for p in out) == "\n" and cut
+    out, cut, _ = through(["\n", "b", "c"], ("b", "\nba"))
+    assert "".join(p.text for p in out) == "\n" and cut
 
 
 @settings(max_examples=400, deadline=None)

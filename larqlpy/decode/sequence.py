@@ -216,17 +216,19 @@ class Sequence:
         self.generated.append(tok)
         self.history.append(tok)
         if tok in self.stop_ids:  # its text is none, and what waited goes out before it
-            tokens = self._release(self.stops.flush() + [Piece(tok, "", logits)], "stop")
+            out, reason = self.stops.flush(), "stop"
+            if not self.stops.cut:
+                out.append(Piece(tok, "", logits))
         else:
             text = self.detokenizer.step(tok) if self.detokenizer is not None else ""
-            out = self.stops.push(Piece(tok, text, logits))
-            if self.stops.cut:
-                tokens = self._release(out, "stop")
-                self._end_at_text((out[-1] if out else self.stops.dropped[0]).extra)
-            elif len(self.generated) == self.gen.max_tokens:
-                tokens = self._release(out + self.stops.flush(), "length")
-            else:
-                tokens = self._release(out, None)
+            out, reason = self.stops.push(Piece(tok, text, logits)), None
+            if not self.stops.cut and len(self.generated) == self.gen.max_tokens:
+                out, reason = out + self.stops.flush(), "length"
+        if self.stops.cut:  # a stop string: the text ends before it, and the state where the text ends
+            tokens = self._release(out, "stop")
+            self._end_at_text((out[-1] if out else self.stops.dropped[0]).extra)
+        else:
+            tokens = self._release(out, reason)
         if self.spec.replay and not self.finished:  # no-cache: the whole history again, on a fresh state
             self.state = self._fresh()
         return tokens

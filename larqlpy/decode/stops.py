@@ -36,9 +36,9 @@ class StopStrings:
             return [piece]
         self.held.append(piece)
         self.text += piece.text
-        found = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
-        if found:
-            return self._cut(min(found))
+        at = self._first()
+        if at is not None:  # cut, unless a stop string that begins earlier may still complete
+            return [] if self._could_begin_before(at) else self._cut(at)
         # the longest end of the text that could still begin a stop string stays, with the piece before it
         k = next((k for k in range(min(len(self.text), self.longest - 1), 0, -1)
                   if any(s.startswith(self.text[-k:]) for s in self.stops)), 0)
@@ -51,6 +51,18 @@ class StopStrings:
         self.held = self.held[len(out):]
         self.text = self.text[end:]
         return out
+
+    def _first(self) -> int | None:
+        """Where the first stop string in the held text begins, if one is there."""
+        found = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        return min(found) if found else None
+
+    def _could_begin_before(self, at: int) -> bool:
+        """Whether the text from some position before `at` to its end is the start of a longer stop
+        string: more text could make it appear before the one found at `at`."""
+        n = len(self.text)
+        return any(len(s) > n - j and s.startswith(self.text[j:])
+                   for j in range(max(0, n - self.longest + 1), at) for s in self.stops)
 
     def _cut(self, at: int) -> list[Piece]:
         out, start = [], 0
@@ -66,6 +78,10 @@ class StopStrings:
         return out
 
     def flush(self) -> list[Piece]:
-        """The sequence ended another way (a stop id, its length): every held piece goes out."""
+        """The sequence ended another way (a stop id, its length): every held piece goes out, cut
+        before a stop string that was waiting on an earlier one that may have begun (`cut` says so)."""
+        at = self._first()
+        if at is not None:
+            return self._cut(at)
         out, self.held, self.text = self.held, [], ""
         return out

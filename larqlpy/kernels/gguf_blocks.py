@@ -9,13 +9,18 @@ value. convert/native.py reads the codes by probing gguf-py's dequantizer (slow,
 these loops read the bits as ggml's block layouts lay them out, at a few hundred MB/s per core.
 
 The float16 fields (d, dmin, m) are widened by numpy; numba unpacks the bits and multiplies the
-K-quants' sub-block scales in, as gguf-py does: (d * sc) first.
+K-quants' sub-block scales in, as gguf-py does: (d * sc) first. One decoder of a block serves both
+outputs: row-major codes (`unpack`, what the tests hold against the probes) and the tiled layout the
+kernels read (`unpack_tiled`: written in place, rows anywhere in a stacked matrix, no row-major copy).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numba import njit, prange
+
+from larqlpy.kernels.simd import ROWS as TILE
 
 # type name -> (block bytes, values per block, code bits, group, zero, affine)
 LAYOUTS = {
@@ -32,79 +37,126 @@ def _half(blocks: np.ndarray, at: int) -> np.ndarray:
 
 
 @njit(inline="always", cache=True)
-def _scale_min_k4(s, b, j):  # pragma: no cover - jitted
-    """Sub-block j's 6-bit scale and minimum of a Q4_K / Q5_K block (12 bytes at byte 4)."""
+def _scale_min_k4(s, at, j):  # pragma: no cover - jitted
+    """Sub-block j's 6-bit scale and minimum of a Q4_K / Q5_K block at byte `at` (12 bytes at at + 4)."""
     if j < 4:
-        return np.int32(s[b, 4 + j] & 63), np.int32(s[b, 8 + j] & 63)
-    sc = np.int32((s[b, 8 + j] & 15) | ((s[b, j] >> 6) << 4))
-    m = np.int32((s[b, 8 + j] >> 4) | ((s[b, 4 + j] >> 6) << 4))
+        return np.int32(s[at + 4 + j] & 63), np.int32(s[at + 8 + j] & 63)
+    sc = np.int32((s[at + 8 + j] & 15) | ((s[at + j] >> 6) << 4))
+    m = np.int32((s[at + 8 + j] >> 4) | ((s[at + 4 + j] >> 6) << 4))
     return sc, m
 
 
-@njit(parallel=True, cache=True)
-def _simple(blocks, kind, d, m, u, scale, minimum):  # pragma: no cover - jitted
-    """The 32-value types: u (nb, 32), scale / minimum (nb,)."""
-    for b in prange(blocks.shape[0]):
-        scale[b] = d[b]
-        if kind == 0:  # Q8_0: int8 q + 128
-            for j in range(32):
-                u[b, j] = blocks[b, 2 + j] ^ 128
-        elif kind == 2 or kind == 3:  # Q4_0 (qs at 2), Q4_1 (m at 2, qs at 4)
-            at = 2 if kind == 2 else 4
-            for j in range(16):
-                u[b, j] = blocks[b, at + j] & 15
-                u[b, j + 16] = blocks[b, at + j] >> 4
-        else:  # Q5_0 (qh at 2, qs at 6; q - 16 + 128), Q5_1 (m at 2, qh at 4, qs at 8; affine)
-            at = 2 if kind == 1 else 4
-            qh = np.uint32(blocks[b, at]) | (np.uint32(blocks[b, at + 1]) << 8) | \
-                (np.uint32(blocks[b, at + 2]) << 16) | (np.uint32(blocks[b, at + 3]) << 24)
-            shift = 112 if kind == 1 else 0
-            for j in range(16):
-                lo = (blocks[b, at + 4 + j] & 15) | (((qh >> j) & 1) << 4)
-                hi = (blocks[b, at + 4 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)
-                u[b, j] = lo + shift
-                u[b, j + 16] = hi + shift
-        if kind == 3 or kind == 4:
-            minimum[b] = m[b]
-
-
-@njit(parallel=True, cache=True)
-def _k4_k5(blocks, five, d, dmin, u, scale, minimum):  # pragma: no cover - jitted
-    """Q4_K / Q5_K: u (nb, 256), scale / minimum (nb, 8) per sub-block of 32."""
-    qs = 48 if five else 16
-    for b in prange(blocks.shape[0]):
-        for c in range(4):  # 64 values: a low-nibble sub-block then a high-nibble one
-            for half in range(2):
-                j = 2 * c + half
-                sc, mn = _scale_min_k4(blocks, b, j)
-                scale[b, j] = d[b] * np.float32(sc)
-                minimum[b, j] = -(dmin[b] * np.float32(mn))
-                for v in range(32):
-                    byte = np.int32(blocks[b, qs + 32 * c + v])
-                    q = (byte >> 4) if half else (byte & 15)
-                    if five:
-                        q |= ((np.int32(blocks[b, 16 + v]) >> j) & 1) << 4
-                    u[b, 32 * j + v] = q if sc > 0 else 0  # a scale of 0: the codes are undefined
-
-
-@njit(parallel=True, cache=True)
-def _q6_k(blocks, d, u, scale):  # pragma: no cover - jitted
-    """Q6_K: u (nb, 256) = q + 128, scale (nb, 16) per sub-block of 16."""
-    for b in prange(blocks.shape[0]):
-        for s in range(16):
-            sc = np.int32(np.int8(blocks[b, 192 + s]))
-            scale[b, s] = d[b] * np.float32(sc)
+@njit(inline="always", cache=True)
+def _decode(row, at, kind, d, d2, buf, sc, mn):  # pragma: no cover - jitted
+    """The block at byte `at` of `row`: its codes into buf, its groups' scales (and minimums) into
+    sc / mn. d, d2: the block's float16 fields widened (d and m or dmin)."""
+    if kind == 0:  # Q8_0: int8 q + 128
+        for j in range(32):
+            buf[j] = row[at + 2 + j] ^ 128
+        sc[0] = d
+    elif kind == 2 or kind == 3:  # Q4_0 (qs at 2), Q4_1 (m at 2, qs at 4)
+        q = at + (2 if kind == 2 else 4)
+        for j in range(16):
+            buf[j] = row[q + j] & 15
+            buf[j + 16] = row[q + j] >> 4
+        sc[0], mn[0] = d, d2
+    elif kind == 1 or kind == 4:  # Q5_0 (qh at 2, qs at 6; q - 16 + 128), Q5_1 (m at 2, qh at 4, qs at 8)
+        h = at + (2 if kind == 1 else 4)
+        qh = np.uint32(row[h]) | (np.uint32(row[h + 1]) << 8) | (np.uint32(row[h + 2]) << 16) | \
+            (np.uint32(row[h + 3]) << 24)
+        shift = 112 if kind == 1 else 0
+        for j in range(16):
+            b = np.int32(row[h + 4 + j])
+            buf[j] = (b & 15) + (((qh >> j) & 1) << 4) + shift
+            buf[j + 16] = (b >> 4) + (((qh >> (j + 16)) & 1) << 4) + shift
+        sc[0], mn[0] = d, d2
+    elif kind == 5 or kind == 6:  # Q4_K / Q5_K: 8 sub-blocks of 32, low nibbles then high per 64
+        qs = at + (48 if kind == 6 else 16)
+        for j in range(8):
+            s, m = _scale_min_k4(row, at, j)
+            sc[j] = d * np.float32(s)
+            mn[j] = -(d2 * np.float32(m))
+            c, half = j // 2, j % 2
+            for v in range(32):
+                b = np.int32(row[qs + 32 * c + v])
+                q = (b >> 4) if half else (b & 15)
+                if kind == 6:
+                    q |= ((np.int32(row[at + 16 + v]) >> j) & 1) << 4
+                buf[32 * j + v] = q if s > 0 else 0  # a scale of 0: the codes are undefined
+    else:  # Q6_K: q + 128 in 16 sub-blocks of 16
+        for j in range(16):
+            sc[j] = d * np.float32(np.int32(np.int8(row[at + 192 + j])))
         for n in range(2):
             for v in range(32):
-                low = np.int32(blocks[b, 64 * n + v])
-                high = np.int32(blocks[b, 64 * n + v + 32])
-                h = np.int32(blocks[b, 128 + 32 * n + v])
+                low = np.int32(row[at + 64 * n + v])
+                high = np.int32(row[at + 64 * n + v + 32])
+                h = np.int32(row[at + 128 + 32 * n + v])
                 q = ((low & 15) | ((h & 3) << 4), (high & 15) | (((h >> 2) & 3) << 4),
                      (low >> 4) | (((h >> 4) & 3) << 4), (high >> 4) | (((h >> 6) & 3) << 4))
                 for t in range(4):
                     p = 128 * n + 32 * t + v
-                    keep = np.int8(blocks[b, 192 + p // 16]) != 0
-                    u[b, p] = np.uint8(q[t] + 96) if keep else np.uint8(128)
+                    buf[p] = np.uint8(q[t] + 96) if row[at + 192 + p // 16] != 0 else np.uint8(128)
+
+
+@njit(parallel=True, cache=True)
+def _rows(raw, kind, per, size, d, d2, u, scale, minimum):  # pragma: no cover - jitted
+    """Row-major: u (n, k), scale / minimum (n, groups)."""
+    bpr = raw.shape[1] // size
+    gpb = scale.shape[1] // bpr
+    for r in prange(raw.shape[0]):
+        buf = np.empty(256, np.uint8)
+        sc, mn = np.zeros(16, np.float32), np.zeros(16, np.float32)
+        for b in range(bpr):
+            _decode(raw[r], b * size, kind, d[r, b], d2[r, b], buf, sc, mn)
+            u[r, b * per:(b + 1) * per] = buf[:per]
+            scale[r, b * gpb:(b + 1) * gpb] = sc[:gpb]
+            if minimum.shape[0]:
+                minimum[r, b * gpb:(b + 1) * gpb] = mn[:gpb]
+
+
+@njit(parallel=True, cache=True)
+def _tiled(raw, kind, per, size, bits, d, d2, rows, lo, codes, scale, minimum, seen):  # pragma: no cover - jitted
+    """Source row i to destination row lo + i of a tiled matrix (codes as words (tiles, k/4 or k/8, TILE));
+    scale / minimum (all rows, groups); rows: the source row of each destination row (a permutation);
+    seen[t] = (lowest, highest) code written into tile t. A tile's rows go to one thread: rows of one
+    tile share cache lines."""
+    n = rows.shape[0]
+    bpr = raw.shape[1] // size
+    gpb = scale.shape[1] // bpr
+    t0, t1 = lo // TILE, (lo + n - 1) // TILE + 1
+    for t in prange(t0, t1):
+        buf = np.empty(256, np.uint8)
+        words = buf.view(np.uint32)
+        sc, mn = np.zeros(16, np.float32), np.zeros(16, np.float32)
+        low, high = 255, 0
+        for dest in range(max(lo, t * TILE), min(lo + n, (t + 1) * TILE)):
+            r, slot = rows[dest - lo], dest % TILE
+            for b in range(bpr):
+                _decode(raw[r], b * size, kind, d[r, b], d2[r, b], buf, sc, mn)
+                for j in range(per):
+                    low, high = min(low, np.int32(buf[j])), max(high, np.int32(buf[j]))
+                o = b * per // (4 if bits == 8 else 8)
+                if bits == 8:
+                    for w in range(per // 4):
+                        codes[t, o + w, slot] = words[w]
+                else:  # inputs 8o+i in the low nibbles, 8o+4+i in the high
+                    for w in range(per // 8):
+                        codes[t, o + w, slot] = words[2 * w] | (words[2 * w + 1] << np.uint32(4))
+                scale[dest, b * gpb:(b + 1) * gpb] = sc[:gpb]
+                if minimum.shape[0]:
+                    minimum[dest, b * gpb:(b + 1) * gpb] = mn[:gpb]
+        seen[t, 0], seen[t, 1] = min(seen[t, 0], low), max(seen[t, 1], high)
+
+
+def _fields(raw: np.ndarray, qtype: str, n: int):
+    """(blocks as rows (n, bytes), kind, d, d2 (n, blocks per row) float32) of a matrix's bytes."""
+    size, per, bits, group, zero, affine = LAYOUTS[qtype]
+    rows = np.asarray(raw).reshape(n, -1)
+    blocks = rows.reshape(-1, size)
+    at = 208 if qtype == "Q6_K" else 0
+    d = _half(blocks, at).reshape(n, -1)
+    d2 = _half(blocks, 2).reshape(n, -1) if affine else d
+    return rows, KIND[qtype], d, d2
 
 
 def unpack(raw: np.ndarray, qtype: str, shape: tuple[int, int]):
@@ -115,18 +167,49 @@ def unpack(raw: np.ndarray, qtype: str, shape: tuple[int, int]):
         return None
     size, per, bits, group, zero, affine = LAYOUTS[qtype]
     n, k = shape
-    blocks = np.asarray(raw).reshape(-1, size)
-    nb = blocks.shape[0]
-    u = np.empty((nb, per), np.uint8)
-    groups = per // group
-    scale = np.empty((nb, groups), np.float32)
-    minimum = np.empty((nb, groups), np.float32) if affine else np.empty((0, groups), np.float32)
-    if qtype == "Q6_K":
-        _q6_k(blocks, _half(blocks, 208), u, scale)
-    elif per == 256:
-        _k4_k5(blocks, qtype == "Q5_K", _half(blocks, 0), _half(blocks, 2), u, scale, minimum)
-    else:
-        m = _half(blocks, 2) if affine else np.zeros(0, np.float32)
-        _simple(blocks, KIND[qtype], _half(blocks, 0), m, u, scale[:, 0], minimum[:, 0] if affine else m)
-    return (u.reshape(n, k), scale.reshape(n, k // group), minimum.reshape(n, k // group) if affine else None,
-            zero, bits)
+    rows, kind, d, d2 = _fields(raw, qtype, n)
+    u = np.empty((n, k), np.uint8)
+    scale = np.empty((n, k // group), np.float32)
+    minimum = np.empty((n if affine else 0, k // group), np.float32)
+    _rows(rows, kind, per, size, d, d2, u, scale, minimum)
+    return u, scale, minimum if affine else None, zero, bits
+
+
+def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.ndarray, lo: int,
+                 codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, seen: np.ndarray) -> None:
+    """unpack(), written as rows lo + i (source row rows[i]) of a tiled matrix (kernels/qweight.py's
+    layout: codes (tiles, k/4 or k/8, TILE, 4) uint8) and of its row-major scale / minimum (an empty
+    array when not affine); seen (tiles, 2) int32 gathers each tile's lowest and highest code."""
+    size, per, bits, group, zero, affine = LAYOUTS[qtype]
+    src, kind, d, d2 = _fields(raw, qtype, shape[0])
+    _tiled(src, kind, per, size, bits, d, d2, np.ascontiguousarray(rows, np.int64), lo,
+           codes.view(np.uint32)[..., 0], scale, minimum, seen)
+
+
+class BlockRows:
+    """An (out, in) matrix left as a GGUF's blocks in the file's mapping and read a row at a time:
+    an untied embedding is only gathered from, one row a token, so it needs no packed copy and
+    costs the process only the pages of the rows it reads. Rows come back as the values `native`'s
+    packed codes give (scale * (u - zero) (+ minimum), in float32, one operation at a time)."""
+
+    def __init__(self, raw: np.ndarray, qtype: str, shape: tuple[int, int]):
+        self.raw, self.qtype, self.shape = np.asarray(raw).reshape(shape[0], -1), qtype, tuple(shape)
+        self.device = torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def to(self, device: torch.device) -> "BlockRows":
+        if torch.device(device).type != "cpu":
+            raise ValueError("a GGUF's blocks are gathered from on the CPU only")
+        return self
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        flat = idx.reshape(-1).to(torch.int64).numpy()
+        u, scale, minimum, zero, _ = unpack(self.raw[flat], self.qtype, (len(flat), self.shape[1]))
+        group = self.shape[1] // scale.shape[1]
+        v = np.repeat(scale, group, axis=1) * (u.astype(np.int32) - zero).astype(np.float32)
+        if minimum is not None:
+            v += np.repeat(minimum, group, axis=1)
+        return torch.from_numpy(v).view(*idx.shape, self.shape[1])

@@ -175,7 +175,8 @@ def linears(x: torch.Tensor, *ws) -> tuple[torch.Tensor, ...]:
 
 
 def embedding(ids: torch.Tensor, w) -> torch.Tensor:
-    """Rows of the embedding table, float or packed."""
-    if isinstance(w, PackedWeight):
+    """Rows of the embedding table: float, or anything that gathers its own rows (packed codes, a
+    GGUF's blocks)."""
+    if not isinstance(w, torch.Tensor):
         return w.rows(ids.to(w.device))
     return F.embedding(ids, w)

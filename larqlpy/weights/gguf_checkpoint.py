@@ -15,7 +15,8 @@ import numpy as np
 from larqlpy.convert.archs import Arch
 from larqlpy.errors import LarqlError
 from larqlpy.files import is_gguf
-from larqlpy.kernels.gguf_blocks import LAYOUTS, unpack
+from larqlpy.kernels.gguf_blocks import LAYOUTS, BlockRows, unpack_tiled
+from larqlpy.kernels.qweight import TILE, PackedWeight
 from larqlpy.model.config import ModelConfig
 from larqlpy.weights.checkpoint import Checkpoint, wanted_tensors
 from larqlpy.weights.gguf_file import GGUFFile
@@ -76,8 +77,9 @@ class GGUFCheckpoint:
             a = a.reshape(shape)
         return _transform(self.file.arch, name, plus_one, a, self.raw_config)
 
-    def native(self) -> "GGUFCodes":
-        return GGUFCodes(self)
+    def native(self, gather: bool = True) -> "GGUFCodes":
+        """The quantized matrices as codes; gather: an untied embedding stays in the file's blocks."""
+        return GGUFCodes(self, gather)
 
     def release(self, names: list[str]) -> None:
         """Drop the file's pages behind tensors that were copied out (unpacked into codes): the
@@ -90,26 +92,56 @@ class GGUFCheckpoint:
 
 
 class GGUFCodes:
-    """The quantized matrices of a GGUF as integer codes (what weights/native_file.NativeFile gives
-    for a converted directory), unpacked from the block bytes when asked for."""
+    """The quantized matrices of a GGUF packed as their own integer codes (what
+    weights/native_file.NativeFile gives for a converted directory), unpacked from the block bytes
+    when asked for."""
 
-    def __init__(self, ckpt: GGUFCheckpoint):
-        self.ckpt = ckpt
+    def __init__(self, ckpt: GGUFCheckpoint, gather: bool = True):
+        self.ckpt, self.gather = ckpt, gather
         self.matrices = {hf for hf, (name, plus_one) in ckpt.names.items()
                          if not plus_one and ckpt.file.tensors[name][0] in LAYOUTS
                          and len(ckpt.file.tensors[name][1]) == 2}
 
-    def codes(self, hf: str) -> tuple:
-        """(u, scale, minimum or None, zero, bits) of one matrix, rows as the HF layout has them."""
-        name, _ = self.ckpt.names[hf]
-        qtype, (n, k), _, _ = self.ckpt.file.tensors[name]
-        u, scale, minimum, zero, bits = unpack(self.ckpt.raw(name), qtype, (n, k))
-        if not (np.isfinite(scale).all() and (minimum is None or np.isfinite(minimum).all())):
-            raise LarqlError(f"{self.ckpt.path}: tensor {name} holds non-finite scales (NaN or infinity)")
-        self.ckpt.release([name])  # copied out: the file's pages behind it are not kept
-        arch, config = self.ckpt.file.arch, self.ckpt.raw_config
-        return (arch.restore(name, u, config), arch.restore(name, scale, config),
-                None if minimum is None else arch.restore(name, minimum, config), zero, bits)
+    def kind(self, hf: str) -> tuple:
+        """What must match for matrices to share one packed whole: (zero, bits, group, affine)."""
+        _, _, bits, group, zero, affine = LAYOUTS[self.ckpt.file.tensors[self.ckpt.names[hf][0]][0]]
+        return zero, bits, group, affine
+
+    def table(self, hf: str) -> PackedWeight | BlockRows:
+        """A matrix only gathered from (an untied embedding): left in the file's blocks (`gather`),
+        else packed."""
+        if not self.gather:
+            return self.pack([hf])
+        name = self.ckpt.names[hf][0]
+        qtype, shape, _, _ = self.ckpt.file.tensors[name]
+        return BlockRows(self.ckpt.raw(name), qtype, shape)
+
+    def pack(self, hfs: list[str]) -> PackedWeight:
+        """Matrices of one kind stacked in this order as one PackedWeight, each unpacked from its
+        blocks straight into the tiled layout (rows un-permuted on the way: llama's q and k)."""
+        file, config = self.ckpt.file, self.ckpt.raw_config
+        names = [self.ckpt.names[hf][0] for hf in hfs]
+        qtype, (_, k), _, _ = file.tensors[names[0]]
+        _, _, bits, group, zero, affine = LAYOUTS[qtype]
+        n = sum(file.tensors[name][1][0] for name in names)
+        nt = -(-n // TILE)
+        codes = np.empty((nt, k // 4 if bits == 8 else k // 8, TILE, 4), np.uint8)
+        scale = np.empty((n, k // group), np.float32)
+        minimum = np.empty((n if affine else 0, k // group), np.float32)
+        seen = np.tile(np.array([[255, 0]], np.int32), (nt, 1))
+        lo = 0
+        for name in names:
+            qtype, shape, _, _ = file.tensors[name]
+            rows = file.arch.restore(name, np.arange(shape[0]), config)  # destination row i takes source row rows[i]
+            unpack_tiled(self.ckpt.raw(name), qtype, shape, rows, lo, codes, scale, minimum, seen)
+            self.ckpt.release([name])  # copied out: the file's pages behind it are not kept
+            lo += shape[0]
+        if n % TILE:
+            codes[-1, :, n % TILE:, :] = zero if bits == 8 else zero | (zero << 4)
+        if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
+            raise LarqlError(f"{self.ckpt.path}: {' / '.join(names)} hold non-finite scales (NaN or infinity)")
+        return PackedWeight.from_tiled(codes, (n, k), scale, minimum if affine else None, zero, bits,
+                                       int(seen[:, 0].min()), int(seen[:, 1].max()))
 
 
 def checkpoint(path: Path, cfg: ModelConfig, allow_unused_tensors: bool = False) -> Checkpoint | GGUFCheckpoint:

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from larqlpy.convert.archs import ARCHS, Arch, Meta
-from larqlpy.convert.gguf import read_gguf, write_metadata
+from larqlpy.convert.gguf_meta import read_gguf, write_metadata
 from larqlpy.convert.tokenizers_gguf import build_tokenizer
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_directory, atomic_write, is_gguf

@@ -8,7 +8,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import xxhash
 from safetensors import safe_open
@@ -23,7 +22,7 @@ from larqlpy.model.decoder import Block, Decoder
 from larqlpy.model.families import read_config
 from larqlpy.model.tensors import block_weights
 from larqlpy.weights.checkpoint import Checkpoint
-from larqlpy.weights.gguf_checkpoint import GGUFCheckpoint, checkpoint, default_weights
+from larqlpy.weights.gguf_checkpoint import GGUFCheckpoint, GGUFCodes, checkpoint, default_weights
 from larqlpy.weights.gguf_file import model_dir
 from larqlpy.weights.known_files import KnownFiles
 from larqlpy.text.tokenizer import Tokenizer
@@ -53,8 +52,7 @@ class LoadedModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes the weights take on their device (packed matrices at their packed size)."""
-        return sum(w.nbytes if isinstance(w, PackedWeight) else w.numel() * w.element_size()
-                   for w in self.held_weights())
+        return sum(w.nbytes for w in self.held_weights())
 
     @property
     def device(self) -> torch.device:
@@ -95,7 +93,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     reads = [*ckpt.handles, *([path / native_file.FILE] if weights == "native" and not direct else [])]
     sources = {f.name: checks.digest(f) for f in reads if f.is_file()}  # from the record while unchanged
     if weights == "native" and direct:  # unpacked from the file's blocks: nothing kept on disk
-        matrices = _install_packed(model, _pack_native(ckpt, ckpt.native(), cfg), dev)
+        matrices = _install_packed(model, _pack_native(ckpt, ckpt.native(gather=dev.type == "cpu"), cfg), dev)
         packed_from = "file"
     elif weights != "f32":
         build = (lambda: _pack_native(ckpt, NativeFile(path, ckpt.fingerprint), cfg)) if weights == "native" else \
@@ -165,30 +163,27 @@ def _pack(ckpt: Checkpoint, handles: dict, checks: KnownFiles, cfg: ModelConfig,
     return out
 
 
-def _pack_native(ckpt: Checkpoint, native: NativeFile, cfg: ModelConfig) -> dict[str, PackedWeight]:
+def _pack_native(ckpt: Checkpoint | GGUFCheckpoint, native: NativeFile | GGUFCodes,
+                 cfg: ModelConfig) -> dict[str, PackedWeight]:
     """The GGUF's own codes, tiled; q|k|v and gate|up stacked where their codes share one format.
     Matrices the file holds as float stay out (they load as float32)."""
-    def codes(ours: str):
-        hf = ckpt.wanted[ours][0]
-        return native.codes(hf) if hf in native.matrices else None
-
-    def kind(c):  # what must match for matrices to share one packed whole
-        return c[3], c[4], c[0].shape[1] // c[1].shape[1], c[2] is None
+    def hf(ours: str) -> str | None:
+        name = ckpt.wanted[ours][0]
+        return name if name in native.matrices else None
 
     out = {}
     for name in [n for n in ("embed_tokens", "lm_head") if n in ckpt.wanted] + \
             [f"layers.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in ("o_proj", "down_proj")]:
-        if (c := codes(name)) is not None:
-            out[name] = PackedWeight.from_codes(*c)
+        if hf(name) is not None:
+            gathered = name == "embed_tokens" and "lm_head" in ckpt.wanted  # only gathered from: one row a token
+            out[name] = native.table(hf(name)) if gathered else native.pack([hf(name)])
     for i in range(cfg.num_hidden_layers):
         for names in Block.SHARED_INPUT:
-            parts = [codes(f"layers.{i}.{n}") for n in names]
-            if all(p is not None for p in parts) and len({kind(p) for p in parts}) == 1:
-                cat = [np.concatenate([p[f] for p in parts]) if parts[0][f] is not None else None for f in range(3)]
-                out[f"layers.{i}.{'|'.join(names)}"] = PackedWeight.from_codes(*cat, parts[0][3], parts[0][4])
+            parts = [hf(f"layers.{i}.{n}") for n in names]
+            if all(p is not None for p in parts) and len({native.kind(p) for p in parts}) == 1:
+                out[f"layers.{i}.{'|'.join(names)}"] = native.pack(parts)
             else:
-                out.update({f"layers.{i}.{n}": PackedWeight.from_codes(*p)
-                            for n, p in zip(names, parts) if p is not None})
+                out.update({f"layers.{i}.{n}": native.pack([p]) for n, p in zip(names, parts) if p is not None})
     return out
 
 

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from larqlpy.errors import LarqlError
+from larqlpy.kernels.qweight import PackedWeight
 
 FILE = "native.safetensors"
 FORMAT = "larqlpy-native/1"
@@ -56,6 +57,23 @@ class NativeFile:
         if meta.get("fingerprint") != fingerprint:
             raise LarqlError(f"{self.path}: written for other weights than this checkpoint's; "
                              "convert the GGUF again (`convert_gguf`)")
+
+    def kind(self, name: str) -> tuple:
+        """What must match for matrices to share one packed whole: (zero, bits, group, affine)."""
+        m = self.matrices[name]
+        k = self.handle.get_slice(f"{name}.codes").get_shape()[1]
+        groups = self.handle.get_slice(f"{name}.scale").get_shape()[1]
+        return m["zero"], m["bits"], k // max(1, groups), f"{name}.minimum" in self.handle.keys()
+
+    def table(self, name: str) -> PackedWeight:
+        """A matrix only gathered from (an untied embedding), packed as any other."""
+        return self.pack([name])
+
+    def pack(self, names: list[str]) -> PackedWeight:
+        """Matrices of one kind stacked in this order as one PackedWeight."""
+        parts = [self.codes(n) for n in names]
+        cat = [np.concatenate([p[f] for p in parts]) if parts[0][f] is not None else None for f in range(3)]
+        return PackedWeight.from_codes(*cat, parts[0][3], parts[0][4])
 
     def codes(self, name: str) -> tuple:
         """(u, scale, minimum or None, zero, bits) of one matrix."""
