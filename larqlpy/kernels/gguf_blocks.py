@@ -8,8 +8,8 @@ scale * (u - zero) (+ minimum), rounded one operation at a time in float32, is g
 value. convert/native.py reads the codes by probing gguf-py's dequantizer (slow, and the reference);
 these loops read the bits as ggml's block layouts lay them out, at a few hundred MB/s per core.
 
-The float16 fields (d, dmin, m) are widened by numpy; numba unpacks the bits and multiplies the
-K-quants' sub-block scales in, as gguf-py does: (d * sc) first. One decoder of a block serves both
+numba reads the float16 fields (d, dmin, m) from the block bytes, unpacks the bits and multiplies
+the K-quants' sub-block scales in, as gguf-py does: (d * sc) first. One decoder of a block serves both
 outputs: row-major codes (`unpack`, what the tests hold against the probes) and the tiled layout the
 kernels read (`unpack_tiled`: written in place, rows anywhere in a stacked matrix, no row-major copy).
 """
@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from larqlpy.kernels import jitcache, qdot
+from larqlpy.kernels.qdot import _half_bits
 from larqlpy.kernels.simd import ROWS as TILE
 
 # type name -> (block bytes, values per block, code bits, group, zero, affine)
@@ -29,11 +31,6 @@ LAYOUTS = {
     "Q4_K": (144, 256, 4, 32, 0, True), "Q5_K": (176, 256, 8, 32, 0, True), "Q6_K": (210, 256, 8, 16, 128, False),
 }
 KIND = {name: i for i, name in enumerate(LAYOUTS)}
-
-
-def _half(blocks: np.ndarray, at: int) -> np.ndarray:
-    """The float16 at byte `at` of every block, as float32 (nb,)."""
-    return np.ascontiguousarray(blocks[:, at:at + 2]).view(np.float16)[:, 0].astype(np.float32)
 
 
 @njit(inline="always", cache=True)
@@ -47,9 +44,16 @@ def _scale_min_k4(s, at, j):  # pragma: no cover - jitted
 
 
 @njit(inline="always", cache=True)
-def _decode(row, at, kind, d, d2, buf, sc, mn):  # pragma: no cover - jitted
+def _half_at(row, at):  # pragma: no cover - jitted
+    return _half_bits(np.int32(row[at]) | (np.int32(row[at + 1]) << 8))
+
+
+@njit(inline="always", cache=True)
+def _decode(row, at, kind, buf, sc, mn):  # pragma: no cover - jitted
     """The block at byte `at` of `row`: its codes into buf, its groups' scales (and minimums) into
-    sc / mn. d, d2: the block's float16 fields widened (d and m or dmin)."""
+    sc / mn."""
+    d = _half_at(row, at + 208 if kind == 7 else at)
+    d2 = _half_at(row, at + 2)  # m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K); unused by the others
     if kind == 0:  # Q8_0: int8 q + 128
         for j in range(32):
             buf[j] = row[at + 2 + j] ^ 128
@@ -99,7 +103,7 @@ def _decode(row, at, kind, d, d2, buf, sc, mn):  # pragma: no cover - jitted
 
 
 @njit(parallel=True, cache=True)
-def _rows(raw, kind, per, size, d, d2, u, scale, minimum):  # pragma: no cover - jitted
+def _rows(raw, kind, per, size, u, scale, minimum):  # pragma: no cover - jitted
     """Row-major: u (n, k), scale / minimum (n, groups)."""
     bpr = raw.shape[1] // size
     gpb = scale.shape[1] // bpr
@@ -107,7 +111,7 @@ def _rows(raw, kind, per, size, d, d2, u, scale, minimum):  # pragma: no cover -
         buf = np.empty(256, np.uint8)
         sc, mn = np.zeros(16, np.float32), np.zeros(16, np.float32)
         for b in range(bpr):
-            _decode(raw[r], b * size, kind, d[r, b], d2[r, b], buf, sc, mn)
+            _decode(raw[r], b * size, kind, buf, sc, mn)
             u[r, b * per:(b + 1) * per] = buf[:per]
             scale[r, b * gpb:(b + 1) * gpb] = sc[:gpb]
             if minimum.shape[0]:
@@ -115,9 +119,9 @@ def _rows(raw, kind, per, size, d, d2, u, scale, minimum):  # pragma: no cover -
 
 
 @njit(parallel=True, cache=True)
-def _tiled(raw, kind, per, size, bits, d, d2, rows, lo, codes, scale, minimum, seen):  # pragma: no cover - jitted
+def _tiled(raw, kind, per, size, bits, rows, lo, codes, scale, minimum, seen):  # pragma: no cover - jitted
     """Source row i to destination row lo + i of a tiled matrix (codes as words (tiles, k/4 or k/8, TILE));
-    scale / minimum (all rows, groups); rows: the source row of each destination row (a permutation);
+    scale / minimum tiled too (tiles, groups, TILE); rows: the source row of each destination row;
     seen[t] = (lowest, highest) code written into tile t. A tile's rows go to one thread: rows of one
     tile share cache lines."""
     n = rows.shape[0]
@@ -132,7 +136,7 @@ def _tiled(raw, kind, per, size, bits, d, d2, rows, lo, codes, scale, minimum, s
         for dest in range(max(lo, t * TILE), min(lo + n, (t + 1) * TILE)):
             r, slot = rows[dest - lo], dest % TILE
             for b in range(bpr):
-                _decode(raw[r], b * size, kind, d[r, b], d2[r, b], buf, sc, mn)
+                _decode(raw[r], b * size, kind, buf, sc, mn)
                 for j in range(per):
                     low, high = min(low, np.int32(buf[j])), max(high, np.int32(buf[j]))
                 o = b * per // (4 if bits == 8 else 8)
@@ -142,21 +146,16 @@ def _tiled(raw, kind, per, size, bits, d, d2, rows, lo, codes, scale, minimum, s
                 else:  # inputs 8o+i in the low nibbles, 8o+4+i in the high
                     for w in range(per // 8):
                         codes[t, o + w, slot] = words[2 * w] | (words[2 * w + 1] << np.uint32(4))
-                scale[dest, b * gpb:(b + 1) * gpb] = sc[:gpb]
-                if minimum.shape[0]:
-                    minimum[dest, b * gpb:(b + 1) * gpb] = mn[:gpb]
+                for g in range(gpb):
+                    scale[t, b * gpb + g, slot] = sc[g]
+                    if minimum.shape[0]:
+                        minimum[t, b * gpb + g, slot] = mn[g]
         seen[t, 0], seen[t, 1] = min(seen[t, 0], low), max(seen[t, 1], high)
 
 
-def _fields(raw: np.ndarray, qtype: str, n: int):
-    """(blocks as rows (n, bytes), kind, d, d2 (n, blocks per row) float32) of a matrix's bytes."""
-    size, per, bits, group, zero, affine = LAYOUTS[qtype]
-    rows = np.asarray(raw).reshape(n, -1)
-    blocks = rows.reshape(-1, size)
-    at = 208 if qtype == "Q6_K" else 0
-    d = _half(blocks, at).reshape(n, -1)
-    d2 = _half(blocks, 2).reshape(n, -1) if affine else d
-    return rows, KIND[qtype], d, d2
+def _rows_of(raw: np.ndarray, qtype: str, n: int) -> np.ndarray:
+    """A matrix's bytes as its n rows of blocks."""
+    return np.asarray(raw).reshape(n, -1)
 
 
 def unpack(raw: np.ndarray, qtype: str, shape: tuple[int, int]):
@@ -167,22 +166,20 @@ def unpack(raw: np.ndarray, qtype: str, shape: tuple[int, int]):
         return None
     size, per, bits, group, zero, affine = LAYOUTS[qtype]
     n, k = shape
-    rows, kind, d, d2 = _fields(raw, qtype, n)
     u = np.empty((n, k), np.uint8)
     scale = np.empty((n, k // group), np.float32)
     minimum = np.empty((n if affine else 0, k // group), np.float32)
-    _rows(rows, kind, per, size, d, d2, u, scale, minimum)
+    _rows(_rows_of(raw, qtype, n), KIND[qtype], per, size, u, scale, minimum)
     return u, scale, minimum if affine else None, zero, bits
 
 
 def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.ndarray, lo: int,
                  codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, seen: np.ndarray) -> None:
     """unpack(), written as rows lo + i (source row rows[i]) of a tiled matrix (kernels/qweight.py's
-    layout: codes (tiles, k/4 or k/8, TILE, 4) uint8) and of its row-major scale / minimum (an empty
-    array when not affine); seen (tiles, 2) int32 gathers each tile's lowest and highest code."""
+    layout: codes (tiles, k/4 or k/8, TILE, 4) uint8, scale / minimum (tiles, groups, TILE) float32,
+    minimum empty when not affine); seen (tiles, 2) int32 gathers each tile's lowest and highest code."""
     size, per, bits, group, zero, affine = LAYOUTS[qtype]
-    src, kind, d, d2 = _fields(raw, qtype, shape[0])
-    _tiled(src, kind, per, size, bits, d, d2, np.ascontiguousarray(rows, np.int64), lo,
+    _tiled(_rows_of(raw, qtype, shape[0]), KIND[qtype], per, size, bits, np.ascontiguousarray(rows, np.int64), lo,
            codes.view(np.uint32)[..., 0], scale, minimum, seen)
 
 
@@ -213,3 +210,6 @@ class BlockRows:
         if minimum is not None:
             v += np.repeat(minimum, group, axis=1)
         return torch.from_numpy(v).view(*idx.shape, self.shape[1])
+
+
+jitcache.tie(globals(), qdot)  # the decoders inline qdot.py's _half_bits

@@ -241,24 +241,28 @@ class PackedWeight:
     def from_codes(cls, u: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, zero: int,
                    bits: int) -> "PackedWeight":
         """Row-major codes u (out, in) uint8 and per-group scale (and minimum) (out, groups), tiled."""
+        n, k = u.shape
         lowest, highest = (int(u.min()), int(u.max())) if u.size else (0, 0)
-        return cls.from_tiled(tile_codes(u, bits, zero), u.shape, scale, minimum, zero, bits, lowest, highest)
+        pad = -n % TILE  # whole tiles: zero rows (code = zero, scale 0), cut back from outputs
+
+        def groups(a):
+            return None if a is None else tile_groups(np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]))
+
+        return cls.from_tiled(tile_codes(u, bits, zero), (n, k), groups(scale), groups(minimum), zero, bits,
+                              lowest, highest)
 
     @classmethod
     def from_tiled(cls, codes: np.ndarray, shape: tuple[int, int], scale: np.ndarray, minimum: np.ndarray | None,
-                   zero: int, bits: int, lowest: int, highest: int) -> "PackedWeight":
-        """Codes already tiled (the last tile's padding rows holding the zero code), per-group scale
-        (and minimum) row-major (out, groups), and the range of codes present."""
-        n, k = shape
-        group = k // scale.shape[1]
-        pad = codes.shape[0] * TILE - n  # whole tiles: zero rows (code = zero, scale 0), cut back from outputs
-        scale, minimum = _halves_if_exact(scale, minimum)
-        if pad:
-            scale = np.concatenate([scale, np.zeros((pad, scale.shape[1]), scale.dtype)])
-            minimum = None if minimum is None else \
-                np.concatenate([minimum, np.zeros((pad, minimum.shape[1]), minimum.dtype)])
-        return cls("u8" if bits == 8 else "u4", (n, k), torch.from_numpy(codes), _tensor(tile_groups(scale)),
-                   None if minimum is None else _tensor(tile_groups(minimum)), zero, group, lowest, highest)
+                   zero: int, bits: int, lowest: int, highest: int, halves: bool = False) -> "PackedWeight":
+        """Codes and per-group scales (and minimums) already tiled -- (tiles, groups, TILE), the last
+        tile's padding rows holding the zero code and scale 0 -- and the range of codes present.
+        halves: every scale and minimum is a float16 value (a GGUF's own d and m): held as its bits
+        without the check `_halves_if_exact` makes."""
+        scale, minimum = ([a.astype(np.float16).view(np.uint16) for a in (scale, minimum)] if halves and
+                          minimum is not None else (scale.astype(np.float16).view(np.uint16), None) if halves else
+                          _halves_if_exact(scale, minimum))
+        return cls("u8" if bits == 8 else "u4", shape, torch.from_numpy(codes), _tensor(scale),
+                   None if minimum is None else _tensor(minimum), zero, shape[1] // scale.shape[1], lowest, highest)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, fmt: str, name: str = "weight") -> "PackedWeight":

@@ -122,12 +122,12 @@ class GGUFCodes:
         file, config = self.ckpt.file, self.ckpt.raw_config
         names = [self.ckpt.names[hf][0] for hf in hfs]
         qtype, (_, k), _, _ = file.tensors[names[0]]
-        _, _, bits, group, zero, affine = LAYOUTS[qtype]
+        _, per, bits, group, zero, affine = LAYOUTS[qtype]  # 32 values a block: scales are the blocks' float16 d
         n = sum(file.tensors[name][1][0] for name in names)
         nt = -(-n // TILE)
         codes = np.empty((nt, k // 4 if bits == 8 else k // 8, TILE, 4), np.uint8)
-        scale = np.empty((n, k // group), np.float32)
-        minimum = np.empty((n if affine else 0, k // group), np.float32)
+        scale = np.zeros((nt, k // group, TILE), np.float32)  # zeros: the padding rows' scales
+        minimum = np.zeros((nt if affine else 0, k // group, TILE), np.float32)
         seen = np.tile(np.array([[255, 0]], np.int32), (nt, 1))
         lo = 0
         for name in names:
@@ -141,7 +141,7 @@ class GGUFCodes:
         if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
             raise LarqlError(f"{self.ckpt.path}: {' / '.join(names)} hold non-finite scales (NaN or infinity)")
         return PackedWeight.from_tiled(codes, (n, k), scale, minimum if affine else None, zero, bits,
-                                       int(seen[:, 0].min()), int(seen[:, 1].max()))
+                                       int(seen[:, 0].min()), int(seen[:, 1].max()), halves=per == 32)
 
 
 def checkpoint(path: Path, cfg: ModelConfig, allow_unused_tensors: bool = False) -> Checkpoint | GGUFCheckpoint:
