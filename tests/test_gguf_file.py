@@ -173,8 +173,8 @@ def test_bad_gguf_files_are_refused_in_one_line(tmp_path):
 
 
 def test_the_cli_runs_a_gguf_and_says_so(links, smol_dir):
-    """`run FILE.gguf` answers as the converted directory does at `--weights native`, and `info` reads
-    the file."""
+    """`run FILE.gguf` answers as the converted directory does at `--weights native`, runs at int4 in a
+    fresh process, and `info` reads the file."""
     cmd = [sys.executable, "-m", "larqlpy.cli.main"]
     prompt = ["What is the capital of France?", "--chat", "-n", "12", "--json"]
     direct = subprocess.run([*cmd, "run", str(links["smol"]), *prompt], capture_output=True, text=True, check=True)
@@ -182,6 +182,9 @@ def test_the_cli_runs_a_gguf_and_says_so(links, smol_dir):
                                capture_output=True, text=True, check=True)
     a, b = json.loads(direct.stdout), json.loads(converted.stdout)
     assert a["weights"] == "native" and a["text"] == b["text"] and a["tokens"] == b["tokens"]
+    int4 = subprocess.run([*cmd, "run", str(links["smol"]), *prompt, "--weights", "int4"], capture_output=True,
+                          text=True, check=True)  # dequantized from the blocks by gguf-py, then packed
+    assert json.loads(int4.stdout)["weights"] == "int4"
     info = subprocess.run([*cmd, "info", str(links["smol"]), "--json"], capture_output=True, text=True, check=True)
     d = json.loads(info.stdout)
     assert d["model_type"] == "llama" and "Q4_1" in d["dtypes"]

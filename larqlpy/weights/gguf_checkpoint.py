@@ -9,8 +9,9 @@ import json
 import mmap
 from pathlib import Path
 
-import gguf
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 from larqlpy.convert.archs import Arch
 from larqlpy.errors import LarqlError
@@ -71,7 +72,7 @@ class GGUFCheckpoint:
         a = self.raw(name)
         if qtype != "F32":
             try:
-                a = gguf.quants.dequantize(a, gguf.GGMLQuantizationType[qtype]).astype(np.float32, copy=False)
+                a = dequantize(a, GGMLQuantizationType[qtype]).astype(np.float32, copy=False)
             except Exception as e:
                 raise LarqlError(f"{self.path}: cannot dequantize {name} ({qtype}: {e})") from None
             a = a.reshape(shape)
