@@ -68,7 +68,7 @@ bench: model bench-setup
 	$(BIN)/python bench/resume.py --model $(MODEL_DIR)
 	$(BIN)/python bench/stream.py --model $(MODEL_DIR)
 	$(BIN)/python bench/startup.py --model $(MODEL_DIR)
-	$(BIN)/python bench/gguf.py
+	$(BIN)/python bench/gguf_run.py
 
 # The codec accuracy tables in docs/codec.md (about 10 minutes).
 codec-quality: model

@@ -5,7 +5,7 @@ file -- the aims of issue 29 -- beside llama.cpp loading the same file and answe
 Fresh process per call, medians of --repeats, the commands taking turns (bench/startup.py's timer).
 Asserts nothing.
 
-    python bench/gguf.py [--gguf FILE.gguf ...] [--repeats 5]
+    python bench/gguf_run.py [--gguf FILE.gguf ...] [--repeats 5]
 """
 
 from __future__ import annotations
