@@ -62,6 +62,13 @@ class Arch:
         return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+    def hf_values(self, gguf_name: str, w: np.ndarray, config: dict, is_norm: bool) -> np.ndarray:
+        """A dequantized tensor as the HF layout holds it: rows un-permuted, and w for a norm stored
+        as 1 + w."""
+        w = self.restore(gguf_name, w, config)
+        return w - np.float32(1.0) if is_norm else w
+
+
 class Meta:
     """The GGUF's metadata under its architecture's prefix."""
 

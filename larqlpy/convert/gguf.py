@@ -71,9 +71,7 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
                 codes[name] = (arch.restore(t.name, u, config), arch.restore(t.name, scale, config),
                                None if minimum is None else arch.restore(t.name, minimum, config),
                                zero, bits, t.tensor_type.name)
-        w = arch.restore(t.name, w, config)
-        w = w - 1.0 if is_norm else w  # llama.cpp stores Gemma norms as 1 + w
-        tensors[name] = stored(w, t.tensor_type.name, dtype)
+        tensors[name] = stored(arch.hf_values(t.name, w, config, is_norm), t.tensor_type.name, dtype)
     step("tokenizer", len(ours), total)
     tokenizer = build_tokenizer(meta)
 

@@ -13,7 +13,6 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from larqlpy.convert.archs import Arch
 from larqlpy.errors import LarqlError
 from larqlpy.files import is_gguf
 from larqlpy.kernels.gguf_blocks import LAYOUTS, BlockRows, unpack_tiled
@@ -21,12 +20,6 @@ from larqlpy.kernels.qweight import TILE, PackedWeight
 from larqlpy.model.config import ModelConfig
 from larqlpy.weights.checkpoint import Checkpoint, wanted_tensors
 from larqlpy.weights.gguf_file import GGUFFile
-
-
-def _transform(arch: Arch, gguf_name: str, is_norm: bool, a: np.ndarray, config: dict) -> np.ndarray:
-    """What convert-gguf does to a tensor on its way to the HF layout (rows un-permuted, 1 + w norms)."""
-    a = arch.restore(gguf_name, a, config)
-    return a - np.float32(1.0) if is_norm else a
 
 
 class GGUFCheckpoint:
@@ -76,7 +69,7 @@ class GGUFCheckpoint:
             except Exception as e:
                 raise LarqlError(f"{self.path}: cannot dequantize {name} ({qtype}: {e})") from None
             a = a.reshape(shape)
-        return _transform(self.file.arch, name, plus_one, a, self.raw_config)
+        return self.file.arch.hf_values(name, a, self.raw_config, plus_one)
 
     def native(self, gather: bool = True) -> "GGUFCodes":
         """The quantized matrices as codes; gather: an untied embedding stays in the file's blocks."""
