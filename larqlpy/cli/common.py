@@ -84,6 +84,7 @@ def load_model(model: Path, **kw):
     from larqlpy.weights.loader import load
 
     use_cores()
+    model_home(model)  # a GGUF's metadata, read once, says so
     loaded = load(model, **kw)
     started()
     return loaded
@@ -91,12 +92,17 @@ def load_model(model: Path, **kw):
 
 def model_home(model: Path) -> Path:
     """Where MODEL's config.json and tokenizer are: MODEL itself, or a .gguf file's metadata cache
-    (made on first use). gguf-py is imported for a GGUF only."""
+    (made on first use, saying so). gguf-py is imported for a GGUF only."""
     if not is_gguf(model):
         return model
     from larqlpy.weights.gguf_file import model_dir
 
-    return model_dir(model)
+    def building(where: Path) -> None:  # on a terminal, as convert-gguf's progress bar
+        if err.is_terminal:
+            err.print(f"{model}: reading its metadata (tokenizer, chat template, config) once into {where}",
+                      markup=False, soft_wrap=True)
+
+    return model_dir(model, building)
 
 
 def cli_text(text: str) -> str:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 from larqlpy.convert.archs import ARCHS, Arch, Meta
 from larqlpy.convert.gguf_meta import read_gguf, write_metadata
@@ -42,11 +43,11 @@ def metadata_dir(file: Path) -> Path:
     return home / hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:16]
 
 
-def model_dir(path: str | os.PathLike) -> Path:
+def model_dir(path: str | os.PathLike, building: Callable[[Path], None] | None = None) -> Path:
     """The directory holding a model's config.json and tokenizer: the path itself, or a GGUF file's
-    metadata cache (made on first use)."""
+    metadata cache (made on first use, after `building` is told where)."""
     path = Path(path)
-    return GGUFFile(path).dir if is_gguf(path) else path
+    return GGUFFile(path, building).dir if is_gguf(path) else path
 
 
 def _header_digest(file: Path, header_bytes: int) -> str:
@@ -66,11 +67,15 @@ def _header_digest(file: Path, header_bytes: int) -> str:
 class GGUFFile:
     """One GGUF file: its metadata cache (made or checked here) and its tensor table."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, building: Callable[[Path], None] | None = None):
+        """building: told the metadata cache's directory before the header is read to make it (a
+        few seconds for a large vocabulary)."""
         self.path = Path(path)
         self.dir = metadata_dir(self.path)
         record = self._cached()
         if record is None:
+            if building is not None:
+                building(self.dir)
             record = self._build()
         self.arch: Arch = ARCHS[record["arch"]]
         self.digest: str = record["digest"]
