@@ -90,7 +90,8 @@ OWN = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 def stored(w: np.ndarray, qtype: str, dtype: str) -> torch.Tensor:
     """A dequantized float32 tensor as the converted checkpoint stores it (convert_gguf's dtype)."""
-    t = torch.from_numpy(np.ascontiguousarray(w))
+    w = np.ascontiguousarray(w)
+    t = torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 ones come from the read-only map
     if dtype == "float32" or t.ndim < 2:
         return t
     return t.to(OWN.get(qtype, torch.bfloat16))
