@@ -129,8 +129,10 @@ def test_low_bit_formats_pack_from_a_gguf_into_its_metadata_cache(links, smol_di
 def test_the_metadata_cache_is_made_once_and_holds_while_the_bytes_do(tmp_path, monkeypatch):
     src = tmp_path / "m.gguf"
     shutil.copyfile(smol_gguf(), src)
-    first = GGUFFile(src)
+    told = []
+    first = GGUFFile(src, told.append)  # told where, before the header is read
     cache = tmp_path / "m.gguf.larqlpy"
+    assert told == [cache] and gguf_file.model_dir(src, told.append) == cache and told == [cache]
     assert first.dir == cache and (cache / "config.json").is_file() and (cache / "tokenizer.json").is_file()
     disk = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
     assert disk < 0.05 * src.stat().st_size  # the metadata cache is all a GGUF adds on disk
