@@ -23,6 +23,7 @@ import gguf
 import numpy as np
 
 from larqlpy.errors import LarqlError
+from larqlpy.kernels.gguf_blocks import values as dequantize  # codes -> the float32 values they stand for
 
 Q = gguf.GGMLQuantizationType
 ONE, ZERO = np.array([1.0], np.float16).view(np.uint8), np.array([0.0], np.float16).view(np.uint8)
@@ -87,13 +88,6 @@ def decompose(data: np.ndarray, qtype, shape: tuple[int, int]):
     scale = scale.reshape(n, k // group).astype(np.float32)
     minimum = None if minimum is None else minimum.reshape(n, k // group).astype(np.float32)
     return u, scale, minimum, zero, bits
-
-
-def dequantize(u: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, zero: int) -> np.ndarray:
-    """The float32 values the codes stand for, rounded as qweight.py's kernels round them."""
-    group = u.shape[1] // scale.shape[1]
-    v = np.repeat(scale, group, axis=1) * (u.astype(np.int32) - zero).astype(np.float32)
-    return v if minimum is None else v + np.repeat(minimum, group, axis=1)
 
 
 def native_codes(name: str, data: np.ndarray, qtype, shape: tuple[int, int], want: np.ndarray):

@@ -153,9 +153,12 @@ def _tiled(raw, kind, per, size, bits, rows, lo, codes, scale, minimum, seen):  
         seen[t, 0], seen[t, 1] = min(seen[t, 0], low), max(seen[t, 1], high)
 
 
-def _rows_of(raw: np.ndarray, qtype: str, n: int) -> np.ndarray:
-    """A matrix's bytes as its n rows of blocks."""
-    return np.asarray(raw).reshape(n, -1)
+def values(u: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, zero: int) -> np.ndarray:
+    """The float32 values row-major codes stand for, rounded as qweight.py's kernels round them:
+    scale * (u - zero) (+ minimum), one operation at a time."""
+    group = u.shape[1] // scale.shape[1]
+    v = np.repeat(scale, group, axis=1) * (u.astype(np.int32) - zero).astype(np.float32)
+    return v if minimum is None else v + np.repeat(minimum, group, axis=1)
 
 
 def unpack(raw: np.ndarray, qtype: str, shape: tuple[int, int]):
@@ -169,7 +172,7 @@ def unpack(raw: np.ndarray, qtype: str, shape: tuple[int, int]):
     u = np.empty((n, k), np.uint8)
     scale = np.empty((n, k // group), np.float32)
     minimum = np.empty((n if affine else 0, k // group), np.float32)
-    _rows(_rows_of(raw, qtype, n), KIND[qtype], per, size, u, scale, minimum)
+    _rows(np.asarray(raw).reshape(n, -1), KIND[qtype], per, size, u, scale, minimum)
     return u, scale, minimum if affine else None, zero, bits
 
 
@@ -179,8 +182,8 @@ def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.n
     layout: codes (tiles, k/4 or k/8, TILE, 4) uint8, scale / minimum (tiles, groups, TILE) float32,
     minimum empty when not affine); seen (tiles, 2) int32 gathers each tile's lowest and highest code."""
     size, per, bits, group, zero, affine = LAYOUTS[qtype]
-    _tiled(_rows_of(raw, qtype, shape[0]), KIND[qtype], per, size, bits, np.ascontiguousarray(rows, np.int64), lo,
-           codes.view(np.uint32)[..., 0], scale, minimum, seen)
+    _tiled(np.asarray(raw).reshape(shape[0], -1), KIND[qtype], per, size, bits, np.ascontiguousarray(rows, np.int64),
+           lo, codes.view(np.uint32)[..., 0], scale, minimum, seen)
 
 
 class BlockRows:
@@ -205,11 +208,7 @@ class BlockRows:
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         flat = idx.reshape(-1).to(torch.int64).numpy()
         u, scale, minimum, zero, _ = unpack(self.raw[flat], self.qtype, (len(flat), self.shape[1]))
-        group = self.shape[1] // scale.shape[1]
-        v = np.repeat(scale, group, axis=1) * (u.astype(np.int32) - zero).astype(np.float32)
-        if minimum is not None:
-            v += np.repeat(minimum, group, axis=1)
-        return torch.from_numpy(v).view(*idx.shape, self.shape[1])
+        return torch.from_numpy(values(u, scale, minimum, zero)).view(*idx.shape, self.shape[1])
 
 
 jitcache.tie(globals(), qdot)  # the decoders inline qdot.py's _half_bits

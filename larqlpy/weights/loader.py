@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
+from larqlpy.files import is_gguf
 from larqlpy.kernels.qweight import PackedPart, PackedWeight, check_format, stack
 from larqlpy.weights import calibration_file, native_file, packed_cache
 from larqlpy.weights.native_file import NativeFile
@@ -22,8 +23,8 @@ from larqlpy.model.decoder import Block, Decoder
 from larqlpy.model.families import read_config
 from larqlpy.model.tensors import block_weights
 from larqlpy.weights.checkpoint import Checkpoint
-from larqlpy.weights.gguf_checkpoint import GGUFCheckpoint, GGUFCodes, checkpoint, default_weights
-from larqlpy.weights.gguf_file import model_dir
+from larqlpy.weights.gguf_checkpoint import GGUFCheckpoint, GGUFCodes, default_weights
+from larqlpy.weights.gguf_file import GGUFFile
 from larqlpy.weights.known_files import KnownFiles
 from larqlpy.text.tokenizer import Tokenizer
 from larqlpy.text.tokenizer_process import TokenizerProcess
@@ -80,10 +81,11 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
         check_format(weights)
     dev = resolve_device(device)
     tdtype = resolve_dtype(dtype)
-    home = model_dir(path)  # config, tokenizer, calibration and caches
+    gguf = GGUFFile(path) if is_gguf(path) else None
+    home = path if gguf is None else gguf.dir  # config, tokenizer, calibration and caches
     cfg = read_config(home)
     tokenizer = Tokenizer.from_dir(home, cfg) if tokenizer is None else tokenizer.tokenizer()
-    ckpt = checkpoint(path, cfg, allow_unused_tensors)
+    ckpt = Checkpoint(path, cfg, allow_unused_tensors) if gguf is None else GGUFCheckpoint(gguf, cfg)
     weights = weights or default_weights(ckpt)
     model = Decoder(cfg, device=dev, dtype=tdtype)
     packed_from, matrices = None, set()
