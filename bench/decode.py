@@ -58,6 +58,7 @@ class Larqlpy:
         self.loaded = load(path, device="cpu", weights=weights)
         self.provider = build_provider(parse_engine_spec(continuation=engine))
         self.name = f"larqlpy {weights}"
+        self.kv = self.loaded.kv_dtype  # the default beside these weights: f16, f32 beside f32
         # Read per decoded token: every matrix once, the tied LM head included; an untied embedding is
         # only gathered from (one row a token), so it is not counted.
         m = self.loaded.model
@@ -85,6 +86,7 @@ class Larqlpy:
 
 class Transformers:
     name = "transformers f32"
+    kv = "f32"
 
     def __init__(self, path: Path):
         from transformers import AutoModelForCausalLM
@@ -129,6 +131,7 @@ class LlamaCpp:
                 sizes[t.tensor_type.name] = sizes.get(t.tensor_type.name, 0) + int(t.n_bytes)
             label = "/".join(sorted((k for k in sizes if k != "F32"), key=lambda k: -sizes[k]))
         self.name = "llama.cpp " + label
+        self.kv = "f16"  # llama.cpp's default cache type
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=2, n_threads_batch=2,
                                    n_batch=512, verbose=False)
         untied = any(t.name == "output.weight" for t in tensors)  # then token_embd is only gathered from
@@ -271,13 +274,13 @@ def main() -> None:
           f"{len(long_ids)} tokens; {args.decode} greedy decode steps after each; median of {args.repeats}")
     print(f"stream read bandwidth {bw:.1f} GB/s\n")
     cols = COLUMNS
-    print(f"| runner | weights MB read per token | {' | '.join(c + ' tok/s' for c in cols)} "
+    print(f"| runner | KV rows | weights MB read per token | {' | '.join(c + ' tok/s' for c in cols)} "
           "| decode GB/s (of stream) |")
-    print("|---|---|" + "---|" * (len(cols) + 1))
+    print("|---|---|---|" + "---|" * (len(cols) + 1))
     for r in runners:
         m = results[r.name]
         gbs = m["decode short"] * r.bytes_per_token / 1e9
-        print(f"| {r.name} | {r.bytes_per_token / 1e6:.0f} | " + " | ".join(f"{m[c]:.1f}" for c in cols)
+        print(f"| {r.name} | {r.kv} | {r.bytes_per_token / 1e6:.0f} | " + " | ".join(f"{m[c]:.1f}" for c in cols)
               + f" | {gbs:.1f} ({gbs / bw:.0%}) |")
     bases = {"transformers": results.get(Transformers.name),
              "llama.cpp": next((v for k, v in results.items() if k.startswith("llama.cpp")), None)}

@@ -54,7 +54,9 @@ class Model:
         return generate_step(self.loaded.model, seq)
 
 
-def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str | None = None) -> Model:
+def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str | None = None,
+         kv_dtype: str | None = None) -> Model:
     """path: a model directory or a .gguf file. weights: f32 | bf16 | int8 | int4 | native (weight-only
-    quantization at load; see docs/weights.md); None: what the files hold (native for a .gguf)."""
-    return Model(load_dir(path, device=device, dtype=dtype, weights=weights))
+    quantization at load; see docs/weights.md); None: what the files hold (native for a .gguf).
+    kv_dtype: f32 | f16 | bf16, what exact K/V rows are kept in; None: f16, or f32 beside f32 weights."""
+    return Model(load_dir(path, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype))

@@ -76,8 +76,8 @@ def record(loaded, seq: Sequence) -> dict:
     result = {"id": req.id, "text": seq.text, "tokens": list(seq.output), "prompt_tokens": len(seq.prompt_ids),
               "engine": seq.spec.describe(), "finish_reason": seq.finish_reason or "length",
               "device": str(loaded.device), "dtype": str(loaded.model.dtype).replace("torch.", ""),
-              "weights": loaded.weights, "stats": seq.metrics().as_dict() if seq.output else
-              {"prompt_tokens": len(seq.prompt_ids)}, "error": None}
+              "weights": loaded.weights, "kv_dtype": loaded.kv_dtype,
+              "stats": seq.metrics().as_dict() if seq.output else {"prompt_tokens": len(seq.prompt_ids)}, "error": None}
     if seq.notes:
         result["notes"] = seq.notes
     result.update(seq.report())

@@ -93,5 +93,5 @@ def save(loaded: LoadedModel, path: str | Path, held: Held, extra: dict | None =
 def numerics(loaded: LoadedModel) -> dict[str, str]:
     """What the rows' numbers depend on beyond the model: saved with a state, checked on resume."""
     return {"weights": loaded.weights, "dtype": str(loaded.model.dtype).removeprefix("torch."),
-            "device": loaded.device.type,
+            "device": loaded.device.type, "kv_dtype": loaded.kv_dtype,
             **({"weights_digest": loaded.weights_digest} if loaded.weights_digest is not None else {})}

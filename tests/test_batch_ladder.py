@@ -134,15 +134,15 @@ def test_python_api_with_engines(tiny_dir):
 def test_batch_parallel_keeps_input_order_and_equals_one_at_a_time(tiny_dir, tmp_path):
     lines = [{"prompt": "the cat " * (i % 5 + 1), "id": i, "max_tokens": 3 + i % 4, "continuation":
               ["canonical/v1", "window/v1"][i % 2]} for i in range(9)]
-    lines.insert(4, {"prompt": "big", "max_tokens": 400})  # more KV than the whole budget: an error record
+    lines.insert(4, {"prompt": "big", "max_tokens": 400})  # more KV (f16 rows beside int8) than the budget: an error
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     one = batch(tiny_dir, str(src), "--parallel", "1", "--weights", "int8", stdin="")
-    many = batch(tiny_dir, str(src), "--parallel", "4", "--weights", "int8", "--kv-budget", "600KiB", stdin="")
+    many = batch(tiny_dir, str(src), "--parallel", "4", "--weights", "int8", "--kv-budget", "300KiB", stdin="")
     two = batch(tiny_dir, str(src), "--parallel", "3", "--workers", "2", "--weights", "int8", stdin="")
     a, b, c = ([json.loads(line) for line in r.stdout.splitlines()] for r in (one, many, two))
     assert [x["line"] for x in b] == list(range(1, 11)) == [x["line"] for x in c]
-    assert "budget of 614,400 bytes" in b[4]["error"] and b[4]["error"].startswith("line 5: needs ")
+    assert "budget of 307,200 bytes" in b[4]["error"] and b[4]["error"].startswith("line 5: needs ")
     assert many.returncode == 1 and one.returncode == two.returncode == 0
     for i in (0, 1, 2, 3, 5, 6, 7, 8, 9):
         assert a[i]["tokens"] == b[i]["tokens"] == c[i]["tokens"] and a[i]["id"] == b[i]["id"], i

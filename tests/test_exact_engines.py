@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,10 +17,14 @@ WINDOW = parse_engine_spec(continuation="window/v1")
 CANONICAL = EngineSpec()
 
 
-def run_steps(loaded, spec, ids, chunks, decode_steps, check_horizon=None):
+def run_steps(loaded, spec, ids, chunks, decode_steps, check_horizon=None, kv_dtype=None):
     """Prefill `ids` in blocks of the given sizes (all logits), then greedy-decode; returns
-    (prefill logits, decode logits per step, generated ids)."""
-    state = new_state(spec, loaded.model.geometries(), loaded.device)
+    (prefill logits, decode logits per step, generated ids). kv_dtype: exact rows in that dtype
+    instead of the model's."""
+    geoms = loaded.model.geometries()
+    if kv_dtype is not None:
+        geoms = [dataclasses.replace(g, kv_dtype=kv_dtype) for g in geoms]
+    state = new_state(spec, geoms, loaded.device)
     pos, outs = 0, []
     for size in chunks:
         outs.append(loaded.model(torch.tensor(ids[pos:pos + size]), state, all_logits=True))

@@ -101,7 +101,7 @@ def test_native_reproduces_the_ggufs_dequantized_values_tensor_by_tensor(which, 
 
 @pytest.fixture(scope="module")
 def native(real_dir):
-    return load(real_dir, device="cpu", weights="native")
+    return load(real_dir, device="cpu", weights="native", kv_dtype="f32")  # the weights' precision alone
 
 
 def test_native_holds_each_tensor_at_the_ggufs_precision(native):

@@ -187,7 +187,8 @@ OTHERS = ["Tell me about the moon.", "Tell me about rivers.", "Tell me about sno
 
 def test_memory_pressure_persists_states_and_they_come_back_the_same(smol_dir):
     # the budget holds the live sequence (a few MiB at these lengths) and the kept states beside it
-    with Server(smol_dir, "--weights", "int8", "--kv-budget", "6MiB") as small, \
+    # (f16 rows, the default beside int8 weights)
+    with Server(smol_dir, "--weights", "int8", "--kv-budget", "3MiB") as small, \
             Server(smol_dir, "--weights", "int8", "--kv-budget", "1GiB") as big:
         runs = []
         for s in (small, big):
@@ -204,18 +205,19 @@ def test_memory_pressure_persists_states_and_they_come_back_the_same(smol_dir):
 
 def test_past_the_disk_budget_the_least_recently_used_are_evicted(smol_dir, tmp_path):
     d = tmp_path / "kept"
-    with Server(smol_dir, "--weights", "int8", "--kv-budget", "3MiB", "--disk-budget", "6MiB",
+    with Server(smol_dir, "--weights", "int8", "--kv-budget", "1536KiB", "--disk-budget", "3MiB",
                 "--state-dir", str(d)) as s:
         for t in TURNS + OTHERS:
             chat_turns(s, [t])
         m = s.metrics()
         files = sum(f.stat().st_size for f in d.glob("*.lqkv"))
     assert m['larqlpy_kept_transitions_total{from="PERSISTED",to="EVICTED"}'] >= 1
-    assert m['larqlpy_kept_bytes{state="PERSISTED"}'] == files <= 6 << 20
+    assert m['larqlpy_kept_bytes{state="PERSISTED"}'] == files <= 3 << 20
 
 
 def test_cells_states_are_quantized_under_pressure(smol_dir):
-    with Server(smol_dir, "--weights", "int8", "--continuation", "cells/v1", "--kv-budget", "24MiB") as s:
+    with Server(smol_dir, "--weights", "int8", "--kv-dtype", "f32", "--continuation", "cells/v1",
+                "--kv-budget", "24MiB") as s:
         for t in TURNS + OTHERS:
             chat_turns(s, [t * 30])
         m = s.metrics()

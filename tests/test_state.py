@@ -62,9 +62,9 @@ def resume(loaded, path, ids, spec, reprefill=False):
     return source.take(ids, spec), spec, ids
 
 
-def resume_elsewhere(model_dir, path, n, tmp_path, weights="f32"):
+def resume_elsewhere(model_dir, path, n, tmp_path, weights="f32", kv_dtype=""):
     out = tmp_path / "resumed.pt"
-    subprocess.run([sys.executable, WORKERS, "resume", str(model_dir), str(path), str(n), str(out), weights],
+    subprocess.run([sys.executable, WORKERS, "resume", str(model_dir), str(path), str(n), str(out), weights, kv_dtype],
                    check=True, env=ENV, timeout=300)
     return torch.load(out)
 

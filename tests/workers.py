@@ -7,14 +7,15 @@ import sys
 import torch
 
 
-def resume_and_decode(model_dir: str, state_path: str, n: str, out: str, weights: str = "f32") -> None:
+def resume_and_decode(model_dir: str, state_path: str, n: str, out: str, weights: str = "f32",
+                      kv_dtype: str = "") -> None:
     from larqlpy.config import GenerationConfig
     from larqlpy.decode.sequence import Sequence
     from larqlpy.decode.stream import generate_step
     from larqlpy.session import FileSource
     from larqlpy.weights.loader import load
 
-    loaded = load(model_dir, device="cpu", weights=weights)
+    loaded = load(model_dir, device="cpu", weights=weights, kv_dtype=kv_dtype or None)
     source = FileSource(loaded, state_path)
     seq = Sequence(loaded.model, source.tokens, source.spec(None),
                    GenerationConfig(max_tokens=int(n), stop_at_eos=False), source=source)

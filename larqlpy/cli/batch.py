@@ -14,8 +14,9 @@ from typing import Optional
 
 import typer
 
-from larqlpy.cli.common import (ALLOW_UNUSED, DEVICE, DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, err,
+from larqlpy.cli.common import (ALLOW_UNUSED, DEVICE, DTYPE, KV_DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, err,
                                 model_home, monitored, started)
+from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write, check_output, read_bytes
 
@@ -44,6 +45,7 @@ def batch(
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: Optional[str] = WEIGHTS,
+    kv_dtype: Optional[str] = KV_DTYPE,
     allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Run one request per input line; one result per output line, in input order.
@@ -55,11 +57,12 @@ def batch(
     1 when any line failed."""
     budget, part = checked(model, infile, output, workers, ray_address, actors, actor_cpus, worker_model,
                            resume_output, kv_budget, shard, parallel, monitor, monitor_plot)
+    check_kv_dtype(kv_dtype)
     items = read_lines(infile, part)
     from larqlpy.tools.batch_run import Setup, cores
 
     procs = actors if ray_address is not None else workers
-    run = _Run(Setup(str(model), device, dtype, weights, parallel, budget // procs if budget else None,
+    run = _Run(Setup(str(model), device, dtype, weights, kv_dtype, parallel, budget // procs if budget else None,
                      max(1, cores() // workers) if workers > 1 else None, allow_unused_tensors),
                workers, ray_address, actors, actor_cpus, worker_model)
     if resume_output:

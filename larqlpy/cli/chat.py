@@ -15,7 +15,8 @@ from typing import List, Optional
 import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE,
-                                WEIGHTS, err, error_line, fmt_bytes, load_model)
+                                KV_DTYPE, WEIGHTS, err, error_line, fmt_bytes, load_model)
+from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.config import GenerationConfig, SamplingConfig
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
@@ -43,6 +44,7 @@ def chat(
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: Optional[str] = WEIGHTS,
+    kv_dtype: Optional[str] = KV_DTYPE,
     allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Talk to MODEL, keeping the conversation's attention state between turns."""
@@ -57,7 +59,9 @@ def chat(
     from larqlpy.chat import ChatSession
     from larqlpy.text.chat_template import ChatTemplate
 
-    loaded = load_model(model, device=device, dtype=dtype, weights=weights, allow_unused_tensors=allow_unused_tensors)
+    check_kv_dtype(kv_dtype)
+    loaded = load_model(model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
+                        allow_unused_tensors=allow_unused_tensors)
     template = str(chat_template) if chat_template is not None else None
     ChatTemplate.for_tokenizer(loaded.tokenizer, template)  # a model without one is refused before the first turn
     session = ChatSession(loaded, spec, req.gen, template, system)

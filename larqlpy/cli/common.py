@@ -29,6 +29,8 @@ MONITOR = typer.Option(None, "--monitor", help="sample memory and position into 
 MONITOR_PLOT = typer.Option(None, "--monitor-plot", help="draw the --monitor samples into a PNG")
 WEIGHTS = typer.Option(None, "--weights", help="f32 | bf16 | int8 | int4 | native (each matrix as the GGUF held it): "
                        "weight precision, packed at load; default: what the files hold (native for a .gguf)")
+KV_DTYPE = typer.Option(None, "--kv-dtype", help="f32 | f16 | bf16: the dtype exact K/V rows are kept in "
+                        "(canonical, window, sinks, exact keys, ACTIVE cells); default: f16, f32 beside --weights f32")
 ENGINE = typer.Option(None, "--engine", help="V2 spelling: standard | no-cache | name:k=v,...")
 CONTINUATION = typer.Option(None, "--continuation", help="provider identity, e.g. canonical/v1")
 CONTINUATION_OPTION = typer.Option([], "--continuation-option", help="key=value (repeatable)")
@@ -44,7 +46,8 @@ FLAGS = {
     "max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
     "seed": "--seed", "prefill_chunk": "--prefill-chunk", "kv_budget": "--kv-budget", "resume": "--resume",
     "save_state": "--save-state", "reprefill": "--reprefill", "weights": "--weights", "device": "--device",
-    "dtype": "--dtype", "monitor": "--monitor", "monitor_plot": "--monitor-plot", "force": "--force",
+    "kv_dtype": "--kv-dtype", "dtype": "--dtype", "monitor": "--monitor", "monitor_plot": "--monitor-plot",
+    "force": "--force",
     "positions": "--positions", "budget": "--budget", "plot": "--plot", "calibrate": "`larqlpy calibrate MODEL_DIR`",
     "convert_gguf": "`larqlpy convert-gguf GGUF MODEL_DIR --force`",
     "chat_template": "--chat-template", "parallel": "--parallel", "port": "--port", "api_key": "--api-key",

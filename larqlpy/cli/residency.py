@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from larqlpy.cli.common import CONTINUATION, CONTINUATION_OPTION, fmt_bytes, one_engine, out, preset_flags
+from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 
 
@@ -24,6 +25,8 @@ def residency(
     engine: Optional[str] = typer.Option(None, "--engine", help="V2 spelling of one engine"),
     continuation: Optional[str] = CONTINUATION,
     continuation_option: List[str] = CONTINUATION_OPTION,
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="f32 | f16 | bf16: exact rows' dtype; "
+                                           "default: what a run of MODEL keeps (f32 for a named geometry)"),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Rows and bytes per layer kind each engine keeps after N positions (no weights needed);
@@ -33,27 +36,29 @@ def residency(
     from larqlpy.engines.options import parse_size
 
     specs = one_engine("residency", engine, continuation, continuation_option)
+    check_kv_dtype(kv_dtype)
     if (positions is None) == (budget is None):
         raise LarqlError("residency: give exactly one of --positions N or --budget SIZE")
     if budget is None:
-        return show_residency(model, positions, specs, as_json)
+        return show_residency(model, positions, specs, as_json, kv_dtype)
     try:
         nbytes = parse_size(budget)
     except ValueError as e:
         raise LarqlError(f"--budget: {e}") from None
-    show_capacity(model, nbytes, specs, as_json)
+    show_capacity(model, nbytes, specs, as_json, kv_dtype)
 
 
-def show_capacity(model: str, nbytes: int, specs, as_json: bool) -> None:
+def show_capacity(model: str, nbytes: int, specs, as_json: bool, kv_dtype: str | None) -> None:
     """The longest context each engine fits in `nbytes`."""
     from larqlpy.engines.presets import RECOMMENDED
     from larqlpy.tools.residency import capacity
 
-    c = capacity(model, nbytes, specs)
+    c = capacity(model, nbytes, specs, kv_dtype=kv_dtype)
     if as_json:
         sys.stdout.write(json.dumps(c) + "\n")
         return
-    t = Table(title=f"{c['geometry']}: the longest context that fits in {fmt_bytes(nbytes)} of KV")
+    t = Table(title=f"{c['geometry']}: the longest context that fits in {fmt_bytes(nbytes)} of KV "
+                    f"(exact rows in {c['kv_dtype']})")
     for col in ("engine", "max positions", "KV bytes there"):
         t.add_column(col, justify="left" if col == "engine" else "right")
     for e in c["engines"]:
@@ -70,16 +75,17 @@ def show_capacity(model: str, nbytes: int, specs, as_json: bool) -> None:
         out.print(escape(f"recommended approximate configuration ({fits} here): {preset_flags(RECOMMENDED)}"))
 
 
-def show_residency(model: str, positions: int, specs, as_json: bool) -> None:
+def show_residency(model: str, positions: int, specs, as_json: bool, kv_dtype: str | None) -> None:
     """Rows and bytes per layer kind each engine keeps after `positions` positions."""
     from larqlpy.tools.residency import residency as account
 
-    r = account(model, positions, specs)
+    r = account(model, positions, specs, kv_dtype=kv_dtype)
     if as_json:
         sys.stdout.write(json.dumps(r) + "\n")
         return
     t = Table(title=f"{r['geometry']} at {r['positions']:,} positions "
-                    f"({r['kinds']['sliding']} sliding + {r['kinds']['global']} global layers)")
+                    f"({r['kinds']['sliding']} sliding + {r['kinds']['global']} global layers, "
+                    f"exact rows in {r['kv_dtype']})")
     for col in ("engine", "sliding rows", "sliding bytes", "global rows", "global bytes", "total rows", "total"):
         t.add_column(col, justify="left" if col == "engine" else "right")
     for e in r["engines"]:

@@ -10,8 +10,9 @@ from typing import List, Optional
 import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE,
-                                MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, cli_text, err, fmt_bytes, load_model,
-                                model_home, monitored, read_prompt)
+                                KV_DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, cli_text, err, fmt_bytes,
+                                load_model, model_home, monitored, read_prompt)
+from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
 from larqlpy.config import GenerationConfig, SamplingConfig
@@ -51,6 +52,7 @@ def run(
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: Optional[str] = WEIGHTS,
+    kv_dtype: Optional[str] = KV_DTYPE,
     allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Generate a continuation of PROMPT."""
@@ -61,8 +63,9 @@ def run(
         reprefill=reprefill, max_tokens=max_tokens, prefill_chunk=prefill_chunk, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, stop=list(stop)))
     check_paths(monitor, monitor_plot)
+    check_kv_dtype(kv_dtype)
     show(generate(model, req, as_json, monitor, monitor_plot, device=device, dtype=dtype, weights=weights,
-                  allow_unused_tensors=allow_unused_tensors), as_json, stats)
+                  kv_dtype=kv_dtype, allow_unused_tensors=allow_unused_tensors), as_json, stats)
 
 
 def generate(model: Path, req, as_json: bool, monitor, monitor_plot, **load) -> dict:
@@ -124,6 +127,7 @@ def print_stats(result: dict) -> None:
     if session.get("saved_to"):
         extra += f" | saved {fmt_bytes(session['saved_bytes'])} to {session['saved_to']}"
     err.print(f"engine {result['engine']} | weights {result.get('weights', 'f32')} | "
+              f"KV rows {result.get('kv_dtype', 'f32')} | "
               f"prompt {result['prompt_tokens']} tok | prefill "
               f"{m.get('prefill_tokens_per_s', 0):.1f} tok/s | decode {m.get('decode_tokens_per_s', 0):.1f} tok/s | "
               f"resident KV {fmt_bytes(m.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}{extra}",

@@ -9,8 +9,9 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import (ALLOW_UNUSED, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, WEIGHTS, err,
-                                load_model, model_home)
+from larqlpy.cli.common import (ALLOW_UNUSED, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, KV_DTYPE,
+                                WEIGHTS, err, load_model, model_home)
+from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.config import ServeConfig
 from larqlpy.errors import LarqlError
 
@@ -44,6 +45,7 @@ def serve(
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: Optional[str] = WEIGHTS,
+    kv_dtype: Optional[str] = KV_DTYPE,
     allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Serve MODEL over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models,
@@ -62,6 +64,7 @@ def serve(
                       engine=engine, continuation=continuation, options=tuple(continuation_option),
                       shutdown_grace_s=shutdown_grace)
     read_config(model_home(model))
+    check_kv_dtype(kv_dtype)
     if state_dir is not None:
         state_dir.mkdir(exist_ok=True)
     if host not in LOOPBACK and api_key is None:
@@ -71,7 +74,8 @@ def serve(
     from larqlpy.server import listen, serve as run_server
 
     sock = listen(host, port)  # a busy port is refused before the weights load
-    loaded = load_model(model, device=device, dtype=dtype, weights=weights, allow_unused_tensors=allow_unused_tensors)
+    loaded = load_model(model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
+                        allow_unused_tensors=allow_unused_tensors)
     run_server(loaded, cfg, announce, sock)
 
 
@@ -88,6 +92,7 @@ def _sizes(*flags: tuple[str, str]) -> dict[str, int]:
 
 
 def announce(s: dict) -> None:
-    err.print(f"larqlpy: serving {s['name']} ({s['weights']}, {s['engine']}, {s['parallel']} parallel, "
+    err.print(f"larqlpy: serving {s['name']} ({s['weights']}, KV rows {s['kv_dtype']}, {s['engine']}, "
+              f"{s['parallel']} parallel, "
               f"{s['kept']} kept states from {s['state_dir'] or 'nowhere'}) on {s['url']} (pid {os.getpid()})",
               markup=False)

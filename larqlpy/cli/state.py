@@ -29,7 +29,8 @@ def state_inspect(path: Path = typer.Argument(..., help="a state file written by
     out.print(f"{path}: {fmt_bytes(summary['bytes'])}, format {summary['format']}, engine {e['identity']}"
               f"{' [' + opts + ']' if opts else ''}", markup=False)
     out.print(f"tokens {summary['tokens']} (processed {summary['processed']}), model {summary['model_fingerprint']} "
-              f"(--weights {summary['weights']}), tokenizer {summary['tokenizer_fingerprint']}", markup=False)
+              f"(--weights {summary['weights']} --kv-dtype {summary['kv_dtype']}), "
+              f"tokenizer {summary['tokenizer_fingerprint']}", markup=False)
     t = Table()
     for col in ("layer", "kind", "retained", "cells (state precision: cells / positions / bytes)"):
         t.add_column(col)

@@ -1,4 +1,5 @@
-"""canonical/v1: every K/V row kept in f32 -- the exact baseline every other engine is held to."""
+"""canonical/v1: every K/V row kept (in the model's kv_dtype) -- the exact baseline every other engine
+is held to."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ from larqlpy.engines.provider import Provider
 
 class Canonical(Provider):
     identity = "canonical/v1"
-    summary = "every f32 K/V row; exact baseline (sliding layers read only their window)"
+    summary = "every K/V row; exact baseline (sliding layers read only their window)"
 
     def make_store(self, geometry, device):
-        from larqlpy.engines.stores.f32 import F32Store  # torch: loaded when rows are first stored
+        from larqlpy.engines.stores.exact import ExactStore  # torch: loaded when rows are first stored
 
-        return F32Store(geometry, device)
+        return ExactStore(geometry, device)
 
     def retained_rows(self, geometry, positions):
         return positions

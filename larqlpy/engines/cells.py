@@ -44,7 +44,7 @@ class Cells(Provider):
             self.rules.policy = dataclasses.replace(self.rules.policy, bits=int(self.options["bits"]))
 
     def cell_bytes(self, g: LayerGeometry) -> int:
-        return self.rules.cell_size * g.row_bytes_f32
+        return self.rules.cell_size * g.row_bytes
 
     def state_bytes(self, geometries, positions):
         """Its own budget bounds what it holds (with a cell per layer of slack while a block lands)."""

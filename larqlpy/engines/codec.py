@@ -143,8 +143,8 @@ class Codec(Provider):
         return geometry.n_kv_heads * sum(format_bytes(self.row_format(geometry, t), geometry.head_dim) for t in "kv")
 
     def layer_bytes(self, geometry, positions):
-        f32 = geometry.n_kv_heads * geometry.head_dim * 4  # one exact row of one tensor
-        extra = min(positions, self.exact_keys()) * f32 + min(positions, self.sink()) * 2 * f32
+        one = geometry.exact_bytes  # one exact row of one tensor
+        extra = min(positions, self.exact_keys()) * one + min(positions, self.sink()) * 2 * one
         recent = self.recent(geometry)
         if recent:
             rows = min(positions, recent, self.retained_rows(geometry, positions))
@@ -154,7 +154,7 @@ class Codec(Provider):
 
 class CodecRecent(Codec):
     identity = "codec-recent/v1"
-    summary = "codec/v1 plus the newest exact_recent_k K rows kept exact in f32"
+    summary = "codec/v1 plus the newest exact_recent_k K rows kept exact"
 
     @classmethod
     def option_specs(cls):

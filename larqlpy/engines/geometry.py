@@ -1,8 +1,26 @@
-"""What a KV engine knows of one layer: its index, its sliding window, its KV heads and head_dim."""
+"""What a KV engine knows of one layer: its index, its sliding window, its KV heads and head_dim, and
+the dtype its exact rows are kept in."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from larqlpy.errors import LarqlError
+
+KV_DTYPES = {"f32": 4, "f16": 2, "bf16": 2}  # the dtypes exact K/V rows are kept in: bytes per value
+
+
+def check_kv_dtype(name: str | None) -> str | None:
+    """A kv_dtype as given (None: the default, chosen by the weights), or a one-line refusal."""
+    if name is not None and name not in KV_DTYPES:
+        raise LarqlError(f"`kv_dtype`: expected {' | '.join(KV_DTYPES)}, got {name!r}")
+    return name
+
+
+def default_kv_dtype(weights: str) -> str:
+    """Exact rows in f32 beside f32 weights (the exact baseline), else f16: half the bytes, and the
+    weights' own rounding already dwarfs f16's."""
+    return "f32" if weights == "f32" else "f16"
 
 
 @dataclass(frozen=True)
@@ -16,15 +34,21 @@ class LayerGeometry:
     key_calibration: object = field(default=None, compare=False, repr=False)
     # why the model has no usable calibration (a stale or damaged file), for the engines that need one
     calibration_problem: str | None = field(default=None, compare=False, repr=False)
+    kv_dtype: str = "f32"  # exact rows (canonical/v1, window/v1, sinks, exact keys, ACTIVE cells): KV_DTYPES
 
     @property
     def kind(self) -> str:
         return "global" if self.window is None else "sliding"
 
     @property
-    def row_bytes_f32(self) -> int:
-        """Bytes of one position's K and V rows in f32."""
-        return 2 * self.n_kv_heads * self.head_dim * 4
+    def exact_bytes(self) -> int:
+        """Bytes of one position's K or V row, exact (in `kv_dtype`)."""
+        return self.n_kv_heads * self.head_dim * KV_DTYPES[self.kv_dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one position's K and V rows, exact."""
+        return 2 * self.exact_bytes
 
     def read_start(self, q_start: int) -> int:
         """First logical position a block of queries starting at `q_start` may read."""

@@ -51,7 +51,7 @@ class Provider:
         return geometry.readable_rows(positions)
 
     def row_bytes(self, geometry: LayerGeometry) -> int:
-        return geometry.row_bytes_f32
+        return geometry.row_bytes
 
     def layer_bytes(self, geometry: LayerGeometry, positions: int) -> int:
         """Bytes one layer's store holds after `positions` positions."""

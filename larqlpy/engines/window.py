@@ -36,9 +36,9 @@ class Window(Provider):
                                  f"{g.window}; rows attention still reads would be dropped")
 
     def make_store(self, geometry, device):
-        from larqlpy.engines.stores.f32 import F32Store  # torch: loaded when rows are first stored
+        from larqlpy.engines.stores.exact import ExactStore  # torch: loaded when rows are first stored
 
-        return F32Store(geometry, device, None if geometry.window is None else self.keep(geometry))
+        return ExactStore(geometry, device, None if geometry.window is None else self.keep(geometry))
 
     def retained_rows(self, geometry, positions):
         return positions if geometry.window is None else min(positions, self.keep(geometry))

@@ -8,6 +8,11 @@ batch step hands every sequence's query and rows to one call (`attend_rows`), so
 one call's Python and dispatch instead of eight. The rows stay where each sequence's store keeps them:
 the call takes their addresses.
 A sequence's numbers depend on its own rows only, so alone or in a batch they are the same bits.
+
+Rows may be kept in f32, f16 or bf16 (the model's kv_dtype): a chunk of 16-bit rows is widened to
+f32 once per KV head, then scored by the same arithmetic; the step's own row is rounded to the
+buffer's dtype as it is written (round-to-nearest-even, as torch rounds), so a row reads back the
+same whichever path stored it.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from llvmlite import ir
 from numba import carray, njit, prange, types
 from numba.extending import intrinsic
 
 CHUNK = 128  # rows per parallel chunk: a chunk's K and V (2 x 128 KB at D = 256) stay in L2
+F32, F16, BF16 = 0, 1, 2  # the rows' element kind (where[s, 8])
+KINDS = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 
 
 @intrinsic
@@ -31,6 +39,73 @@ def _f32_at(typingctx, address):
         return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
 
     return sig, codegen
+
+
+@intrinsic
+def _u16_at(typingctx, address):
+    """An int64 address as a uint16 pointer: 16-bit rows (f16 / bf16 bits)."""
+    sig = types.CPointer(types.uint16)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+@intrinsic
+def _from_half(typingctx, bits):
+    """f16 bits -> float32 (exact)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _to_half(typingctx, x):
+    """float32 -> f16 bits, rounded to nearest even (what torch's .half() gives)."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def _float_bits(typingctx, x):
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@intrinsic
+def _bits_float(typingctx, bits):
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def _from_bf16(bits):  # pragma: no cover - jitted
+    return _bits_float(np.uint32(bits) << np.uint32(16))
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def _to_bf16(x):  # pragma: no cover - jitted
+    """float32 -> bf16 bits, rounded to nearest even with NaN kept a NaN (torch's rounding)."""
+    if x != x:
+        return np.uint16(0x7FC0)
+    b = np.int64(_float_bits(x))
+    return np.uint16(((b + ((b >> 16) & 1) + 0x7FFF) >> 16) & 0xFFFF)
 
 
 @njit(inline="always", cache=True, error_model="numpy")
@@ -45,20 +120,28 @@ def _physical(where, s, i):  # pragma: no cover - jitted
 def _chunk(q, where, s, c, lo, hi, scale, softcap, m, total, acc):  # pragma: no cover - jitted
     """Sequence s's readable rows [lo, hi) for every head: chunk c's running maximum, sum and weighted values."""
     h, d = q.shape[1], q.shape[2]
-    n_kv, stride = where[s, 4], where[s, 3]
+    n_kv, stride, kind = where[s, 4], where[s, 3], where[s, 8]
     rows = where[s, 6] if where[s, 6] > 0 else where[s, 5] + where[s, 2]  # the buffer's rows read from
     group = h // n_kv
     sc = np.empty(hi - lo, np.float32)
     at = np.empty(hi - lo, np.int64)
     for i in range(lo, hi):
         at[i - lo] = _physical(where, s, i)
+    wide = hi - lo if kind != F32 else 0  # 16-bit rows: this chunk's, widened to f32 per KV head
+    kw, vw, seq = np.empty((wide, d), np.float32), np.empty((wide, d), np.float32), np.arange(wide)
     for kv in range(n_kv):
-        k = carray(_f32_at(where[s, 0] + 4 * kv * stride), (rows, d))  # this KV head's rows, contiguous
-        v = carray(_f32_at(where[s, 1] + 4 * kv * stride), (rows, d))
+        if kind == F32:
+            k = carray(_f32_at(where[s, 0] + 4 * kv * stride), (rows, d))  # this KV head's rows, contiguous
+            v = carray(_f32_at(where[s, 1] + 4 * kv * stride), (rows, d))
+            idx = at
+        else:
+            _widen(carray(_u16_at(where[s, 0] + 2 * kv * stride), (rows, d)), at, kind, kw)
+            _widen(carray(_u16_at(where[s, 1] + 2 * kv * stride), (rows, d)), at, kind, vw)
+            k, v, idx = kw, vw, seq
         for hh in range(kv * group, (kv + 1) * group):
             top = np.float32(-np.inf)
             for i in range(hi - lo):
-                r = at[i]
+                r = idx[i]
                 dot = np.float32(0.0)
                 for j in range(d):
                     dot += q[s, hh, j] * k[r, j]
@@ -69,7 +152,7 @@ def _chunk(q, where, s, c, lo, hi, scale, softcap, m, total, acc):  # pragma: no
                 top = max(top, dot)
             tot = np.float32(0.0)
             for i in range(hi - lo):
-                r = at[i]
+                r = idx[i]
                 e = np.exp(sc[i] - top)
                 tot += e
                 for j in range(d):
@@ -87,13 +170,37 @@ def _write_new(knew, vnew, where):  # pragma: no cover - jitted
         col = where[s, 7]
         if col < 0:
             continue
-        r, stride = _physical(where, s, where[s, 2] - 1), where[s, 3]
+        r, stride, kind = _physical(where, s, where[s, 2] - 1), where[s, 3], where[s, 8]
         for kv in range(where[s, 4]):
-            k = carray(_f32_at(where[s, 0] + 4 * (kv * stride + r * d)), (d,))
-            v = carray(_f32_at(where[s, 1] + 4 * (kv * stride + r * d)), (d,))
+            at = kv * stride + r * d
+            if kind == F32:
+                k = carray(_f32_at(where[s, 0] + 4 * at), (d,))
+                v = carray(_f32_at(where[s, 1] + 4 * at), (d,))
+                for j in range(d):
+                    k[j] = knew[kv, col, j]
+                    v[j] = vnew[kv, col, j]
+                continue
+            kh = carray(_u16_at(where[s, 0] + 2 * at), (d,))
+            vh = carray(_u16_at(where[s, 1] + 2 * at), (d,))
             for j in range(d):
-                k[j] = knew[kv, col, j]
-                v[j] = vnew[kv, col, j]
+                if kind == F16:
+                    kh[j], vh[j] = _to_half(knew[kv, col, j]), _to_half(vnew[kv, col, j])
+                else:
+                    kh[j], vh[j] = _to_bf16(knew[kv, col, j]), _to_bf16(vnew[kv, col, j])
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def _widen(src, at, kind, out):  # pragma: no cover - jitted
+    """Rows at[i] of a KV head's 16-bit rows src (rows, D) -> out[i] in f32."""
+    d = out.shape[1]
+    for i in range(out.shape[0]):
+        r = at[i]
+        if kind == F16:
+            for j in range(d):
+                out[i, j] = _from_half(src[r, j])
+        else:
+            for j in range(d):
+                out[i, j] = _from_bf16(src[r, j])
 
 
 @njit(inline="always", fastmath=True, cache=True, error_model="numpy")
@@ -138,11 +245,12 @@ def _item(q, where, first, owner, c, scale, softcap, m, total, acc):  # pragma: 
 
 @njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
 def _attend_rows(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover - jitted
-    """q (S, H, D) -> out (S, H, D); where (S, 8) int64 per sequence: K and V buffer addresses (row 0
+    """q (S, H, D) -> out (S, H, D); where (S, 9) int64 per sequence: K and V buffer addresses (row 0
     of KV head 0), readable rows N, the elements between KV heads, KV heads, the buffer row of the
-    first readable one, the ring's rows (0: none), and the column of knew, vnew to write as the last
-    readable row first (-1: the store wrote it). Work items are (sequence, chunk) pairs, so one long
-    sequence spreads over the threads as well as many short ones."""
+    first readable one, the ring's rows (0: none), the column of knew, vnew to write as the last
+    readable row first (-1: the store wrote it), and the rows' element kind (F32, F16, BF16). Work
+    items are (sequence, chunk) pairs, so one long sequence spreads over the threads as well as many
+    short ones."""
     _write_new(knew, vnew, where)
     first, owner = _plan(where)
     nc, h, d = first[-1], q.shape[1], q.shape[2]
@@ -171,10 +279,11 @@ def takes(q: torch.Tensor) -> bool:
 
 
 class Span(NamedTuple):
-    """Where one sequence's decode query reads: `n` rows of k, v (Hkv, rows, D) float32 buffers with
-    contiguous rows, from buffer row `first`, wrapping at `ring` rows (0: no wrap). With `write` the
-    step's own K, V row is not stored yet: the kernel writes it as the last of the n (its store
-    reserved the row), so storing a decode step costs no tensor operation of its own."""
+    """Where one sequence's decode query reads: `n` rows of k, v (Hkv, rows, D) buffers (float32,
+    float16 or bfloat16, both of one dtype) with contiguous rows, from buffer row `first`, wrapping
+    at `ring` rows (0: no wrap). With `write` the step's own K, V row is not stored yet: the kernel
+    writes it as the last of the n (its store reserved the row), so storing a decode step costs no
+    tensor operation of its own."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -193,14 +302,16 @@ def attend_rows(q: torch.Tensor, spans: list[Span], scale: float, softcap: float
     rows, held = [], []  # held: tensors copied here, alive until the kernel returns
     for sp, col in zip(spans, cols or [-1] * n_seq):
         k, v = sp.k, sp.v
-        if not (k.is_contiguous() or (k.stride(2) == 1 and k.stride(1) == d)) or v.stride() != k.stride():
+        if not (k.is_contiguous() or (k.stride(2) == 1 and k.stride(1) == d)) or v.stride() != k.stride() \
+                or v.dtype != k.dtype:
             if sp.write or sp.ring:
                 raise ValueError("a span the kernel writes or wraps must be its store's own buffer")
-            k, v = k[:, sp.first:sp.first + sp.n].contiguous(), v[:, sp.first:sp.first + sp.n].contiguous()
+            k = k[:, sp.first:sp.first + sp.n].contiguous()
+            v = v[:, sp.first:sp.first + sp.n].to(k.dtype).contiguous()
             held.append((k, v))
             sp = Span(k, v, 0, sp.n)
         rows.append((k.data_ptr(), v.data_ptr(), sp.n, k.stride(0), k.shape[0], sp.first, sp.ring,
-                     col if sp.write else -1))
+                     col if sp.write else -1, KINDS[k.dtype]))
     where = np.array(rows, np.int64)
     knew, vnew = (t.numpy() for t in new) if new is not None else (_NONE, _NONE)
     out = np.empty((n_seq, q.shape[1], d), np.float32)

@@ -111,6 +111,7 @@ class Decoder(nn.Module):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.key_calibration = None  # per-layer KeyCalibration (engines/stores/calibration.py), when the model has one
         self.calibration_problem: str | None = None  # why it has none, when its file is stale or damaged
+        self.kv_dtype = "f32"  # what the engines keep exact K/V rows in (engines.geometry.KV_DTYPES)
         self.embed_tokens = _weight(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = _weight(cfg.hidden_size)
@@ -129,8 +130,8 @@ class Decoder(nn.Module):
     def geometries(self) -> list[LayerGeometry]:
         c = self.cfg
         cal = self.key_calibration or [None] * c.num_hidden_layers
-        return [LayerGeometry(i, c.window(i), c.num_key_value_heads, c.head_dim, cal[i], self.calibration_problem)
-                for i in range(c.num_hidden_layers)]
+        return [LayerGeometry(i, c.window(i), c.num_key_value_heads, c.head_dim, cal[i], self.calibration_problem,
+                              self.kv_dtype) for i in range(c.num_hidden_layers)]
 
     def forward(self, tokens: torch.Tensor, state: EngineState, all_logits: bool = False) -> torch.Tensor:
         """Run a block of token ids (T,) at the state's next positions; returns logits (T or 1, V)."""

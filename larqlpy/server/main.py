@@ -47,7 +47,8 @@ def serve(loaded, config: ServeConfig, announce: Callable[[dict], None] | None =
     sock = sock or listen(config.host, config.port)
     s = assemble(loaded, config)
     if announce is not None:
-        announce({"name": s.name, "weights": loaded.weights, "engine": config.spec().describe(),
+        announce({"name": s.name, "weights": loaded.weights, "kv_dtype": loaded.kv_dtype,
+                  "engine": config.spec().describe(),
                   "parallel": s.engine.parallel, "kept": len(s.cache.entries), "state_dir": config.state_dir,
                   "url": f"http://{config.host}:{config.port}"})
     AppStatus.disable_automatic_graceful_drain()  # sse-starlette would end every stream at the signal

@@ -147,7 +147,7 @@ def _entries(path: Path, header: dict) -> tuple[list, int]:
 
 # What the numbers in a state depend on beyond model, tokenizer and engine: the header's field, its
 # value in files that predate it, and the parameter that sets it.
-NUMERICS = (("weights", "f32"), ("dtype", "float32"), ("device", "cpu"))
+NUMERICS = (("weights", "f32"), ("dtype", "float32"), ("device", "cpu"), ("kv_dtype", "f32"))
 
 
 def check_compatible(saved: SavedState, *, model_fingerprint: str, tokenizer_fingerprint: str,
@@ -203,6 +203,7 @@ def summarize(saved: SavedState) -> dict:
     return {"path": str(saved.path), "bytes": saved.path.stat().st_size, "format": h["format"],
             "larqlpy": h.get("larqlpy"), "model_fingerprint": h["model_fingerprint"],
             "tokenizer_fingerprint": h["tokenizer_fingerprint"], "weights": h.get("weights", "f32"),
+            "kv_dtype": h.get("kv_dtype", "f32"),
             "engine": h["engine"], "tokens": len(h["tokens"]), "processed": h["processed"],
             "layers": [{"index": layer["index"], "kind": layer["kind"], "retained": layer["retained"],
                         "cells": {k: {"cells": v[0], "positions": v[1], "bytes": v[2]}

@@ -26,6 +26,7 @@ class Setup:
     device: str = "auto"
     dtype: str = "float32"
     weights: str | None = None  # None: what the files hold
+    kv_dtype: str | None = None  # None: the weights' default (engines.geometry.default_kv_dtype)
     parallel: int | None = None
     kv_budget: int | None = None  # per process
     threads: int | None = None  # torch and numba threads; None: all this process may use
@@ -34,7 +35,7 @@ class Setup:
     def load(self):
         use_cores(self.threads)  # worker processes share the cores this one may use
         return load_model(self.model, device=self.device, dtype=self.dtype, weights=self.weights,
-                          allow_unused_tensors=self.allow_unused_tensors)
+                          kv_dtype=self.kv_dtype, allow_unused_tensors=self.allow_unused_tensors)
 
     def slots(self, loaded, cores: int) -> int:
         return self.parallel or default_parallel(cores, 1, loaded.device.type)

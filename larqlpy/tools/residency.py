@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Callable
 
 from larqlpy.engines import EngineSpec, LayerGeometry, Provider, build_provider, preset_spec
+from larqlpy.engines.geometry import default_kv_dtype
 from larqlpy.engines.presets import RESIDENCY
 from larqlpy.errors import LarqlError
 from larqlpy.model.families import read_config
+from larqlpy.weights.gguf_checkpoint import checkpoint, default_weights
 from larqlpy.weights.gguf_file import model_dir
 
 @dataclass(frozen=True)
@@ -24,9 +26,9 @@ class Named:
     window: int | None = None  # the sliding window of its sliding layers
     sliding: Callable[[int], bool] = lambda i: False  # which layers slide
 
-    def geometries(self) -> list[LayerGeometry]:
-        return [LayerGeometry(i, self.window if self.sliding(i) else None, self.kv_heads, self.head_dim)
-                for i in range(self.layers)]
+    def geometries(self, kv_dtype: str) -> list[LayerGeometry]:
+        return [LayerGeometry(i, self.window if self.sliding(i) else None, self.kv_heads, self.head_dim,
+                              kv_dtype=kv_dtype) for i in range(self.layers)]
 
 
 def _gemma3(layers: int, window: int, kv: int, d: int, context: int) -> Named:
@@ -53,20 +55,24 @@ NAMED_GEOMETRIES = {
 }
 
 
-def named_geometry(name: str) -> list[LayerGeometry]:
-    return NAMED_GEOMETRIES[name].geometries()
+def named_geometry(name: str, kv_dtype: str = "f32") -> list[LayerGeometry]:
+    return NAMED_GEOMETRIES[name].geometries(kv_dtype)
 
 
-def resolve_geometry(model_or_name: str) -> tuple[str, list[LayerGeometry], int]:
-    """(name, the layers' geometries, the trained context) of a named geometry or a model directory."""
+def resolve_geometry(model_or_name: str, kv_dtype: str | None = None) -> tuple[str, list[LayerGeometry], int]:
+    """(name, the layers' geometries, the trained context) of a named geometry or a model (a
+    directory or a .gguf). kv_dtype None: what a run would keep exact rows in -- for a model, the
+    default beside the weights its files hold; for a named geometry (no weights to choose by), f32."""
     if model_or_name in NAMED_GEOMETRIES:
-        return model_or_name, named_geometry(model_or_name), NAMED_GEOMETRIES[model_or_name].context
+        geometries = named_geometry(model_or_name, kv_dtype or "f32")
+        return model_or_name, geometries, NAMED_GEOMETRIES[model_or_name].context
     path = Path(model_or_name)
     if not path.exists():
         raise LarqlError(f"{model_or_name}: neither a model directory nor a named geometry "
                          f"({', '.join(NAMED_GEOMETRIES)})")
     cfg = read_config(model_dir(path))
-    return str(path), [LayerGeometry(i, cfg.window(i), cfg.num_key_value_heads, cfg.head_dim)
+    kv_dtype = kv_dtype or default_kv_dtype(default_weights(checkpoint(path, cfg)))
+    return str(path), [LayerGeometry(i, cfg.window(i), cfg.num_key_value_heads, cfg.head_dim, kv_dtype=kv_dtype)
                        for i in range(cfg.num_hidden_layers)], cfg.max_position_embeddings
 
 
@@ -97,24 +103,25 @@ def default_specs() -> list[EngineSpec]:
 
 
 def residency(model_or_name: str, positions: int, specs: list[EngineSpec] | None = None,
-              within_context: bool = True) -> dict:
+              within_context: bool = True, kv_dtype: str | None = None) -> dict:
     """Each engine's rows and bytes by layer kind after `positions` positions; refused past the
     model's trained context unless `within_context` is False (accounting past it, for checks)."""
     if positions < 0:
         raise LarqlError(f"`positions` must be >= 0, got {positions}")
-    name, geometries, context = resolve_geometry(model_or_name)
+    name, geometries, context = resolve_geometry(model_or_name, kv_dtype)
     if within_context and positions > context:
         raise LarqlError(f"`positions` {positions:,} is past {name}'s context of {context:,} positions")
     rows = [account(build_provider(s), geometries, positions) for s in (specs or default_specs())]
     note = None if any(g.window for g in geometries) else \
         "no sliding layers: window/v1 (and codec/v1's retention) keep every row, as canonical/v1 does"
     return {"geometry": name, "positions": positions, "context": context, "layers": len(geometries), "note": note,
+            "kv_dtype": geometries[0].kv_dtype if geometries else None,
             "kinds": {kind: sum(1 for g in geometries if g.kind == kind) for kind in ("sliding", "global")},
             "engines": rows}
 
 
 def capacity(model_or_name: str, budget: int, specs: list[EngineSpec] | None = None,
-             limit: int = 1 << 40) -> dict:
+             limit: int = 1 << 40, kv_dtype: str | None = None) -> dict:
     """The inverse question: the longest context each engine's accounted rows fit in `budget` bytes.
 
     Accounted bytes never shrink as positions grow, so a binary search finds the largest N with
@@ -122,7 +129,7 @@ def capacity(model_or_name: str, budget: int, specs: list[EngineSpec] | None = N
     context comes with the answer: a capacity past it is room the model cannot use."""
     if budget < 1:
         raise LarqlError(f"`budget` must be positive, got {budget}")
-    name, geometries, context = resolve_geometry(model_or_name)
+    name, geometries, context = resolve_geometry(model_or_name, kv_dtype)
     out = []
     for spec in specs or default_specs():
         provider = build_provider(spec)
@@ -145,4 +152,5 @@ def capacity(model_or_name: str, budget: int, specs: list[EngineSpec] | None = N
         if best is not None and best >= 0:
             row["bytes_at_max"] = account(provider, geometries, best)["bytes"]
         out.append(row)
-    return {"geometry": name, "budget": budget, "context": context, "engines": out}
+    return {"geometry": name, "budget": budget, "context": context,
+            "kv_dtype": geometries[0].kv_dtype if geometries else None, "engines": out}

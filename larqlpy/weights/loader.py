@@ -12,6 +12,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
+from larqlpy.engines.geometry import check_kv_dtype, default_kv_dtype
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
 from larqlpy.files import is_gguf
@@ -59,9 +60,13 @@ class LoadedModel:
     def device(self) -> torch.device:
         return self.model.device
 
+    @property
+    def kv_dtype(self) -> str:
+        return self.model.kv_dtype
+
 
 def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str | None = None,
-         key_calibration: bool = True, tokenizer: TokenizerProcess | None = None,
+         kv_dtype: str | None = None, key_calibration: bool = True, tokenizer: TokenizerProcess | None = None,
          allow_unused_tensors: bool = False) -> LoadedModel:
     """Load a model: a directory in the HF layout, or a .gguf file run directly (its metadata cached
     beside it: weights/gguf_file.py). device: auto|cpu|cuda; dtype: float32|bfloat16 (activations);
@@ -69,6 +74,8 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     f32|bf16|int8|int4 -- the matrices (embedding / tied LM head included) packed, from the
     packed-weight cache after the first load; native -- each matrix as the GGUF held it (unpacked
     from a .gguf's blocks at every load; a converted directory's native.safetensors);
+    kv_dtype: f32|f16|bf16, what the engines keep exact K/V rows in (None: f32 beside f32 weights,
+    else f16);
     key_calibration: read kv_calibration.safetensors when the model has one (a stale or damaged one
     is reported on the model, not raised); tokenizer: a helper already loading it
     (tokenizer_process.start), else it is loaded here; allow_unused_tensors: load weight files that
@@ -79,6 +86,8 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     path = Path(path)
     if weights is not None:
         check_format(weights)
+    if kv_dtype is not None:
+        check_kv_dtype(kv_dtype)
     dev = resolve_device(device)
     tdtype = resolve_dtype(dtype)
     gguf = GGUFFile(path) if is_gguf(path) else None
@@ -88,6 +97,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     ckpt = Checkpoint(path, cfg, allow_unused_tensors) if gguf is None else GGUFCheckpoint(gguf, cfg)
     weights = weights or default_weights(ckpt)
     model = Decoder(cfg, device=dev, dtype=tdtype)
+    model.kv_dtype = kv_dtype or default_kv_dtype(weights)
     packed_from, matrices = None, set()
     handles: dict[Path, object] = {}
     checks = KnownFiles(packed_cache.cache_dir(home))

@@ -10,11 +10,12 @@ import dataclasses
 import numpy as np
 import torch
 
-from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.geometry import KV_DTYPES, LayerGeometry
 from larqlpy.engines.lifecycle import Event, Rules, State
 from larqlpy.engines.stores.base import EngineState, LayerStore, Scratch, Shared
 from larqlpy.engines.stores.calibration import require_calibration
 from larqlpy.engines.stores.kvcodec import KVCodec, precision_widths
+from larqlpy.engines.stores.kvdtype import from_numpy, to_numpy, torch_dtype
 from larqlpy.engines.stores.mapped import MappedFile, SpillFile
 from larqlpy.kernels.rowcodec import TurboQuantCodec
 
@@ -25,7 +26,7 @@ class Cell:
     def __init__(self, start: int):
         self.start, self.n = start, 0
         self.state = State.NONE
-        self.precision = "f32"
+        self.precision = "f32"  # exact rows: their kv_dtype; QUANTIZED: the codec's label
         self.data: dict[str, torch.Tensor] | None = None  # in memory (ACTIVE: capacity rows; QUANTIZED: n rows)
         self.where: dict | None = None  # PERSISTED: field -> location in `backing`
         self.backing: MappedFile | None = None
@@ -50,6 +51,7 @@ class CellStore(LayerStore):
         self.cells: list[Cell] = []  # index i covers [i * C, (i + 1) * C); evicted cells stay as markers
         self.first_live = 0  # index of the oldest non-evicted cell
         self._codecs: dict[tuple[int, int], KVCodec] = {}
+        self.dtype = torch_dtype(geometry.kv_dtype)  # of exact (ACTIVE, and PERSISTED from ACTIVE) cells
 
     def codec(self, widths: tuple[int, int]) -> KVCodec:
         """The K/V codec pair of this layer's QUANTIZED cells at (K bits, V bits)."""
@@ -69,7 +71,8 @@ class CellStore(LayerStore):
             if cell is None or cell.n == c_size:
                 cell = Cell(len(self.cells) * c_size)
                 cell.state = rules.apply(Event.TOKEN_APPEND, State.NONE, State.ACTIVE)
-                cell.data = {name: torch.empty(hkv, c_size, d, dtype=torch.float32, device=self.device)
+                cell.precision = self.geometry.kv_dtype
+                cell.data = {name: torch.empty(hkv, c_size, d, dtype=self.dtype, device=self.device)
                              for name in ("k", "v")}
                 self.cells.append(cell)
             if cell.state != State.ACTIVE:
@@ -101,8 +104,10 @@ class CellStore(LayerStore):
                 self._decode(cell.data, cell.precision, a, b, buf, dst)
             else:  # PERSISTED: bring it back for this read only
                 cell.state = rules.apply(Event.CACHE_MISS, State.PERSISTED, State.RECOVERING)
-                fields = {name: _readonly_tensor(cell.backing.read(loc)) for name, loc in cell.where.items()}
-                if cell.precision == "f32":
+                exact = cell.precision == self.geometry.kv_dtype
+                fields = {name: _readonly_tensor(cell.backing.read(loc), self.dtype if exact else None)
+                          for name, loc in cell.where.items()}
+                if exact:
                     buf[0][:, dst], buf[1][:, dst] = fields["k"][:, a:b], fields["v"][:, a:b]
                 else:
                     self._decode(fields, cell.precision, a, b, buf, dst)
@@ -146,10 +151,10 @@ class CellStore(LayerStore):
             return False
         if dst == State.QUANTIZED:
             codec = self.codec(rules.policy.widths(self.geometry.index))
-            cell.data, cell.precision = codec.encode(cell.data["k"][:, :cell.n],
-                                                     cell.data["v"][:, :cell.n]), codec.label
+            cell.data, cell.precision = codec.encode(cell.data["k"][:, :cell.n].float(),
+                                                     cell.data["v"][:, :cell.n].float()), codec.label
         else:
-            arrays = {name: t[:, :cell.n].numpy() for name, t in cell.data.items()} if cell.precision == "f32" \
+            arrays = {name: to_numpy(t[:, :cell.n]) for name, t in cell.data.items()} if cell.state == State.ACTIVE \
                 else {name: t.numpy() for name, t in cell.data.items()}
             cell.where, cell.backing, cell.data = self.manager.spill.write(arrays), self.manager.spill, None
         cell.state = rules.apply(mp, cell.state, dst)
@@ -161,7 +166,7 @@ class CellStore(LayerStore):
         for c in self.cells[self.first_live:]:
             meta = {"set": "main", "start": c.start, "n": c.n, "state": c.state.value, "precision": c.precision}
             if c.state == State.ACTIVE:
-                arrays = {t: c.data[t][:, :c.n].contiguous().cpu().numpy() for t in ("k", "v")}
+                arrays = {t: to_numpy(c.data[t][:, :c.n].contiguous().cpu()) for t in ("k", "v")}
             elif c.state == State.QUANTIZED:
                 arrays = {name: t.contiguous().cpu().numpy() for name, t in c.data.items()}
             else:
@@ -183,11 +188,15 @@ class CellStore(LayerStore):
                 self.cells.append(gone)
             cell = Cell(start)
             cell.n, cell.state, cell.precision = n, State(meta["state"]), meta["precision"]
+            exact = cell.state in (State.ACTIVE, State.PERSISTED) and cell.precision in KV_DTYPES
+            if exact and cell.precision != self.geometry.kv_dtype:
+                raise ValueError(f"layer {self.geometry.index}: cell at {start} holds {cell.precision} rows, this "
+                                 f"state keeps {self.geometry.kv_dtype}")
             if cell.state == State.ACTIVE:
-                cell.data = {t: torch.zeros(self.geometry.n_kv_heads, c_size, self.geometry.head_dim)
+                cell.data = {t: torch.zeros(self.geometry.n_kv_heads, c_size, self.geometry.head_dim, dtype=self.dtype)
                              for t in ("k", "v")}
                 for t in ("k", "v"):
-                    cell.data[t][:, :n] = torch.from_numpy(np.array(arrays[t]))
+                    cell.data[t][:, :n] = from_numpy(np.array(arrays[t]), self.dtype)
             elif cell.state == State.QUANTIZED:
                 try:
                     precision_widths(cell.precision)
@@ -325,8 +334,9 @@ def new_cells_state(provider, geometries, device: torch.device) -> EngineState:
     return state
 
 
-def _readonly_tensor(a: np.ndarray) -> torch.Tensor:
-    """A tensor over mmap'd bytes (only ever read from), without torch's non-writable warning."""
+def _readonly_tensor(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor over mmap'd bytes (only ever read from), without torch's non-writable warning; of
+    `dtype` when the bytes are exact rows (bf16 ones are stored as their bits)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a)
+        return torch.from_numpy(a) if dtype is None else from_numpy(a, dtype)

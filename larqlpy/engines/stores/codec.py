@@ -14,6 +14,7 @@ from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.stores.base import EngineState, Scratch
 from larqlpy.engines.stores.calibration import require_calibration
 from larqlpy.engines.stores.kvcodec import KVCodec
+from larqlpy.engines.stores.kvdtype import torch_dtype
 from larqlpy.engines.stores.rows import Rows, RowSet, RowStore
 from larqlpy.kernels.rowcodec import TurboQuantCodec, row_codec
 
@@ -21,9 +22,10 @@ from larqlpy.kernels.rowcodec import TurboQuantCodec, row_codec
 class CodecStore(RowStore):
     """K and V rows as codes (`codec`) over the newest `keep` positions (None: all of them), plus
     optional copies of some rows: the newest `recent` rows' K and V again at a wider width
-    (`recent_codec`), the newest `exact_keys` K rows in f32, and the K and V rows of the first
-    `sink` positions in f32 (attention sinks). Decode steps attend on the codes where the codecs
-    allow it; `fused=False` decodes them into the scratch instead, as prefill blocks do."""
+    (`recent_codec`), the newest `exact_keys` K rows exact, and the K and V rows of the first
+    `sink` positions exact (attention sinks), exact rows in the layer's kv_dtype. Decode steps
+    attend on the codes where the codecs allow it; `fused=False` decodes them into the scratch
+    instead, as prefill blocks do."""
 
     def __init__(self, geometry: LayerGeometry, device: torch.device, *, codec: KVCodec, keep: int | None,
                  scratch: Scratch, exact_keys: int = 0, sink: int = 0, recent: int = 0,
@@ -31,13 +33,14 @@ class CodecStore(RowStore):
         super().__init__(geometry, device)
         self.codec, self.scratch = codec, scratch
         hkv, d = geometry.n_kv_heads, geometry.head_dim
-        f32 = ((d,), torch.float32)
+        self.exact = torch_dtype(geometry.kv_dtype)
+        row = ((d,), self.exact)
         self.rows = Rows(hkv, codec.fields, device, keep)
-        self.exact_keys = Rows(hkv, {"k": f32}, device, exact_keys) if exact_keys else None
+        self.exact_keys = Rows(hkv, {"k": row}, device, exact_keys) if exact_keys else None
         self.recent_codec = recent_codec if recent else None
         self.recent = Rows(hkv, recent_codec.fields, device, recent) if recent else None
         self.sink = sink
-        self.sinks = Rows(hkv, {"k": f32, "v": f32}, device, min_capacity=sink) if sink else None
+        self.sinks = Rows(hkv, {"k": row, "v": row}, device, min_capacity=sink) if sink else None
         self.fused = fused and codec.fused and (recent_codec is None or recent_codec.fused)
 
     def meta(self):
@@ -50,10 +53,10 @@ class CodecStore(RowStore):
         if self.recent is not None:
             self.recent.append(self.recent_codec.encode(k, v))
         if self.exact_keys is not None:
-            self.exact_keys.append({"k": k.float()})
+            self.exact_keys.append({"k": k.to(self.exact)})
         if self.sinks is not None and q_start < self.sink:
             n = min(self.sink - q_start, k.shape[1])
-            self.sinks.append({"k": k[:, :n].float(), "v": v[:, :n].float()})
+            self.sinks.append({"k": k[:, :n].to(self.exact), "v": v[:, :n].to(self.exact)})
         self.end = self.rows.end
 
     def _exact_from(self, start: int) -> int:
@@ -100,9 +103,10 @@ class CodecStore(RowStore):
         lo = min(mid, self._exact_from(start))  # K rows from here on come from the tier or are exact
         r = self.rows.read(start, mid)
         t = self.recent.read(mid, self.end) if mid < self.end else None
-        exact = self.exact_keys.read(lo, self.end)["k"] if self.exact_keys is not None and lo < self.end else None
+        exact = self.exact_keys.read(lo, self.end)["k"].float() \
+            if self.exact_keys is not None and lo < self.end else None
         ns = self._sink_end(start) - start
-        sinks = self.sinks.read(start, start + ns) if ns else None
+        sinks = {t: r.float() for t, r in self.sinks.read(start, start + ns).items()} if ns else None
         hkv = self.geometry.n_kv_heads
         group = q.shape[0] // hkv
         out = torch.empty(q.shape[0], 1, q.shape[2], dtype=torch.float32)
@@ -136,11 +140,11 @@ class CodecStore(RowStore):
     def row_sets(self):
         sets = {"main": RowSet(self.rows, "QUANTIZED", self.codec.label)}
         if self.exact_keys is not None:
-            sets["exact_keys"] = RowSet(self.exact_keys, "ACTIVE", "f32")
+            sets["exact_keys"] = RowSet(self.exact_keys, "ACTIVE", self.geometry.kv_dtype)
         if self.recent is not None:
             sets["recent"] = RowSet(self.recent, "QUANTIZED", self.recent_codec.label)
         if self.sinks is not None:
-            sets["sink"] = RowSet(self.sinks, "ACTIVE", "f32", first_positions=self.sink)
+            sets["sink"] = RowSet(self.sinks, "ACTIVE", self.geometry.kv_dtype, first_positions=self.sink)
         return sets
 
     def can_trim(self, end):

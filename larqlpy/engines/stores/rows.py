@@ -6,7 +6,7 @@ Two shapes of storage:
 - ring (keep=N): only the newest N rows, in buffers of exactly N rows. A block's rows wait in
   `pending` while its queries read them, then `commit()` folds the newest N into the ring.
 
-Fields are tensors of shape (Hkv, rows, *field_shape): K/V rows in f32 for the exact engines,
+Fields are tensors of shape (Hkv, rows, *field_shape): K/V rows in the kv_dtype for the exact engines,
 norms and packed codes for the codec engines. Reads come back in position order.
 """
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from larqlpy.engines.stores.base import LayerStore
+from larqlpy.engines.stores.kvdtype import from_numpy, to_numpy
 
 CELL_POSITIONS = 64  # saved states cut each row set into cells of this many positions
 FieldSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -179,7 +180,7 @@ class RowSet:
     """One named `Rows` of a store, with how its cells are saved."""
 
     rows: Rows
-    state: str  # the cell state it is saved as: ACTIVE (f32 rows) or QUANTIZED (codes)
+    state: str  # the cell state it is saved as: ACTIVE (exact rows) or QUANTIZED (codes)
     precision: str
     first_positions: int | None = None  # a set that holds only positions below this (attention sinks)
 
@@ -218,7 +219,7 @@ class RowStore(LayerStore):
                 if a < b:
                     vals = rows.read(a, b)
                     out.append(({"set": name, "start": a, "n": b - a, "state": s.state, "precision": s.precision},
-                                {k: v.contiguous().cpu().numpy() for k, v in vals.items()}))
+                                {k: to_numpy(v.contiguous().cpu()) for k, v in vals.items()}))
         return out
 
     def restore(self, end, records):
@@ -238,8 +239,8 @@ class RowStore(LayerStore):
             if pos != set_stop or (rows.keep is None and base != 0) or \
                     (rows.keep is not None and set_stop - base > rows.keep):
                 raise ValueError(f"layer {self.geometry.index}: saved rows [{base}, {pos}) do not fit end {set_stop}")
-            rows.restore(base, set_stop, [(m["start"], {k: torch.from_numpy(a.copy()) for k, a in arr.items()})
-                                         for m, arr in mine])
+            rows.restore(base, set_stop, [(m["start"], {k: from_numpy(a.copy(), rows.fields[k][1])
+                                                        for k, a in arr.items()}) for m, arr in mine])
         self.end = end
 
     def can_trim(self, end):

@@ -1,25 +1,30 @@
-"""f32 K/V rows: canonical/v1 keeps every one, window/v1 a ring of the newest `keep` on sliding layers."""
+"""Exact K/V rows in the layer's kv_dtype: canonical/v1 keeps every one, window/v1 a ring of the
+newest `keep` on sliding layers. Both round a row to the dtype once, when it is stored, and every
+read (prefill's and the decode kernel's) sees the stored value, so the two stay bit-identical at
+any one dtype."""
 
 from __future__ import annotations
 
 import torch
 
 from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.stores.kvdtype import torch_dtype
 from larqlpy.engines.stores.rows import Rows, RowSet, RowStore
 from larqlpy.kernels.attention import Span
 
 
-class F32Store(RowStore):
-    """K/V rows in f32: all of them (keep=None) or the newest `keep` (a ring)."""
+class ExactStore(RowStore):
+    """K/V rows in the layer's kv_dtype: all of them (keep=None) or the newest `keep` (a ring)."""
 
     def __init__(self, geometry: LayerGeometry, device: torch.device, keep: int | None = None):
         super().__init__(geometry, device)
-        row = ((geometry.head_dim,), torch.float32)
+        self.dtype = torch_dtype(geometry.kv_dtype)
+        row = ((geometry.head_dim,), self.dtype)
         self.rows = Rows(geometry.n_kv_heads, {"k": row, "v": row}, device, keep)
-        self._sets = {"main": RowSet(self.rows, "ACTIVE", "f32")}  # asked for by every token's metrics
+        self._sets = {"main": RowSet(self.rows, "ACTIVE", geometry.kv_dtype)}  # asked for by every token's metrics
 
     def append(self, k, v):
-        self.rows.append({"k": k.float(), "v": v.float()})
+        self.rows.append({"k": k.to(self.dtype), "v": v.to(self.dtype)})
         self.end = self.rows.end
 
     def decode_rows(self, k, v):
