@@ -64,18 +64,23 @@ def test_float_types_are_not_unpacked():
     assert unpack(np.zeros(8, np.uint8), "F16", (2, 2)) is None
 
 
-@pytest.mark.parametrize("bits,zero", [(8, 128), (4, 8), (4, 0)])
+@pytest.mark.parametrize("bits,zero", [(8, 128), (4, 8), (4, 0), (5, 16), (6, 32)])
 @pytest.mark.parametrize("n", [TILE, TILE + 3, 2 * TILE - 1])
 def test_tiling_matches_the_layout_the_kernels_read(bits, zero, n):
     rng = np.random.default_rng(n + bits)
     u = rng.integers(0, 2 ** bits, (n, 96), dtype=np.uint8)
-    padded = np.concatenate([u, np.full((-n % TILE, 96), zero, np.uint8)])
+    padded = np.concatenate([u, np.full((-n % TILE, 96), zero if bits in (8, 4) else 0, np.uint8)])
     m = padded.shape[0]
     if bits == 8:
         want = padded.reshape(m // TILE, TILE, 24, 4).transpose(0, 2, 1, 3)
     else:
-        v = padded.reshape(m // TILE, TILE, 12, 2, 4)
+        v = padded.reshape(m // TILE, TILE, 12, 2, 4) & 15
         want = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)
+        planes = []  # plane p: a byte per row per octet, bit i = bit 4 + p of input 8o+i
+        for p in range(bits - 4):
+            b = (padded.reshape(m // TILE, TILE, 12, 8) >> (4 + p)) & 1
+            planes.append((b << np.arange(8)).sum(-1).astype(np.uint8).transpose(0, 2, 1))  # (tiles, 12, TILE)
+        want = np.concatenate([want.reshape(m // TILE, 12, TILE * 4)] + planes, axis=2).reshape(m // TILE, 12, -1, 4)
     assert np.array_equal(tile_codes(u, bits, zero), want)
 
 
@@ -109,6 +114,38 @@ def test_a_gguf_runs_its_own_codes_as_its_converted_directory_does(links, model,
     # the untied embedding (Qwen's) is only gathered from: it stays in the file's blocks
     assert isinstance(direct.model.embed_tokens, BlockRows) == (model == "qwen")
     same_weights(direct, load(directory, device="cpu", weights="native"))
+
+
+def test_each_matrix_runs_at_its_files_width_and_stacks_only_with_its_own(links):
+    """The 0.5B: Q5_0 at 5 bits, Q6_K at 6, Q8_0 at 8, Q4_K at 4 -- the file's bytes, give or take the
+    K-quants' float32 sub-block scales; q_proj and k_proj (Q5_0) stack, a Q8_0 v_proj runs alone, and
+    one product serves each stack however its parts are asked for."""
+    from larqlpy.kernels.matvec import linears
+    from larqlpy.kernels.qweight import PackedPart
+
+    direct = load(links["qwen"], device="cpu")
+    f = GGUFFile(links["qwen"])
+    width = {"Q5_0": "u5", "Q6_K": "u6", "Q8_0": "u8", "Q4_K": "u4"}
+    saw_alone = False
+    for i, b in enumerate(direct.model.layers):
+        assert isinstance(b.q_proj, PackedPart) and b.k_proj.whole is b.q_proj.whole
+        assert b.q_proj.whole.kind == width[f.tensors[f"blk.{i}.attn_q.weight"][0]]
+        v_type = f.tensors[f"blk.{i}.attn_v.weight"][0]
+        assert isinstance(b.v_proj, PackedPart) == (v_type == "Q5_0")
+        saw_alone |= not isinstance(b.v_proj, PackedPart)
+        whole = b.down_proj.whole if isinstance(b.down_proj, PackedPart) else b.down_proj
+        assert whole.kind == width[f.tensors[f"blk.{i}.ffn_down.weight"][0]]
+    assert saw_alone
+    b = direct.model.layers[0]
+    x = torch.randn(2, b.q_proj.shape[1])
+    q, v, k = linears(x, b.q_proj, b.v_proj, b.k_proj)
+    whole = b.q_proj.whole.matmul(x)
+    assert torch.equal(q, whole[:, b.q_proj.lo:b.q_proj.hi]) and torch.equal(k, whole[:, b.k_proj.lo:b.k_proj.hi])
+    assert torch.equal(v, b.v_proj.matmul(x))
+    file_bytes = sum(t[3] for n, t in f.tensors.items() if n.startswith("blk.") and t[0] != "F32")
+    packed = sum(w.nbytes for w in direct.held_weights() if isinstance(w, PackedWeight)) - \
+        direct.model.head.nbytes
+    assert packed < 1.08 * file_bytes  # the layers' matrices (was 1.4x with 5- and 6-bit codes as bytes)
 
 
 @pytest.mark.parametrize("model", ["gemma", "smol"])

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def rand_codes(bits, n=2 * TILE + 5, k=128, group=32, affine=False, zero=None, lo=None, hi=None, seed=0,
                half=False):
     rng = np.random.default_rng(seed)
-    lo = (0 if bits == 4 else 1) if lo is None else lo
-    hi = (15 if bits == 4 else 255) if hi is None else hi
+    lo = (1 if bits == 8 else 0) if lo is None else lo
+    hi = 2 ** bits - 1 if hi is None else hi
     u = rng.integers(lo, hi + 1, (n, k)).astype(np.uint8)
     scale = (rng.random((n, k // group)) * 0.01).astype(np.float32)
     minimum = ((rng.random((n, k // group)) - 0.5) * 0.1).astype(np.float32) if affine else None
@@ -62,7 +62,7 @@ def paths_for(p: PackedWeight) -> list[str]:
     if "vnni512" in HERE:
         ok.append("vnni512")
     if "avx2" in HERE:
-        if p.bits == 4 or p.highest <= 127:
+        if p.bits != 8 or p.highest <= 127:
             ok.append("avx2")
         if p.bits == 8 and p.lowest >= 1:
             ok.append("avx2-signed")
@@ -79,7 +79,31 @@ CASES = {  # name -> rand_codes arguments: every format the packers and the GGUF
     "int4, Q4_1 (float16 scales and minimums)": dict(bits=4, affine=True, half=True),
     "Q4_K (float32)": dict(bits=4, affine=True),
     "Q4_0": dict(bits=4, half=True),
+    "Q5_0 at 5 bits": dict(bits=5, zero=16, half=True),
+    "Q5_1 at 5 bits": dict(bits=5, affine=True, half=True),
+    "Q5_K at 5 bits (float32)": dict(bits=5, affine=True),
+    "Q6_K at 6 bits, groups of 16": dict(bits=6, group=16, zero=32),
+    "6 bits, groups of 32": dict(bits=6, zero=32, half=True),
 }
+
+
+@pytest.mark.parametrize("bits, base, zero, group, affine", [(5, 112, 16, 32, False), (5, 0, 0, 32, True),
+                                                             (6, 96, 32, 16, False), (6, 96, 32, 32, False)])
+def test_narrow_codes_give_the_bits_of_their_8_bit_form(bits, base, zero, group, affine):
+    """A GGUF's 5- and 6-bit codes run at their own width, less the base their 8-bit form adds: the
+    integer sums are the same integers, so every path gives the same bits as the 8-bit codes do."""
+    u, scale, minimum, zero, narrow = rand_codes(bits, group=group, zero=zero, affine=affine, half=True)
+    wide = PackedWeight.from_codes(u + np.uint8(base), scale, minimum, zero + base, 8)
+    assert narrow.kind == f"u{bits}" and narrow.nbytes < wide.nbytes
+    idx = torch.tensor([0, 5, TILE, 2 * TILE + 4])
+    assert torch.equal(narrow.rows(idx), wide.rows(idx)) and torch.equal(narrow._rows_torch(idx), wide.rows(idx))
+    x = torch.randn(6, u.shape[1], generator=torch.Generator().manual_seed(1))
+    for path in paths_for(narrow):  # the float GEMV sums codes times x in floats: close, not the same bits
+        if path in paths_for(wide):
+            got, want = narrow.matmul(x, path=path), wide.matmul(x, path=path)
+            assert torch.equal(got, want) if path != "float" else torch.allclose(got, want, rtol=1e-5, atol=1e-5), path
+    big = torch.randn(40, u.shape[1])  # dequantized slabs: the same values, the same GEMM
+    assert torch.equal(narrow.matmul(big, path="float"), wide.matmul(big, path="float"))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -127,7 +151,7 @@ def test_activation_rounding_is_within_half_a_step():
 
 
 def test_the_default_path_is_the_fastest_this_cpu_runs():
-    for bits, lo, hi in ((8, 1, 255), (8, 0, 255), (8, 0, 127), (4, 0, 15)):
+    for bits, lo, hi in ((8, 1, 255), (8, 0, 255), (8, 0, 127), (4, 0, 15), (5, 0, 31), (6, 0, 63)):
         path = cpu.int_path(bits, lo, hi)
         assert path in HERE
         if "vnni512" in HERE:
@@ -136,13 +160,14 @@ def test_the_default_path_is_the_fastest_this_cpu_runs():
             assert path == {(8, 1, 255): "avx2-signed", (8, 0, 255): "float"}.get((bits, lo, hi), "avx2")
 
 
-@pytest.mark.parametrize("path, instruction", [("vnni512", "vpdpbusd"), ("avx2", "vpmaddubsw"),
-                                               ("avx2-signed", "vpsignb")])
-def test_the_kernels_compile_to_the_integer_dot_instructions(path, instruction):
+@pytest.mark.parametrize("path, instruction, bits", [("vnni512", "vpdpbusd", 8), ("avx2", "vpmaddubsw", 8),
+                                                     ("avx2-signed", "vpsignb", 8), ("vnni512", "vpdpbusd", 5),
+                                                     ("avx2", "vpmaddubsw", 6)])
+def test_the_kernels_compile_to_the_integer_dot_instructions(path, instruction, bits):
     if path not in HERE:
         pytest.skip(f"this CPU has no {path}")
-    kernel = njit(parallel=True, error_model="numpy")(qdot.INT[(path, 8)].py_func)  # fresh: cached code has no asm
-    u, scale, minimum, zero, p = rand_codes(8, lo=1, hi=127)
+    kernel = njit(parallel=True, error_model="numpy")(qdot.INT[(path, bits)].py_func)  # fresh: cached code has no asm
+    u, scale, minimum, zero, p = rand_codes(bits, lo=1, hi=min(127, 2 ** bits - 1), zero=2 ** (bits - 1))
     xq = np.zeros((1, u.shape[1] // 4), np.int32)
     xs, sxq = np.zeros((1, u.shape[1] // 32), np.float32), np.zeros((1, u.shape[1] // 32), np.int32)
     kernel(*p.arrays, np.int32(zero), xq, xs, sxq, np.empty((1, p.codes.shape[0] * TILE), np.float32))

@@ -105,10 +105,11 @@ def native(real_dir):
 
 
 def test_native_holds_each_tensor_at_the_ggufs_precision(native):
-    """270M Q4_K_M: o_proj and half of down_proj 4-bit (Q4_K), Q6_K in groups of 16, the rest 8-bit."""
+    """270M Q4_K_M: o_proj and half of down_proj 4-bit (Q4_K), Q6_K at 6 bits in groups of 16, the
+    rest 8-bit."""
     blocks = native.model.layers
     assert {b.o_proj.kind for b in blocks} == {"u4"}
-    assert {(b.down_proj.kind, b.down_proj.group) for b in blocks} == {("u4", 32), ("u8", 16)}
+    assert {(b.down_proj.kind, b.down_proj.group) for b in blocks} == {("u4", 32), ("u6", 16)}
     assert native.model.embed_tokens.kind == "u8" and native.model.embed_tokens.zero == 128
     assert 8 * native.weight_bytes / sum(p.numel() for p in load(native.path, device="cpu").model.parameters()) < 9.0
 

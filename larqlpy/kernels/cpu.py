@@ -30,7 +30,7 @@ def int_path(bits: int, lowest: int, highest: int) -> str:
     if runnable("vnni512"):
         return "vnni512"
     if runnable("avx2"):
-        if bits == 4 or highest <= 127:
+        if bits != 8 or highest <= 127:
             return "avx2"
         if lowest >= 1:
             return "avx2-signed"

@@ -31,6 +31,19 @@ LAYOUTS = {
     "Q4_K": (144, 256, 4, 32, 0, True), "Q5_K": (176, 256, 8, 32, 0, True), "Q6_K": (210, 256, 8, 16, 128, False),
 }
 KIND = {name: i for i, name in enumerate(LAYOUTS)}
+# Types whose 8-bit codes above span 5 or 6 bits: (width, base), run as u - base at that width, zero
+# - base (the same integers u - zero, so the same values bit for bit) -- the file's own bits.
+NARROW = {"Q5_0": (5, 112), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 96)}
+
+
+def packed_width(qtypes) -> tuple[int, int]:
+    """(bits, base) the tiled codes of matrices of these types stacked as one take: the types' own
+    narrow width when they share one, else their 8-bit codes (what a Q5_0 stacked with a Q8_0 would
+    take; the loader stacks only matrices of one width)."""
+    narrow = {NARROW.get(q) for q in qtypes}
+    if len(narrow) == 1 and None not in narrow:
+        return next(iter(narrow))
+    return LAYOUTS[next(iter(qtypes))][2], 0
 
 
 @njit(inline="always", cache=True)
@@ -118,19 +131,42 @@ def _rows(raw, kind, per, size, u, scale, minimum):  # pragma: no cover - jitted
                 minimum[r, b * gpb:(b + 1) * gpb] = mn[:gpb]
 
 
+@njit(inline="always", cache=True)
+def _put(codes, t, o, slot, buf, per, bits, base):  # pragma: no cover - jitted
+    """One block's codes (buf, less base) into row `slot` of tile t from octet (or quad) o on."""
+    if bits == 8:
+        words = buf.view(np.uint32)
+        for w in range(per // 4):
+            codes[t, o + w, slot] = words[w]
+        return
+    for w in range(per // 8):  # inputs 8o+i in the low nibbles, 8o+4+i in the high (int64 arithmetic)
+        word = 0
+        for i in range(4):
+            low, high = np.int64(buf[8 * w + i]) - base, np.int64(buf[8 * w + 4 + i]) - base
+            word |= ((low & 15) | ((high & 15) << 4)) << (8 * i)
+        codes[t, o + w, slot] = np.uint32(word)
+        for p in range(bits - 4):  # 5, 6 bits: a plane byte per row, its bit i from input 8o+i
+            plane = 0
+            for i in range(8):
+                plane |= (((np.int64(buf[8 * w + i]) - base) >> (4 + p)) & 1) << i
+            at = p * TILE + slot
+            codes[t, o + w, TILE + at // 4] = np.uint32(np.int64(codes[t, o + w, TILE + at // 4]) |
+                                                        (plane << (8 * (at % 4))))
+
+
 @njit(parallel=True, cache=True)
-def _tiled(raw, kind, per, size, bits, rows, lo, codes, scale, minimum, seen):  # pragma: no cover - jitted
-    """Source row i to destination row lo + i of a tiled matrix (codes as words (tiles, k/4 or k/8, TILE));
-    scale / minimum tiled too (tiles, groups, TILE); rows: the source row of each destination row;
-    seen[t] = (lowest, highest) code written into tile t. A tile's rows go to one thread: rows of one
-    tile share cache lines."""
+def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, seen):  # pragma: no cover - jitted
+    """Source row i to destination row lo + i of a tiled matrix (codes as words (tiles, k/4 or k/8,
+    TILE + 16 P) at `bits`, the codes less `base`; zeroed beforehand where there are planes); scale /
+    minimum tiled too (tiles, groups, TILE); rows: the source row of each destination row; seen[t] =
+    (lowest, highest) code written into tile t. A tile's rows go to one thread: rows of one tile share
+    cache lines."""
     n = rows.shape[0]
     bpr = raw.shape[1] // size
     gpb = scale.shape[1] // bpr
     t0, t1 = lo // TILE, (lo + n - 1) // TILE + 1
     for t in prange(t0, t1):
         buf = np.empty(256, np.uint8)
-        words = buf.view(np.uint32)
         sc, mn = np.zeros(16, np.float32), np.zeros(16, np.float32)
         low, high = 255, 0
         for dest in range(max(lo, t * TILE), min(lo + n, (t + 1) * TILE)):
@@ -138,14 +174,8 @@ def _tiled(raw, kind, per, size, bits, rows, lo, codes, scale, minimum, seen):  
             for b in range(bpr):
                 _decode(raw[r], b * size, kind, buf, sc, mn)
                 for j in range(per):
-                    low, high = min(low, np.int32(buf[j])), max(high, np.int32(buf[j]))
-                o = b * per // (4 if bits == 8 else 8)
-                if bits == 8:
-                    for w in range(per // 4):
-                        codes[t, o + w, slot] = words[w]
-                else:  # inputs 8o+i in the low nibbles, 8o+4+i in the high
-                    for w in range(per // 8):
-                        codes[t, o + w, slot] = words[2 * w] | (words[2 * w + 1] << np.uint32(4))
+                    low, high = min(low, np.int32(buf[j]) - base), max(high, np.int32(buf[j]) - base)
+                _put(codes, t, b * per // (4 if bits == 8 else 8), slot, buf, per, bits, base)
                 for g in range(gpb):
                     scale[t, b * gpb + g, slot] = sc[g]
                     if minimum.shape[0]:
@@ -177,13 +207,17 @@ def unpack(raw: np.ndarray, qtype: str, shape: tuple[int, int]):
 
 
 def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.ndarray, lo: int,
-                 codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, seen: np.ndarray) -> None:
+                 codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, seen: np.ndarray,
+                 width: tuple[int, int] | None = None) -> None:
     """unpack(), written as rows lo + i (source row rows[i]) of a tiled matrix (kernels/qweight.py's
-    layout: codes (tiles, k/4 or k/8, TILE, 4) uint8, scale / minimum (tiles, groups, TILE) float32,
-    minimum empty when not affine); seen (tiles, 2) int32 gathers each tile's lowest and highest code."""
+    layout at width = (bits, base) -- the type's own 8- or 4-bit codes when None -- : codes
+    (tiles, ..., 4) uint8, zeroed where the width has planes, scale / minimum (tiles, groups, TILE)
+    float32, minimum empty when not affine); seen (tiles, 2) int32 gathers each tile's lowest and
+    highest code."""
     size, per, bits, group, zero, affine = LAYOUTS[qtype]
-    _tiled(np.asarray(raw).reshape(shape[0], -1), KIND[qtype], per, size, bits, np.ascontiguousarray(rows, np.int64),
-           lo, codes.view(np.uint32)[..., 0], scale, minimum, seen)
+    bits, base = width or (bits, 0)
+    _tiled(np.asarray(raw).reshape(shape[0], -1), KIND[qtype], per, size, bits, base,
+           np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], scale, minimum, seen)
 
 
 class BlockRows:

@@ -167,11 +167,18 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
 
 
 def linears(x: torch.Tensor, *ws) -> tuple[torch.Tensor, ...]:
-    """linear(x, w) for matrices sharing the input x; stacked packed parts run as one product."""
-    if all(isinstance(w, PackedPart) and w.whole is ws[0].whole for w in ws):
-        y = ws[0].whole.matmul(x)  # each part is a column range of the whole product
-        return tuple(y[:, w.lo:w.hi] for w in ws)
-    return tuple(linear(x, w) for w in ws)
+    """linear(x, w) for matrices sharing the input x; the parts of one stacked packed matrix run as
+    one product (each part is a column range of it), whatever else is among them."""
+    wholes: dict[int, torch.Tensor] = {}
+    out = []
+    for w in ws:
+        if isinstance(w, PackedPart):
+            if id(w.whole) not in wholes:
+                wholes[id(w.whole)] = w.whole.matmul(x)
+            out.append(wholes[id(w.whole)][:, w.lo:w.hi])
+        else:
+            out.append(linear(x, w))
+    return tuple(out)
 
 
 def embedding(ids: torch.Tensor, w) -> torch.Tensor:

@@ -87,12 +87,12 @@ def quantize_activations(x: np.ndarray, group: int, xq: np.ndarray, xs: np.ndarr
 
 
 # What `_int_template` reads as globals; each kernel is the template under its own values (`_int_kernel`).
-STEP = X_PER = FULL = 0
+STEP = X_PER = FULL = SPAN = 0
 ONE = ONE_HALF = MANY = MANY_HALF = None
 
 
 def _int_template(codes, scale, minimum, zc, xq, xs, sxq, out):  # pragma: no cover - jitted
-    """The integer kernels' one body (see `_int_kernel`). codes: (tiles, k/4 or k/8, TILE, 4) uint8;
+    """The integer kernels' one body (see `_int_kernel`). codes: (tiles, k/4 or k/8, TILE * SPAN / 4, 4) uint8;
     xq: (M, k/4) int32 (4 x int8). The group loop is outside the row loop, so a group's codes are
     read from memory once per tile. Its constants and intrinsics (STEP ... MANY_HALF) are globals
     each kernel binds its own way."""
@@ -103,7 +103,7 @@ def _int_template(codes, scale, minimum, zc, xq, xs, sxq, out):  # pragma: no co
     for t in prange(nt):
         acc = np.zeros(m_rows * TILE, np.float32)
         for g in range(ng):
-            base, so, m = (t * kw + g * nw) * TILE * 4, (t * ng + g) * TILE, 0
+            base, so, m = (t * kw + g * nw) * TILE * SPAN, (t * ng + g) * TILE, 0
             while m < m_rows:
                 a = (acc, m * TILE, cf, base, xf, X_PER * (m * kw + g * nw), X_PER * kw, sf, so, mf, xsf, qf,
                      m * ng + g, ng, zc, affine)
@@ -128,14 +128,15 @@ def _int_kernel(isa: str, bits: int):
     is its own function. Not a closure: numba keys a cached closure on a pickle of what it closes
     over, and a pickled intrinsic differs in every process, so such a kernel would compile afresh in
     each one. A function of its own name and globals is cached under that name like any other.
-    VNNI takes BLOCK activation rows per intrinsic call, AVX2 one; a 4-bit group is half as many
-    code words for as many activations; 8-bit groups of 16 inputs have their own intrinsics."""
+    VNNI takes BLOCK activation rows per intrinsic call, AVX2 one; a 4-, 5- or 6-bit group is half
+    as many code words (of 4 + bits - 4 bytes a row) for as many activations; groups of 16 inputs
+    have their own intrinsics."""
     def dot(quads, rows):
         return DOTS.get((isa, bits, quads, rows), DOTS[(isa, bits, 8, rows)])
 
     step = BLOCK if isa == "vnni512" else 1
-    bound = dict(STEP=step, X_PER=2 if bits == 4 else 1, FULL=4 if bits == 4 else 8, ONE=dot(8, 1),
-                 ONE_HALF=dot(4, 1), MANY=dot(8, step), MANY_HALF=dot(4, step))
+    bound = dict(STEP=step, X_PER=1 if bits == 8 else 2, FULL=8 if bits == 8 else 4, SPAN=4 + simd.PLANES[bits],
+                 ONE=dot(8, 1), ONE_HALF=dot(4, 1), MANY=dot(8, step), MANY_HALF=dot(4, step))
     name = f"_int{bits}_{isa.replace('-', '_')}"
     fn = FunctionType(_int_template.__code__, {**globals(), **bound}, name)
     fn.__qualname__ = name
@@ -214,8 +215,44 @@ def group_sums(x, group, out):  # pragma: no cover - jitted
             out[m, g] = s
 
 
-INT = {(isa, bits): _int_kernel(isa, bits) for isa, bits in
-       (("vnni512", 8), ("vnni512", 4), ("avx2", 8), ("avx2-signed", 8), ("avx2", 4))}
+@njit(inline="always", cache=True)
+def code_at(codes, bits, t, j, r):  # pragma: no cover - jitted
+    """Row r of tile t's code for input j, in the tiled layout of `bits` (qweight.py)."""
+    if bits == 8:
+        return np.int32(codes[t, j // 4, r, j % 4])
+    b = codes[t, j // 8, r, j % 4]
+    u = np.int32(b >> 4) if j % 8 >= 4 else np.int32(b & 15)
+    for p in range(bits - 4):  # 5, 6 bits: the planes after the nibbles
+        at = p * TILE + r
+        u |= np.int32((codes[t, j // 8, TILE + at // 4, at % 4] >> (j % 8)) & 1) << (4 + p)
+    return u
+
+
+@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
+def _float_planes(codes, scale, minimum, zero, bits, x, xsum, out):  # pragma: no cover - jitted
+    """5- and 6-bit codes with float activations: each code read on its own (`code_at`). This path
+    runs only where the CPU has no integer one, or when a caller asks for it."""
+    nt, ng, m_rows, k = codes.shape[0], scale.shape[1], x.shape[0], x.shape[1]
+    group, affine, z = k // ng, minimum.shape[0] > 0, np.float32(zero)
+    for t in prange(nt):
+        acc, s = np.zeros((m_rows, TILE), np.float32), np.empty(TILE, np.float32)
+        for g in range(ng):
+            for m in range(m_rows):
+                s[:] = 0.0
+                for j in range(g * group, (g + 1) * group):
+                    for r in range(TILE):
+                        s[r] += np.float32(code_at(codes, bits, t, j, r)) * x[m, j]
+                for r in range(TILE):
+                    acc[m, r] += as_float(scale[t, g, r]) * (s[r] - z * xsum[m, g])
+                if affine:
+                    for r in range(TILE):
+                        acc[m, r] += as_float(minimum[t, g, r]) * xsum[m, g]
+        for m in range(m_rows):
+            out[m, t * TILE:(t + 1) * TILE] = acc[m]
+
+
+INT = {(isa, bits): _int_kernel(isa, bits) for isa in ("vnni512", "avx2") for bits in simd.WIDTHS}
+INT[("avx2-signed", 8)] = _int_kernel("avx2-signed", 8)
 FLOAT = {8: _float8, 4: _float4}
 
 
@@ -226,7 +263,10 @@ def gemm(codes, scale, minimum, zero: int, bits: int, x: np.ndarray, path: str, 
     if path == "float":
         xsum = np.empty((m_rows, scale.shape[1]), np.float32)
         group_sums(x, group, xsum)
-        FLOAT[bits](codes, scale, minimum, zero, x, xsum, out)
+        if bits in FLOAT:
+            FLOAT[bits](codes, scale, minimum, zero, x, xsum, out)
+        else:
+            _float_planes(codes, scale, minimum, zero, bits, x, xsum, out)
         return
     xq = np.empty((m_rows, k), np.int8)
     xs, sxq = np.empty((m_rows, k // group), np.float32), np.empty((m_rows, k // group), np.int32)

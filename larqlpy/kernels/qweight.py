@@ -4,8 +4,9 @@ A code u of one output row stands for  scale * (u - zero)  (+ minimum in affine 
 float32 scale (and minimum) per group of `group` consecutive inputs:
   int8 (ours)  u in 1..255, zero 128, group 32: symmetric, scale = max|w| / 127 (Q8_0's grid);  8.5 bits
   int4 (ours)  u in 0..15, zero 0, affine, group 32 (Q4_1's grid);                               5 bits
-  native       what the GGUF held, exactly (model/native.py): Q8_0, Q5_0 and Q6_K as 8-bit codes
-               (Q6_K in groups of 16), Q4_K, Q4_1 and Q4_0 as 4-bit codes
+  native       what the GGUF held, exactly (model/native.py), at its own width: Q8_0 as 8-bit codes,
+               Q5_0, Q5_1 and Q5_K as 5-bit, Q6_K as 6-bit (in groups of 16), Q4_K, Q4_1 and
+               Q4_0 as 4-bit (`narrow`: a matrix stacked with another of a wider type takes its width)
   bf16         the top 16 bits of the float32 (round to nearest even);              16 bits per weight
 Both formulas round once per operation in float32, as gguf-py's dequantization does, so a GGUF's
 codes come back as the values it dequantizes to, bit for bit. Scales and minimums are float16
@@ -15,7 +16,9 @@ our int8 and int4 make theirs; float32 where not (Q4_K's and Q6_K's d * sc).
 Layout: output rows in tiles of TILE. Integer codes are stored per tile input-quad-major,
 (tiles, k/4, TILE, 4) for 8-bit and (tiles, k/8, TILE, 4) for 4-bit (byte i of a row's word: inputs
 8o+i in the low nibble, 8o+4+i in the high): the four inputs one integer dot-product instruction
-sums sit side by side for each row (qdot.py, simd.py). bf16: (tiles, k, TILE).
+sums sit side by side for each row (qdot.py, simd.py). 5- and 6-bit codes: (tiles, k/8, TILE + 16 P,
+4), the 4-bit layout of their low four bits, then P = 1 or 2 planes of TILE bytes (plane p's byte
+for row r: bit 4 + p of the octet's eight codes, bit i for input 8o+i). bf16: (tiles, k, TILE).
 
 On the CPU integer codes run the qdot kernels (int8 activations, integer dot products) for any number
 of activation rows. bf16, the float path and CUDA dequantize a slab of tiles at a time into float32
@@ -31,13 +34,13 @@ from numba import njit, prange
 
 from larqlpy.errors import LarqlError
 from larqlpy.kernels import cpu, jitcache, qdot, simd
-from larqlpy.kernels.qdot import as_float
+from larqlpy.kernels.qdot import as_float, code_at
 from larqlpy.kernels.simd import ROWS as TILE
 
 GROUP = 32
 FORMATS = ("f32", "bf16", "int8", "int4", "native")
 SLAB_BYTES = 16 << 20  # float32 scratch per dequantized slab in prefill
-PACK_VERSION = 3  # bump when packing changes what a format's codes are: cached packs are rebuilt
+PACK_VERSION = 5  # bump when packing changes what a format's codes are: cached packs are rebuilt
 GEMV_ROWS = 16  # bf16 / float path: up to this many rows run a GEMV, faster there than a slab
 NO_MINIMUM = np.zeros((0, 1, TILE), np.float32)
 
@@ -101,6 +104,24 @@ def _to_half(a: np.ndarray) -> np.ndarray:
 
 
 @njit(parallel=True, cache=True)
+def _tile_planes(u, n, bits, out):  # pragma: no cover - jitted
+    """Row-major 5- or 6-bit codes (n, k) -> their tiled layout (tiles, k/8, TILE + 16 P, 4), zeroed
+    beforehand (the last tile's padding rows stay code 0, scale 0)."""
+    for t in prange(out.shape[0]):
+        for r in range(min(TILE, n - t * TILE)):
+            row = t * TILE + r
+            for o in range(out.shape[1]):
+                for i in range(4):
+                    out[t, o, r, i] = (u[row, 8 * o + i] & 15) | ((u[row, 8 * o + 4 + i] & 15) << 4)
+                for p in range(bits - 4):
+                    plane = 0
+                    for i in range(8):
+                        plane |= ((u[row, 8 * o + i] >> (4 + p)) & 1) << i
+                    at = p * TILE + r
+                    out[t, o, TILE + at // 4, at % 4] = plane
+
+
+@njit(parallel=True, cache=True)
 def _tile(words, n, bits, zero, out):  # pragma: no cover - jitted
     """Row-major codes as uint32 words (n, k/4) -> the tiled layout as words (tiles, k/4 or k/8, TILE);
     rows from n on (the last tile's padding) hold the zero code."""
@@ -121,9 +142,18 @@ def tile_codes(u: np.ndarray, bits: int, zero: int = 0) -> np.ndarray:
     """Row-major codes (n, k) -> the tiled layout above, the last tile padded with rows of `zero`."""
     n, k = u.shape
     nt = -(-n // TILE)
-    out = np.empty((nt, k // 4 if bits == 8 else k // 8, TILE, 4), np.uint8)
+    if bits in (5, 6):
+        out = np.zeros(code_shape(nt, k, bits), np.uint8)
+        _tile_planes(np.ascontiguousarray(u), n, bits, out)
+        return out
+    out = np.empty(code_shape(nt, k, bits), np.uint8)
     _tile(np.ascontiguousarray(u).view(np.uint32), n, bits, zero, out.view(np.uint32)[..., 0])
     return out
+
+
+def code_shape(tiles: int, k: int, bits: int) -> tuple[int, int, int, int]:
+    """The tiled codes' shape for `tiles` tiles of `k` inputs at `bits`."""
+    return (tiles, k // 4, TILE, 4) if bits == 8 else (tiles, k // 8, TILE + (bits - 4) * TILE // 4, 4)
 
 
 def tile_groups(a: np.ndarray) -> np.ndarray:
@@ -135,21 +165,13 @@ def tile_groups(a: np.ndarray) -> np.ndarray:
 # --- dequantization into float32 (embedding rows, prefill slabs) ---------------------------------
 # No fastmath: scale * (u - zero) + minimum must round as two operations, as torch and gguf-py compute it.
 
-@njit(inline="always", cache=True)
-def _code(codes, bits, t, j, r):  # pragma: no cover - jitted
-    if bits == 8:
-        return np.int32(codes[t, j // 4, r, j % 4])
-    b = codes[t, j // 8, r, j % 4]
-    return np.int32(b >> 4) if j % 8 >= 4 else np.int32(b & 15)
-
-
 @njit(parallel=True, cache=True, error_model="numpy")
 def _rows_int(codes, scale, minimum, zero, bits, idx, out):  # pragma: no cover - jitted
     group, affine = out.shape[1] // scale.shape[1], minimum.shape[0] > 0
     for n in prange(idx.shape[0]):
         t, r = idx[n] // TILE, idx[n] % TILE
         for j in range(out.shape[1]):
-            v = as_float(scale[t, j // group, r]) * np.float32(_code(codes, bits, t, j, r) - zero)
+            v = as_float(scale[t, j // group, r]) * np.float32(code_at(codes, bits, t, j, r) - zero)
             out[n, j] = v + as_float(minimum[t, j // group, r]) if affine else v
 
 
@@ -161,7 +183,7 @@ def _slab_int(codes, scale, minimum, zero, bits, t0, t1, out):  # pragma: no cov
         for j in range(out.shape[0]):
             g = j // group
             for r in range(TILE):
-                v = as_float(scale[t, g, r]) * np.float32(_code(codes, bits, t, j, r) - zero)
+                v = as_float(scale[t, g, r]) * np.float32(code_at(codes, bits, t, j, r) - zero)
                 out[j, c + r] = v + as_float(minimum[t, g, r]) if affine else v
 
 
@@ -222,7 +244,7 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 class PackedWeight:
     """An (out, in) weight matrix held as bf16 or integer codes in the tiled layout above.
 
-    kind: "bf16", "u8" or "u4"; zero, group: the code's zero point and the inputs per scale;
+    kind: "bf16", "u8", "u6", "u5" or "u4"; zero, group: the code's zero point and the inputs per scale;
     lowest, highest: the range of codes present (which kernel paths may take it)."""
 
     def __init__(self, kind: str, shape: tuple[int, int], codes: torch.Tensor, scale: torch.Tensor | None = None,
@@ -231,7 +253,7 @@ class PackedWeight:
         self.kind, self.shape, self.zero, self.group = kind, tuple(shape), int(zero), int(group)
         self.codes, self.scale, self.minimum = codes, scale, minimum
         self.lowest, self.highest = int(lowest), int(highest)
-        self.bits = {"u8": 8, "u4": 4}.get(kind, 16)
+        self.bits = {"u8": 8, "u6": 6, "u5": 5, "u4": 4}.get(kind, 16)
         self.path = "float" if kind == "bf16" else cpu.int_path(self.bits, self.lowest, self.highest)
         # numpy views for the numba kernels, made once: decode calls them for every matrix of every token
         self.arrays = () if codes.device.type != "cpu" else (codes.numpy(),) if kind == "bf16" else \
@@ -261,7 +283,7 @@ class PackedWeight:
         scale, minimum = ([a.astype(np.float16).view(np.uint16) for a in (scale, minimum)] if halves and
                           minimum is not None else (scale.astype(np.float16).view(np.uint16), None) if halves else
                           _halves_if_exact(scale, minimum))
-        return cls("u8" if bits == 8 else "u4", shape, torch.from_numpy(codes), _tensor(scale),
+        return cls(f"u{bits}", shape, torch.from_numpy(codes), _tensor(scale),
                    None if minimum is None else _tensor(minimum), zero, shape[1] // scale.shape[1], lowest, highest)
 
     @classmethod
@@ -327,9 +349,14 @@ class PackedWeight:
         codes = self.codes[t, :, r]  # (n, k/4 or k/8, 4) or bf16 (n, k)
         if self.kind == "bf16":
             return (codes.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
-        if self.kind == "u4":
+        if self.bits != 8:
             codes = torch.stack((codes & 15, codes >> 4), dim=2)  # (n, k/8, 2, 4): inputs 8o+i, 8o+4+i
         u = codes.reshape(len(idx), -1).to(torch.int32)
+        for p in range(self.bits - 4 if self.bits in (5, 6) else 0):  # the planes' bits above the nibbles
+            at = p * TILE + r
+            plane = self.codes[t, :, TILE + at // 4, at % 4].to(torch.int32)  # (n, k/8)
+            bit = (plane[:, :, None] >> torch.arange(8, device=idx.device)) & 1  # (n, k/8, 8): input 8o+i
+            u = u | (bit.reshape(len(idx), -1) << (4 + p))
         g = torch.arange(self.shape[1], device=idx.device) // self.group
 
         def per_group(a: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,10 @@ Each one computes, for the 64 output rows of one tile and a few activation rows,
 with u the weight codes (unsigned bytes) and xq the int8 activations, and adds them, scaled, to the
 float32 outputs (see _make). Layout (qweight.py):
     8-bit codes: per quad of inputs (4j..4j+3), 64 rows x 4 bytes (row r's four codes adjacent);
-    4-bit codes: per octet (8j..8j+7), 64 rows x 4 bytes, low nibbles inputs 8j..8j+3, high 8j+4..8j+7.
+    4-bit codes: per octet (8j..8j+7), 64 rows x 4 bytes, low nibbles inputs 8j..8j+3, high 8j+4..8j+7;
+    5- and 6-bit codes: per octet, the 4-bit layout of their low four bits, then one (5-bit) or two
+    (6-bit) planes of 64 bytes: plane p's byte for row r holds bit 4 + p of the row's eight codes
+    (bit i: input 8j+i). The planes are spread into the nibbles' bytes before the products.
 Integer sums are exact, so every path that computes them gives the same numbers bit for bit.
 
 Arguments (flat arrays and offsets into them): acc float32 and the offset of row m0's outputs (rows
@@ -29,6 +32,7 @@ from numba.extending import intrinsic
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 ROWS = 64  # the tile: qweight.TILE
+PLANES = {8: 0, 4: 0, 5: 1, 6: 2}  # code width -> its one-bit planes beside the nibbles
 
 
 def _fn(builder, name: str, ret, args):
@@ -120,7 +124,7 @@ def _add_scaled(a: _Args, sums, affine: bool, registers: int) -> None:
             b.store(new, p, align=4)
 
 
-def _make(emit, quads: int, nibbles: bool, rows: int, registers: int):
+def _make(emit, quads: int, width: int, rows: int, registers: int):
     """An intrinsic that sums one group for `rows` activation rows (`emit`) and adds the scaled sums to
     the float32 outputs, in registers:
         f = xs[m] * float(dot[m, r] - zc * sxq[m])
@@ -136,7 +140,7 @@ def _make(emit, quads: int, nibbles: bool, rows: int, registers: int):
 
         def codegen(context, builder, signature, args):
             a = _Args(context, builder, signature, args)
-            sums = emit(builder, a.codes_at, a.x_of, quads, nibbles, rows)  # sums[row][vector], int32 lanes
+            sums = emit(builder, a.codes_at, a.x_of, quads, width, rows)  # sums[row][vector], int32 lanes
             flag = builder.icmp_unsigned("!=", a.affine, ir.Constant(a.affine.type, 0))
             with builder.if_else(flag) as (with_minimum, without):
                 with with_minimum:
@@ -150,20 +154,42 @@ def _make(emit, quads: int, nibbles: bool, rows: int, registers: int):
     return dot
 
 
-def _vnni512(builder, codes_at, x_of, quads, nibbles, rows):
+def _parts(builder, codes_at, width: int, octet: int, v: int, lanes: int):
+    """The code bytes of rows v * lanes .. of one octet (4-, 5-, 6-bit) or quad (8-bit) as <lanes x
+    i32> vectors: [the codes] for 8 bits, else [inputs 8j..8j+3, inputs 8j+4..8j+7], each byte one
+    code, its high bits (5, 6 bits) taken from the planes: a row's plane byte is repeated into all
+    four bytes of its lane and byte i keeps bit i (first part) or bit 4 + i (second)."""
+    vty = ir.VectorType(I32, lanes)
+    span = 4 + PLANES[width]  # bytes a row takes per octet (or quad)
+    raw = codes_at(octet * ROWS * span + v * lanes * 4, vty)
+    if width == 8:
+        return [raw]
+    mask = _splat(builder, ir.Constant(I32, 0x0F0F0F0F), vty)
+    parts = [builder.and_(raw, mask), builder.and_(builder.lshr(raw, _splat(builder, ir.Constant(I32, 4), vty)), mask)]
+    bty = ir.VectorType(I8, lanes * 4)
+    zero = ir.Constant(bty, None)
+    for p in range(PLANES[width]):
+        plane = codes_at(octet * ROWS * span + ROWS * 4 + p * ROWS + v * lanes, ir.VectorType(I8, lanes))
+        spread = builder.mul(builder.zext(plane, vty), _splat(builder, ir.Constant(I32, 0x01010101), vty))
+        bit = ir.Constant(bty, [0x10 << p] * (lanes * 4))
+        for h, select in enumerate((0x08040201, 0x80402010)):
+            on = builder.bitcast(builder.and_(spread, _splat(builder, ir.Constant(I32, select), vty)), bty)
+            high = builder.select(builder.icmp_unsigned("!=", on, zero), bit, zero)
+            parts[h] = builder.or_(parts[h], builder.bitcast(high, vty))
+    return parts
+
+
+def _vnni512(builder, codes_at, x_of, quads, width, rows):
     """AVX-512 VNNI: 16 rows per zmm, one vpdpbusd per 16 rows x 4 inputs; each code vector loaded
     once for all the activation rows."""
     v16 = ir.VectorType(I32, 16)
     dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
     acc = [[ir.Constant(v16, None)] * 4 for _ in range(rows)]
-    mask = _splat(builder, ir.Constant(I32, 0x0F0F0F0F), v16)
-    four = _splat(builder, ir.Constant(I32, 4), v16)
-    step = 2 if nibbles else 1
+    step = 1 if width == 8 else 2
     for q in range(0, quads, step):
         xs = [[_splat(builder, x_of(m, q + h), v16) for h in range(step)] for m in range(rows)]
         for v in range(4):
-            raw = codes_at((q // step) * ROWS * 4 + v * 64, v16)
-            parts = [builder.and_(raw, mask), builder.and_(builder.lshr(raw, four), mask)] if nibbles else [raw]
+            parts = _parts(builder, codes_at, width, q // step, v, 16)
             for m in range(rows):
                 for part, xb in zip(parts, xs[m]):
                     acc[m][v] = builder.call(dp, [acc[m][v], part, xb])
@@ -177,25 +203,22 @@ def _avx2(signed: bool):
     with `signed` the codes u in 1..255 are taken as u - 128 and the sign of the activation moved onto
     them (llama.cpp's trick), so the unsigned side is |x| <= 127. The caller adds 128 * sum(xq) back."""
 
-    def emit(builder, codes_at, x_of, quads, nibbles, rows):
+    def emit(builder, codes_at, x_of, quads, width, rows):
         v8, b32, w16 = ir.VectorType(I32, 8), ir.VectorType(I8, 32), ir.VectorType(I16, 16)
         maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [b32, b32])
         maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [w16, w16])
         sign = _fn(builder, "llvm.x86.avx2.psign.b", b32, [b32, b32])
         absb = _fn(builder, "llvm.abs.v32i8", b32, [b32, ir.IntType(1)])
         ones = ir.Constant(w16, [1] * 16)
-        mask = _splat(builder, ir.Constant(I32, 0x0F0F0F0F), v8)
-        four = _splat(builder, ir.Constant(I32, 4), v8)
         flip = ir.Constant(b32, [0x80] * 32)
         acc = [[ir.Constant(v8, None)] * 8 for _ in range(rows)]
-        step = 2 if nibbles else 1
+        step = 1 if width == 8 else 2
         for q in range(0, quads, step):
             xs = [[builder.bitcast(_splat(builder, x_of(m, q + h), v8), b32) for h in range(step)] for m in range(rows)]
             ax = [[builder.call(absb, [xb, ir.Constant(ir.IntType(1), 0)]) for xb in row] for row in xs] \
                 if signed else None
             for v in range(8):
-                raw = codes_at((q // step) * ROWS * 4 + v * 32, v8)
-                parts = [builder.and_(raw, mask), builder.and_(builder.lshr(raw, four), mask)] if nibbles else [raw]
+                parts = _parts(builder, codes_at, width, q // step, v, 8)
                 for m in range(rows):
                     for h, (part, xb) in enumerate(zip(parts, xs[m])):
                         part = builder.bitcast(part, b32)
@@ -209,11 +232,12 @@ def _avx2(signed: bool):
     return emit
 
 
-# (isa, bits, quads, rows) -> intrinsic; quads 8 = groups of 32 inputs, 4 = groups of 16 (8-bit codes
-# only: Q6_K). VNNI takes BLOCK activation rows per call (32 zmm hold their sums); AVX2's 16 ymm one row's.
+# (isa, bits, quads, rows) -> intrinsic; quads 8 = groups of 32 inputs, 4 = groups of 16 (Q6_K).
+# VNNI takes BLOCK activation rows per call (32 zmm hold their sums); AVX2's 16 ymm one row's.
 BLOCK = 4
-DOTS = {(isa, bits, quads, rows): _make(emit, quads, bits == 4, rows, registers)
+WIDTHS = (8, 4, 5, 6)
+DOTS = {(isa, bits, quads, rows): _make(emit, quads, bits, rows, registers)
         for isa, emit, blocks, registers in (("vnni512", _vnni512, (1, BLOCK), 32), ("avx2", _avx2(False), (1,), 16),
                                              ("avx2-signed", _avx2(True), (1,), 16))
-        for bits in (8, 4) for quads in ((8, 4) if bits == 8 else (8,)) for rows in blocks
-        if not (isa == "avx2-signed" and bits == 4)}
+        for bits in WIDTHS for quads in (8, 4) for rows in blocks
+        if not (isa == "avx2-signed" and bits != 8)}

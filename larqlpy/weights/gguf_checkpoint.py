@@ -15,8 +15,8 @@ from gguf.quants import dequantize
 
 from larqlpy.errors import LarqlError
 from larqlpy.files import is_gguf
-from larqlpy.kernels.gguf_blocks import LAYOUTS, BlockRows, unpack_tiled
-from larqlpy.kernels.qweight import TILE, PackedWeight
+from larqlpy.kernels.gguf_blocks import LAYOUTS, BlockRows, packed_width, unpack_tiled
+from larqlpy.kernels.qweight import TILE, PackedWeight, code_shape
 from larqlpy.model.config import ModelConfig
 from larqlpy.weights.checkpoint import Checkpoint, wanted_tensors
 from larqlpy.weights.gguf_file import GGUFFile
@@ -97,9 +97,12 @@ class GGUFCodes:
                          and len(ckpt.file.tensors[name][1]) == 2}
 
     def kind(self, hf: str) -> tuple:
-        """What must match for matrices to share one packed whole: (zero, bits, group, affine)."""
-        _, _, bits, group, zero, affine = LAYOUTS[self.ckpt.file.tensors[self.ckpt.names[hf][0]][0]]
-        return zero, bits, group, affine
+        """What must match for matrices to share one packed whole: (zero, bits, group, affine), at the
+        width they are packed at."""
+        qtype = self.ckpt.file.tensors[self.ckpt.names[hf][0]][0]
+        _, _, _, group, zero, affine = LAYOUTS[qtype]
+        bits, base = packed_width([qtype])
+        return zero - base, bits, group, affine
 
     def table(self, hf: str) -> PackedWeight | BlockRows:
         """A matrix only gathered from (an untied embedding): left in the file's blocks (`gather`),
@@ -116,10 +119,12 @@ class GGUFCodes:
         file, config = self.ckpt.file, self.ckpt.raw_config
         names = [self.ckpt.names[hf][0] for hf in hfs]
         qtype, (_, k), _, _ = file.tensors[names[0]]
-        _, per, bits, group, zero, affine = LAYOUTS[qtype]  # 32 values a block: scales are the blocks' float16 d
+        _, per, _, group, zero, affine = LAYOUTS[qtype]  # 32 values a block: scales are the blocks' float16 d
+        bits, base = packed_width([file.tensors[name][0] for name in names])
+        zero -= base
         n = sum(file.tensors[name][1][0] for name in names)
         nt = -(-n // TILE)
-        codes = np.empty((nt, k // 4 if bits == 8 else k // 8, TILE, 4), np.uint8)
+        codes = (np.zeros if bits in (5, 6) else np.empty)(code_shape(nt, k, bits), np.uint8)
         scale = np.zeros((nt, k // group, TILE), np.float32)  # zeros: the padding rows' scales
         minimum = np.zeros((nt if affine else 0, k // group, TILE), np.float32)
         seen = np.tile(np.array([[255, 0]], np.int32), (nt, 1))
@@ -127,11 +132,11 @@ class GGUFCodes:
         for name in names:
             qtype, shape, _, _ = file.tensors[name]
             rows = file.arch.restore(name, np.arange(shape[0]), config)  # destination row i takes source row rows[i]
-            unpack_tiled(self.ckpt.raw(name), qtype, shape, rows, lo, codes, scale, minimum, seen)
+            unpack_tiled(self.ckpt.raw(name), qtype, shape, rows, lo, codes, scale, minimum, seen, (bits, base))
             self.ckpt.release([name])  # copied out: the file's pages behind it are not kept
             lo += shape[0]
-        if n % TILE:
-            codes[-1, :, n % TILE:, :] = zero if bits == 8 else zero | (zero << 4)
+        if n % TILE and bits in (8, 4):  # the padding rows hold the zero code (5, 6 bits: code 0)
+            codes[-1, :, n % TILE:TILE, :] = zero if bits == 8 else zero | (zero << 4)
         if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
             raise LarqlError(f"{self.ckpt.path}: {' / '.join(names)} hold non-finite scales (NaN or infinity)")
         return PackedWeight.from_tiled(codes, (n, k), scale, minimum if affine else None, zero, bits,

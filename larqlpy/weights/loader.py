@@ -191,11 +191,21 @@ def _pack_native(ckpt: Checkpoint | GGUFCheckpoint, native: NativeFile | GGUFCod
             out[name] = native.table(hf(name)) if gathered else native.pack([hf(name)])
     for i in range(cfg.num_hidden_layers):
         for names in Block.SHARED_INPUT:
-            parts = [hf(f"layers.{i}.{n}") for n in names]
-            if all(p is not None for p in parts) and len({native.kind(p) for p in parts}) == 1:
-                out[f"layers.{i}.{'|'.join(names)}"] = native.pack(parts)
-            else:
-                out.update({f"layers.{i}.{n}": native.pack([p]) for n, p in zip(names, parts) if p is not None})
+            out.update(_stacks(native, [(n, hf(f"layers.{i}.{n}")) for n in names], f"layers.{i}."))
+    return out
+
+
+def _stacks(native: NativeFile | GGUFCodes, parts: list[tuple[str, str | None]], prefix: str) -> dict:
+    """Matrices reading one input, packed as runs of neighbours that share a kind (each at its file's
+    own width: a Q8_0 v_proj beside Q5_0 q_proj and k_proj stacks q|k and packs v alone); a matrix
+    held as float (None) stays out."""
+    out, run = {}, []
+    for name, hf in parts + [("", None)]:
+        if run and (hf is None or native.kind(hf) != native.kind(run[-1][1])):
+            out[prefix + "|".join(n for n, _ in run)] = native.pack([h for _, h in run])
+            run = []
+        if hf is not None:
+            run.append((name, hf))
     return out
 
 

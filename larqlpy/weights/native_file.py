@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from larqlpy.errors import LarqlError
+from larqlpy.kernels.gguf_blocks import packed_width
 from larqlpy.kernels.qweight import PackedWeight
 
 FILE = "native.safetensors"
@@ -63,17 +64,22 @@ class NativeFile:
         m = self.matrices[name]
         k = self.handle.get_slice(f"{name}.codes").get_shape()[1]
         groups = self.handle.get_slice(f"{name}.scale").get_shape()[1]
-        return m["zero"], m["bits"], k // max(1, groups), f"{name}.minimum" in self.handle.keys()
+        bits, base = packed_width([m["type"]])
+        return m["zero"] - base, bits, k // max(1, groups), f"{name}.minimum" in self.handle.keys()
 
     def table(self, name: str) -> PackedWeight:
         """A matrix only gathered from (an untied embedding), packed as any other."""
         return self.pack([name])
 
     def pack(self, names: list[str]) -> PackedWeight:
-        """Matrices of one kind stacked in this order as one PackedWeight."""
+        """Matrices of one kind stacked in this order as one PackedWeight, at the GGUF types' own
+        width (gguf_blocks.packed_width: a .gguf run directly packs the same)."""
         parts = [self.codes(n) for n in names]
         cat = [np.concatenate([p[f] for p in parts]) if parts[0][f] is not None else None for f in range(3)]
-        return PackedWeight.from_codes(*cat, parts[0][3], parts[0][4])
+        bits, base = packed_width([self.matrices[n]["type"] for n in names])
+        if bits == parts[0][4]:
+            return PackedWeight.from_codes(*cat, parts[0][3], bits)
+        return PackedWeight.from_codes(cat[0] - np.uint8(base), *cat[1:], parts[0][3] - base, bits)
 
     def codes(self, name: str) -> tuple:
         """(u, scale, minimum or None, zero, bits) of one matrix."""
