@@ -16,7 +16,8 @@ from gguf.quants import dequantize
 from larqlpy.errors import LarqlError
 from larqlpy.files import is_gguf
 from larqlpy.kernels.gguf_blocks import LAYOUTS, BlockRows, packed_width, unpack_tiled
-from larqlpy.kernels.qweight import TILE, PackedWeight, code_shape
+from larqlpy.kernels.packing import code_shape
+from larqlpy.kernels.qweight import TILE, PackedWeight
 from larqlpy.model.config import ModelConfig
 from larqlpy.weights.checkpoint import Checkpoint, wanted_tensors
 from larqlpy.weights.gguf_file import GGUFFile
