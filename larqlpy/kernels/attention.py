@@ -25,31 +25,31 @@ from llvmlite import ir
 from numba import carray, njit, prange, types
 from numba.extending import intrinsic
 
+from larqlpy.kernels import jitcache
+from larqlpy.kernels.jitcache import FASTMATH
+
 CHUNK = 128  # rows per parallel chunk: a chunk's K and V (2 x 128 KB at D = 256) stay in L2
 F32, F16, BF16 = 0, 1, 2  # the rows' element kind (where[s, 8])
 KINDS = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 
 
-@intrinsic
-def _f32_at(typingctx, address):
-    """An int64 address as a float32 pointer (for numba.carray): rows that live in a store's tensor."""
-    sig = types.CPointer(types.float32)(types.int64)
+def _pointer_to(element):
+    """An intrinsic taking an int64 address to a pointer to `element`s (for numba.carray): rows that
+    live in a store's tensor."""
+    @intrinsic
+    def at(typingctx, address):
+        sig = types.CPointer(element)(types.int64)
 
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
 
-    return sig, codegen
+        return sig, codegen
+
+    return at
 
 
-@intrinsic
-def _u16_at(typingctx, address):
-    """An int64 address as a uint16 pointer: 16-bit rows (f16 / bf16 bits)."""
-    sig = types.CPointer(types.uint16)(types.int64)
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-    return sig, codegen
+_f32_at = _pointer_to(types.float32)  # f32 rows
+_u16_at = _pointer_to(types.uint16)  # 16-bit rows: f16 / bf16 bits
 
 
 @intrinsic
@@ -116,7 +116,7 @@ def _physical(where, s, i):  # pragma: no cover - jitted
     return r - ring if ring > 0 and r >= ring else r
 
 
-@njit(inline="always", fastmath=True, cache=True, error_model="numpy")
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
 def _chunk(q, where, s, c, lo, hi, scale, softcap, m, total, acc):  # pragma: no cover - jitted
     """Sequence s's readable rows [lo, hi) for every head: chunk c's running maximum, sum and weighted values."""
     h, d = q.shape[1], q.shape[2]
@@ -203,7 +203,7 @@ def _widen(src, at, kind, out):  # pragma: no cover - jitted
                 out[i, j] = _from_bf16(src[r, j])
 
 
-@njit(inline="always", fastmath=True, cache=True, error_model="numpy")
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
 def _merge(m, total, acc, a, b, out):  # pragma: no cover - jitted
     """Chunks [a, b) of one sequence -> its (H, D) output."""
     h, d = acc.shape[1], acc.shape[2]
@@ -236,14 +236,14 @@ def _plan(where):  # pragma: no cover - jitted
     return first, owner
 
 
-@njit(inline="always", fastmath=True, cache=True, error_model="numpy")
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
 def _item(q, where, first, owner, c, scale, softcap, m, total, acc):  # pragma: no cover - jitted
     s = owner[c]
     lo = (c - first[s]) * CHUNK
     _chunk(q, where, s, c, lo, min(where[s, 2], lo + CHUNK), scale, softcap, m, total, acc)
 
 
-@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def _attend_rows(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover - jitted
     """q (S, H, D) -> out (S, H, D); where (S, 9) int64 per sequence: K and V buffer addresses (row 0
     of KV head 0), readable rows N, the elements between KV heads, KV heads, the buffer row of the
@@ -261,7 +261,7 @@ def _attend_rows(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover
         _merge(m, total, acc, first[s], first[s + 1], out[s])
 
 
-@njit(fastmath=True, cache=True, error_model="numpy")
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _attend_chunk(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover - jitted
     """A single chunk in all (one sequence, <= CHUNK rows): the same arithmetic, bit for bit, without
     waking the thread pool (which costs more than such a chunk takes)."""
@@ -326,3 +326,6 @@ _NONE = np.zeros((0, 0, 0), np.float32)  # no new rows to write
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float = 0.0) -> torch.Tensor:
     """q (H, 1, D) over every row of k, v (Hkv, N, D): `attend_rows` for one sequence -> (H, 1, D)."""
     return attend_rows(q.transpose(0, 1), [Span(k, v, 0, k.shape[1])], scale, softcap).transpose(0, 1)
+
+
+jitcache.tie(globals(), jitcache)  # compiled with its FASTMATH

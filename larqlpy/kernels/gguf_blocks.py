@@ -36,14 +36,9 @@ KIND = {name: i for i, name in enumerate(LAYOUTS)}
 NARROW = {"Q5_0": (5, 112), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 96)}
 
 
-def packed_width(qtypes) -> tuple[int, int]:
-    """(bits, base) the tiled codes of matrices of these types stacked as one take: the types' own
-    narrow width when they share one, else their 8-bit codes (what a Q5_0 stacked with a Q8_0 would
-    take; the loader stacks only matrices of one width)."""
-    narrow = {NARROW.get(q) for q in qtypes}
-    if len(narrow) == 1 and None not in narrow:
-        return next(iter(narrow))
-    return LAYOUTS[next(iter(qtypes))][2], 0
+def packed_width(qtype: str) -> tuple[int, int]:
+    """(bits, base) a matrix of this type is packed at: its narrow width, else its codes' own."""
+    return NARROW.get(qtype, (LAYOUTS[qtype][2], 0))
 
 
 @njit(inline="always", cache=True)

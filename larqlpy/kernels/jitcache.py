@@ -5,6 +5,13 @@ other modules: after an edit to the intrinsics in simd.py, qdot.py's kernels wou
 compiled from the old ones (and the integer paths could disagree). `tie` stamps those modules'
 sources beside the cache and, when the stamp differs, empties the cache of the module's kernels
 before any is used, so they compile afresh once and are cached again.
+
+`FASTMATH` is numba's fastmath less `contract` and `nsz`. A process that compiles a parallel kernel
+runs its prange body as optimized on its own; the copy numba writes to the cache has been optimized
+a second time inside the kernel's module, and with either flag LLVM rounds the two copies
+differently (FMA fusion, a reduction's order). A kernel loaded from the cache then gave other bits
+than the same kernel just compiled, and a state resumed in a new process did not continue
+bit-identically. tests/test_jit_cache.py holds them to the same bits.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from numba.core.registry import CPUDispatcher
 
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_path
+
+FASTMATH = {"nnan", "ninf", "arcp", "reassoc", "afn"}  # a set, as numba takes it; never mutated
 
 
 def tie(namespace: dict, *depends_on: ModuleType) -> None:

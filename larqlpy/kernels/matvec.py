@@ -16,10 +16,12 @@ import torch.nn.functional as F
 from numba import njit, prange
 
 from larqlpy.kernels.choice import choose
+from larqlpy.kernels import jitcache
+from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.qweight import PackedPart, PackedWeight
 
 
-@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def _gemv_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - jitted
     n, k = w.shape
     for i in prange(n):
@@ -29,7 +31,7 @@ def _gemv_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma:
         out[i] = acc
 
 
-@njit(inline="always", fastmath=True, cache=True, error_model="numpy")
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
 def _norm_into(x, w, eps, offset, out):  # pragma: no cover - jitted
     """One row: out = x * rsqrt(mean(x^2) + eps) * (offset + w)."""
     e = x.shape[0]
@@ -41,14 +43,14 @@ def _norm_into(x, w, eps, offset, out):  # pragma: no cover - jitted
         out[j] = (x[j] * r) * (np.float32(offset) + w[j])
 
 
-@njit(fastmath=True, cache=True, error_model="numpy")
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _rms_norm_rows(x: np.ndarray, w: np.ndarray, eps: float, offset: float,
                    out: np.ndarray) -> None:  # pragma: no cover - jitted
     for i in range(x.shape[0]):
         _norm_into(x[i], w, eps, offset, out[i])
 
 
-@njit(fastmath=True, cache=True, error_model="numpy")
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _residual_norm(x, a, wa, wh, eps, offset, x_out, h_out):  # pragma: no cover - jitted
     """x_out = x + norm(a, wa) (x + a when wa is empty); h_out = norm(x_out, wh) unless wh is empty."""
     t, e = x.shape
@@ -187,3 +189,6 @@ def embedding(ids: torch.Tensor, w) -> torch.Tensor:
     if not isinstance(w, torch.Tensor):
         return w.rows(ids.to(w.device))
     return F.embedding(ids, w)
+
+
+jitcache.tie(globals(), jitcache)  # compiled with its FASTMATH

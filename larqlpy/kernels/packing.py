@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from larqlpy.kernels.simd import ROWS as TILE
+from larqlpy.kernels.simd import PLANES, ROWS as TILE
 
 GROUP = 32
 
@@ -104,7 +104,7 @@ def tile_codes(u: np.ndarray, bits: int, zero: int = 0) -> np.ndarray:
     """Row-major codes (n, k) -> the tiled layout above, the last tile padded with rows of `zero`."""
     n, k = u.shape
     nt = -(-n // TILE)
-    if bits in (5, 6):
+    if PLANES[bits]:
         out = np.zeros(code_shape(nt, k, bits), np.uint8)
         _tile_planes(np.ascontiguousarray(u), n, bits, out)
         return out
@@ -115,7 +115,7 @@ def tile_codes(u: np.ndarray, bits: int, zero: int = 0) -> np.ndarray:
 
 def code_shape(tiles: int, k: int, bits: int) -> tuple[int, int, int, int]:
     """The tiled codes' shape for `tiles` tiles of `k` inputs at `bits`."""
-    return (tiles, k // 4, TILE, 4) if bits == 8 else (tiles, k // 8, TILE + (bits - 4) * TILE // 4, 4)
+    return (tiles, k // 4, TILE, 4) if bits == 8 else (tiles, k // 8, TILE + PLANES[bits] * TILE // 4, 4)
 
 
 def tile_groups(a: np.ndarray) -> np.ndarray:

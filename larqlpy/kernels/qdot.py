@@ -23,6 +23,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from larqlpy.kernels import jitcache, simd
+from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.simd import BLOCK, DOTS, ROWS as TILE
 
 def as_float(v):  # pragma: no cover - replaced by the overload inside jitted code
@@ -145,7 +146,7 @@ def _int_kernel(isa: str, bits: int):
 
 # --- float activations --------------------------------------------------------------------------
 
-@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def _float8(codes, scale, minimum, zero, x, xsum, out):  # pragma: no cover - jitted
     nt, kq, ng, m_rows = codes.shape[0], codes.shape[1], scale.shape[1], x.shape[0]
     nq, affine, z = kq // ng, minimum.shape[0] > 0, np.float32(zero)
@@ -172,7 +173,18 @@ def _float8(codes, scale, minimum, zero, x, xsum, out):  # pragma: no cover - ji
             out[m, t * TILE:(t + 1) * TILE] = acc[m]
 
 
-@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _add_group(acc, m, s, z, scale, minimum, xsum, t, g, affine):  # pragma: no cover - jitted
+    """Row m's sums s of group g's codes times x, scaled into acc: scale * (s - zero * sum(x)) (+
+    minimum * sum(x)), the float paths' epilogue for codes with a zero point."""
+    for r in range(TILE):
+        acc[m, r] += as_float(scale[t, g, r]) * (s[r] - z * xsum[m, g])
+    if affine:
+        for r in range(TILE):
+            acc[m, r] += as_float(minimum[t, g, r]) * xsum[m, g]
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def _float4(codes, scale, minimum, zero, x, xsum, out):  # pragma: no cover - jitted
     nt, ko, ng, m_rows = codes.shape[0], codes.shape[1], scale.shape[1], x.shape[0]
     no, affine, z = ko // ng, minimum.shape[0] > 0, np.float32(zero)
@@ -196,11 +208,7 @@ def _float4(codes, scale, minimum, zero, x, xsum, out):  # pragma: no cover - ji
                             np.float32((w >> np.uint32(12)) & m4) * xo[5] + \
                             np.float32((w >> np.uint32(20)) & m4) * xo[6] + np.float32(w >> np.uint32(28)) * xo[7]
                         s[r] += a + b
-                for r in range(TILE):
-                    acc[m, r] += as_float(scale[t, g, r]) * (s[r] - z * xsum[m, g])
-                if affine:
-                    for r in range(TILE):
-                        acc[m, r] += as_float(minimum[t, g, r]) * xsum[m, g]
+                _add_group(acc, m, s, z, scale, minimum, xsum, t, g, affine)
         for m in range(m_rows):
             out[m, t * TILE:(t + 1) * TILE] = acc[m]
 
@@ -228,7 +236,7 @@ def code_at(codes, bits, t, j, r):  # pragma: no cover - jitted
     return u
 
 
-@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def _float_planes(codes, scale, minimum, zero, bits, x, xsum, out):  # pragma: no cover - jitted
     """5- and 6-bit codes with float activations: each code read on its own (`code_at`). This path
     runs only where the CPU has no integer one, or when a caller asks for it."""
@@ -242,11 +250,7 @@ def _float_planes(codes, scale, minimum, zero, bits, x, xsum, out):  # pragma: n
                 for j in range(g * group, (g + 1) * group):
                     for r in range(TILE):
                         s[r] += np.float32(code_at(codes, bits, t, j, r)) * x[m, j]
-                for r in range(TILE):
-                    acc[m, r] += as_float(scale[t, g, r]) * (s[r] - z * xsum[m, g])
-                if affine:
-                    for r in range(TILE):
-                        acc[m, r] += as_float(minimum[t, g, r]) * xsum[m, g]
+                _add_group(acc, m, s, z, scale, minimum, xsum, t, g, affine)
         for m in range(m_rows):
             out[m, t * TILE:(t + 1) * TILE] = acc[m]
 
@@ -275,4 +279,4 @@ def gemm(codes, scale, minimum, zero: int, bits: int, x: np.ndarray, path: str, 
     INT[(path, bits)](codes, scale, minimum, zc, xq.view(np.int32), xs, sxq, out)
 
 
-jitcache.tie(globals(), simd)  # the kernels above inline simd.py's intrinsics
+jitcache.tie(globals(), simd, jitcache)  # they inline simd.py's intrinsics; FASTMATH lives in jitcache

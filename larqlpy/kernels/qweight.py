@@ -35,6 +35,7 @@ from numba import njit, prange
 from larqlpy.errors import LarqlError
 from larqlpy.kernels import cpu, jitcache, qdot, simd
 from larqlpy.kernels.packing import GROUP, _codes, _search_int4, _to_half, tile_codes, tile_groups
+from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.qdot import as_float, code_at
 from larqlpy.kernels.simd import ROWS as TILE
 
@@ -76,7 +77,7 @@ def _slab_int(codes, scale, minimum, zero, bits, t0, t1, out):  # pragma: no cov
                 out[j, c + r] = v + as_float(minimum[t, g, r]) if affine else v
 
 
-@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def _gemv_bf16(w, x, out):  # pragma: no cover - jitted
     nt, k, tn = w.shape
     for t in prange(nt):
@@ -241,7 +242,7 @@ class PackedWeight:
         if self.bits != 8:
             codes = torch.stack((codes & 15, codes >> 4), dim=2)  # (n, k/8, 2, 4): inputs 8o+i, 8o+4+i
         u = codes.reshape(len(idx), -1).to(torch.int32)
-        for p in range(self.bits - 4 if self.bits in (5, 6) else 0):  # the planes' bits above the nibbles
+        for p in range(simd.PLANES[self.bits]):  # the planes' bits above the nibbles
             at = p * TILE + r
             plane = self.codes[t, :, TILE + at // 4, at % 4].to(torch.int32)  # (n, k/8)
             bit = (plane[:, :, None] >> torch.arange(8, device=idx.device)) & 1  # (n, k/8, 8): input 8o+i
@@ -322,4 +323,4 @@ def stack(ws: list[torch.Tensor], fmt: str, name: str) -> list[PackedPart]:
     return [PackedPart(whole, int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
-jitcache.tie(globals(), qdot, simd)  # the kernels above inline qdot.py's as_float
+jitcache.tie(globals(), qdot, simd, jitcache)  # they inline qdot.py's as_float; FASTMATH lives in jitcache

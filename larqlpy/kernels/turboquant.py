@@ -24,6 +24,8 @@ import numpy as np
 from numba import njit, prange
 
 from larqlpy.kernels.codebooks import CENTROIDS
+from larqlpy.kernels import jitcache
+from larqlpy.kernels.jitcache import FASTMATH
 
 SIGN_SEED = 0x7475726271  # "turbq"
 
@@ -105,7 +107,7 @@ def _unpack_values(code, centroids, bits, out):  # pragma: no cover - jitted
 CHUNK = 64  # rows per parallel work item: per-row scratch is allocated once per chunk
 
 
-@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def encode(x, sgn, boundaries, bits, norms, codes):  # pragma: no cover - jitted
     """x (n, d) f32 -> norms (n,) f32, codes (n, d*bits/8) u8."""
     n, d = x.shape
@@ -131,7 +133,7 @@ def encode(x, sgn, boundaries, bits, norms, codes):  # pragma: no cover - jitted
             _pack(idx, codes[r], bits)
 
 
-@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def decode(norms, codes, sgn, centroids, bits, out):  # pragma: no cover - jitted
     """norms (n,), codes (n, nbytes) -> out (n, d) f32."""
     n, d = out.shape
@@ -145,7 +147,7 @@ def decode(norms, codes, sgn, centroids, bits, out):  # pragma: no cover - jitte
                 out[r, i] = v[i] * sgn[i] * scale
 
 
-@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def scores(qr, norms, codes, centroids, bits, out):  # pragma: no cover - jitted
     """qr (G, d) rotated queries; rows' codes -> out (G, n) = norm/d * (qr . centroids[idx])."""
     g_count, d = qr.shape
@@ -162,7 +164,7 @@ def scores(qr, norms, codes, centroids, bits, out):  # pragma: no cover - jitted
                 out[g, r] = acc * scale
 
 
-@njit(parallel=True, fastmath=True, cache=True, error_model="numpy")
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def accumulate(p, norms, codes, centroids, bits, out):  # pragma: no cover - jitted
     """p (G, n) attention weights -> out (G, d) = sum_j p_j norm_j/d centroids[idx_j] (rotated domain)."""
     g_count, n = p.shape
@@ -211,3 +213,6 @@ def unrotate(y, sgn, out):  # pragma: no cover - jitted
         _fwht(v)
         for i in range(d):
             out[r, i] = v[i] * sgn[i]
+
+
+jitcache.tie(globals(), jitcache)  # compiled with its FASTMATH

@@ -18,6 +18,7 @@ from larqlpy.files import is_gguf
 from larqlpy.kernels.gguf_blocks import LAYOUTS, BlockRows, packed_width, unpack_tiled
 from larqlpy.kernels.packing import code_shape
 from larqlpy.kernels.qweight import TILE, PackedWeight
+from larqlpy.kernels.simd import PLANES
 from larqlpy.model.config import ModelConfig
 from larqlpy.weights.checkpoint import Checkpoint, wanted_tensors
 from larqlpy.weights.gguf_file import GGUFFile
@@ -102,7 +103,7 @@ class GGUFCodes:
         width they are packed at."""
         qtype = self.ckpt.file.tensors[self.ckpt.names[hf][0]][0]
         _, _, _, group, zero, affine = LAYOUTS[qtype]
-        bits, base = packed_width([qtype])
+        bits, base = packed_width(qtype)
         return zero - base, bits, group, affine
 
     def table(self, hf: str) -> PackedWeight | BlockRows:
@@ -121,11 +122,11 @@ class GGUFCodes:
         names = [self.ckpt.names[hf][0] for hf in hfs]
         qtype, (_, k), _, _ = file.tensors[names[0]]
         _, per, _, group, zero, affine = LAYOUTS[qtype]  # 32 values a block: scales are the blocks' float16 d
-        bits, base = packed_width([file.tensors[name][0] for name in names])
+        bits, base = packed_width(qtype)  # one kind stacks: every part's width is the first's
         zero -= base
         n = sum(file.tensors[name][1][0] for name in names)
         nt = -(-n // TILE)
-        codes = (np.zeros if bits in (5, 6) else np.empty)(code_shape(nt, k, bits), np.uint8)
+        codes = (np.zeros if PLANES[bits] else np.empty)(code_shape(nt, k, bits), np.uint8)
         scale = np.zeros((nt, k // group, TILE), np.float32)  # zeros: the padding rows' scales
         minimum = np.zeros((nt if affine else 0, k // group, TILE), np.float32)
         seen = np.tile(np.array([[255, 0]], np.int32), (nt, 1))
@@ -136,7 +137,7 @@ class GGUFCodes:
             unpack_tiled(self.ckpt.raw(name), qtype, shape, rows, lo, codes, scale, minimum, seen, (bits, base))
             self.ckpt.release([name])  # copied out: the file's pages behind it are not kept
             lo += shape[0]
-        if n % TILE and bits in (8, 4):  # the padding rows hold the zero code (5, 6 bits: code 0)
+        if n % TILE and not PLANES[bits]:  # the padding rows hold the zero code (5, 6 bits: code 0)
             codes[-1, :, n % TILE:TILE, :] = zero if bits == 8 else zero | (zero << 4)
         if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
             raise LarqlError(f"{self.ckpt.path}: {' / '.join(names)} hold non-finite scales (NaN or infinity)")

@@ -86,8 +86,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     path = Path(path)
     if weights is not None:
         check_format(weights)
-    if kv_dtype is not None:
-        check_kv_dtype(kv_dtype)
+    check_kv_dtype(kv_dtype)
     dev = resolve_device(device)
     tdtype = resolve_dtype(dtype)
     gguf = GGUFFile(path) if is_gguf(path) else None
@@ -125,12 +124,19 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
                 torch.nn.Parameter(tensor.to(device=dev, dtype=tdtype), requires_grad=False))
     checks.record()
     if key_calibration:
-        pairs, model.calibration_problem = calibration_file.read(
-            home, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, ckpt.fingerprint)
-        if pairs is not None:
-            model.key_calibration = [KeyCalibration.of(torch.from_numpy(m), torch.from_numpy(s)) for m, s in pairs]
+        _read_calibration(model, home, ckpt.fingerprint)
     digest = xxhash.xxh3_128_hexdigest(json.dumps(sources, sort_keys=True).encode())
     return LoadedModel(path, cfg, model, tokenizer, ckpt.fingerprint, weights, packed_from, digest, home)
+
+
+def _read_calibration(model: Decoder, home: Path, fingerprint: str) -> None:
+    """The model's key calibration from kv_calibration.safetensors, when it has a usable one; else
+    why not, on the model (a stale or damaged file is reported, not raised)."""
+    c = model.cfg
+    pairs, model.calibration_problem = calibration_file.read(
+        home, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, fingerprint)
+    if pairs is not None:
+        model.key_calibration = [KeyCalibration.of(torch.from_numpy(m), torch.from_numpy(s)) for m, s in pairs]
 
 
 def _tensor(ckpt: Checkpoint | GGUFCheckpoint, handles: dict, ours: str) -> torch.Tensor:

@@ -64,7 +64,7 @@ class NativeFile:
         m = self.matrices[name]
         k = self.handle.get_slice(f"{name}.codes").get_shape()[1]
         groups = self.handle.get_slice(f"{name}.scale").get_shape()[1]
-        bits, base = packed_width([m["type"]])
+        bits, base = packed_width(m["type"])
         return m["zero"] - base, bits, k // max(1, groups), f"{name}.minimum" in self.handle.keys()
 
     def table(self, name: str) -> PackedWeight:
@@ -76,7 +76,7 @@ class NativeFile:
         width (gguf_blocks.packed_width: a .gguf run directly packs the same)."""
         parts = [self.codes(n) for n in names]
         cat = [np.concatenate([p[f] for p in parts]) if parts[0][f] is not None else None for f in range(3)]
-        bits, base = packed_width([self.matrices[n]["type"] for n in names])
+        bits, base = packed_width(self.matrices[names[0]]["type"])  # one kind stacks: the first's width
         if bits == parts[0][4]:
             return PackedWeight.from_codes(*cat, parts[0][3], bits)
         return PackedWeight.from_codes(cat[0] - np.uint8(base), *cat[1:], parts[0][3] - base, bits)

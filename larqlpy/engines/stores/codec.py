@@ -33,8 +33,8 @@ class CodecStore(RowStore):
         super().__init__(geometry, device)
         self.codec, self.scratch = codec, scratch
         hkv, d = geometry.n_kv_heads, geometry.head_dim
-        self.exact = torch_dtype(geometry.kv_dtype)
-        row = ((d,), self.exact)
+        self.exact_dtype = torch_dtype(geometry.kv_dtype)
+        row = ((d,), self.exact_dtype)
         self.rows = Rows(hkv, codec.fields, device, keep)
         self.exact_keys = Rows(hkv, {"k": row}, device, exact_keys) if exact_keys else None
         self.recent_codec = recent_codec if recent else None
@@ -53,10 +53,10 @@ class CodecStore(RowStore):
         if self.recent is not None:
             self.recent.append(self.recent_codec.encode(k, v))
         if self.exact_keys is not None:
-            self.exact_keys.append({"k": k.to(self.exact)})
+            self.exact_keys.append({"k": k.to(self.exact_dtype)})
         if self.sinks is not None and q_start < self.sink:
             n = min(self.sink - q_start, k.shape[1])
-            self.sinks.append({"k": k[:, :n].to(self.exact), "v": v[:, :n].to(self.exact)})
+            self.sinks.append({"k": k[:, :n].to(self.exact_dtype), "v": v[:, :n].to(self.exact_dtype)})
         self.end = self.rows.end
 
     def _exact_from(self, start: int) -> int:

@@ -1,0 +1,56 @@
+"""A kernel loaded from numba's on-disk cache gives the bits it gave when just compiled: a state
+resumed in another process (which loads what this one cached) continues bit-identically only then."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+WORK = r"""
+import hashlib, json
+import numpy as np, torch
+from larqlpy.kernels import turboquant as tq
+from larqlpy.kernels.attention import attend_one
+from larqlpy.kernels.matvec import gemv_f32
+from larqlpy.kernels.qweight import PackedWeight
+rng = np.random.default_rng(0)
+out = {}
+for n, d, g, bits in [(40, 32, 2, 2), (300, 64, 4, 4)]:
+    c, _ = tq.codebook(bits)
+    p, norms = rng.random((g, n), dtype=np.float32), rng.random(n, dtype=np.float32)
+    codes = rng.integers(0, 256, (n, d * bits // 8), dtype=np.uint8)
+    acc = np.empty((g, d), np.float32)
+    tq.accumulate(p, norms, codes, c, bits, acc)
+    out[f"accumulate {n}x{d} {bits}"] = hashlib.sha256(acc.tobytes()).hexdigest()
+    sc = np.empty((g, n), np.float32)
+    tq.scores(rng.standard_normal((g, d), dtype=np.float32), norms, codes, c, bits, sc)
+    out[f"scores {n}x{d} {bits}"] = hashlib.sha256(sc.tobytes()).hexdigest()
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    q, k, v = torch.randn(4, 1, 64), torch.randn(2, 333, 64).to(dtype), torch.randn(2, 333, 64).to(dtype)
+    o = attend_one(q, k, v, 0.125, 30.0)
+    out[f"attend {dtype}"] = hashlib.sha256(o.numpy().tobytes()).hexdigest()
+g = gemv_f32(torch.randn(1, 576), torch.randn(1536, 576), "numba")
+out["gemv"] = hashlib.sha256(g.numpy().tobytes()).hexdigest()
+w = torch.randn(320, 512)
+for fmt in ("int4", "int8"):
+    packed = PackedWeight.quantize(w, fmt)
+    for rows in (1, 3):
+        for path in ("float", packed.path):
+            y = packed.matmul(torch.randn(rows, 512), path)
+            out[f"{fmt} {rows} {path}"] = hashlib.sha256(y.numpy().tobytes()).hexdigest()
+out["hits"] = sum(tq.accumulate.stats.cache_hits.values())
+print(json.dumps(out))
+"""
+
+
+def test_a_kernel_from_the_cache_gives_the_bits_it_gave_when_compiled(tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", WORK], env=env, capture_output=True, text=True,
+                                      check=True, timeout=600).stdout) for _ in range(2)]
+    assert runs[0].pop("hits") == 0 and runs[1].pop("hits") > 0  # compiled, then loaded
+    assert runs[0] == runs[1]
