@@ -27,7 +27,8 @@ setup: $(VENV)/.installed
 
 # Converts the GGUFs shipped on PyPI (Gemma 3 270M, SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct) into the HF layout
 # at float32 (the exact reference the tests hold transformers and every precision against; run takes the .gguf itself too) and
-# measures their key calibration (what codec calib=on uses); does what is already done only once
+# measures their key calibration (codec/v1 measures it itself on first use; the tests that drive
+# engines directly need it there); does what is already done only once
 # (a directory converted before native.safetensors existed is converted again).
 model: setup
 	@mkdir -p models

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from larqlpy.calibration import ensure as ensure_calibration
 from larqlpy.config import GenerationConfig
 from larqlpy.decode.sequence import Sequence, StateSource
 from larqlpy.errors import LarqlError
@@ -30,6 +31,8 @@ def prepare(loaded, req: Request, source: StateSource | None = None, key=None, s
     elif source is not None:
         spec.stateful("keep its state for later requests")
     gen, notes = fit_context(req.gen, len(ids), loaded.config.max_position_embeddings)
+    measured = ensure_calibration(loaded, spec) if spec is not None else None
+    notes = [*notes, measured] if measured else notes
     return Sequence(loaded.model, ids, spec, gen, stop_ids=loaded.tokenizer.stop_ids, tokenizer=loaded.tokenizer,
                     source=source, key=key if key is not None else req.id, request=req, notes=notes)
 

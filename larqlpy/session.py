@@ -10,7 +10,7 @@ import torch
 from larqlpy._version import __version__
 from larqlpy.decode.sequence import Held, Reuse
 from larqlpy.engines import EngineSpec, new_state
-from larqlpy.engines.registry import checked_options
+from larqlpy.engines.registry import build_provider, checked_options, provider_class
 from larqlpy.errors import LarqlError
 from larqlpy.state.format import SavedState, check_compatible, common_prefix, load_state
 from larqlpy.state.store import restore_state, save_state
@@ -50,16 +50,20 @@ class FileSource:
 def saved_spec(saved: SavedState) -> EngineSpec:
     """The engine a state file was saved under, its options checked as any input's."""
     engine = saved.header["engine"]
-    opts = checked_options(engine["identity"], [(k, str(v)) for k, v in engine["options"].items()],
-                           f"{saved.path}: saved engine")
-    return EngineSpec(engine["identity"], opts)
+    identity, given = engine["identity"], engine["options"]
+    where = f"{saved.path}: saved engine"
+    then = [(k, v) for k, v in provider_class(identity, where).saved_defaults() if k not in given]
+    opts = checked_options(identity, [(k, str(v)) for k, v in [*given.items(), *then]], where)
+    return EngineSpec(identity, opts)
 
 
 def restore(loaded: LoadedModel, saved: SavedState, spec: EngineSpec) -> Held:
     """A state file's state, checked against this model, its weights and `spec`, in a fresh state."""
+    geometries = loaded.model.geometries()
     check_compatible(saved, model_fingerprint=loaded.fingerprint, tokenizer_fingerprint=loaded.tokenizer.fingerprint,
-                     identity=spec.identity, options=spec.options_dict, numerics=numerics(loaded))
-    state = new_state(spec, loaded.model.geometries(), loaded.device)
+                     identity=spec.identity, options=build_provider(spec).resolved(geometries),
+                     numerics=numerics(loaded), made_options=saved_spec(saved).options_dict)
+    state = new_state(spec, geometries, loaded.device)
     restore_state(saved, state)
     return Held(list(saved.tokens), state, None if saved.logits is None else torch.from_numpy(saved.logits))
 

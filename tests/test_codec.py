@@ -133,7 +133,11 @@ def test_per_row_cosine_on_real_rows(real_rows, bits, floor):
             assert cos.mean().item() >= floor, (layer, cos.mean().item())
 
 
-@pytest.mark.parametrize("spec_args, bits", [(("codec/v1", ["bits=4"]), 4), (("codec/v1", ["bits=3"]), 3)])
+PLAIN = ["calib=off", "sink=0", "recent=0"]  # LARQL's codec: codes alone
+
+
+@pytest.mark.parametrize("spec_args, bits", [(("codec/v1", ["bits=4", *PLAIN]), 4),
+                                             (("codec/v1", ["bits=3", *PLAIN]), 3)])
 def test_resident_bytes_follow_the_formula(real, long_text, spec_args, bits):
     spec = parse_engine_spec(continuation=spec_args[0], options=spec_args[1])
     state = new_state(spec, real.model.geometries(), real.device)
@@ -157,8 +161,8 @@ def test_codec_tracks_canonical_on_270m(real):
     ids = real.tokenizer.encode("The history of the printing press begins in")
     window, ref = drift(real.model, parse_engine_spec(continuation="window/v1"), ids, 32)
     assert window.mean_kl == 0.0 and window.top1 == 1.0 and window.common_prefix == 32
-    four, _ = drift(real.model, parse_engine_spec(continuation="codec/v1", options=["bits=4"]), ids, 32, ref)
-    three, _ = drift(real.model, parse_engine_spec(continuation="codec/v1", options=["bits=3"]), ids, 32, ref)
+    four, _ = drift(real.model, parse_engine_spec(continuation="codec/v1", options=["bits=4", *PLAIN]), ids, 32, ref)
+    three, _ = drift(real.model, parse_engine_spec(continuation="codec/v1", options=["bits=3", *PLAIN]), ids, 32, ref)
     recent, _ = drift(real.model, parse_engine_spec(continuation="codec-recent/v1",
                                                     options=["bits=4", "exact_recent_k=64"]), ids, 32, ref)
     assert 0 < four.mean_kl < 0.2 and four.top1 >= 0.7

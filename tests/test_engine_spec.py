@@ -53,8 +53,9 @@ def test_refusals(engine, continuation, options, needle):
 
 
 def test_turbo_quant_routes_to_codec():
-    assert parse_engine_spec(engine="turbo-quant:bits=4") == EngineSpec("codec/v1", (("bits", 4),))
-    assert parse_engine_spec(engine="turbo-quant:bits=3") == EngineSpec("codec/v1", (("bits", 3),))
+    defaults = (("calib", "auto"), ("recent", 16), ("sink", 1))  # codec/v1's, whatever the spelling
+    assert parse_engine_spec(engine="turbo-quant:bits=4") == EngineSpec("codec/v1", (("bits", 4), *defaults))
+    assert parse_engine_spec(engine="turbo-quant:bits=3") == EngineSpec("codec/v1", (("bits", 3), *defaults))
 
 
 @pytest.mark.parametrize("engine, continuation, options, needle", [
@@ -121,7 +122,7 @@ def test_capacity_under_a_budget_is_the_inverse_of_residency(real_dir):
     from larqlpy.tools.residency import capacity
 
     c = {e["engine"] + str(e["options"].get("bits", "")): e for e in capacity("gemma3-4b", 2 * 2**30)["engines"]
-         if len(e["options"]) <= 1 or e["engine"] != "codec/v1"}  # plain codec/v1, not the recommended ones
+         if e["options"].get("sink") == 0 or e["engine"] != "codec/v1"}  # plain codec/v1, not the recommended ones
     row = 8192  # f32 K+V per position per layer on the 4B geometry
     assert c["canonical/v1"]["max_positions"] == 2 * 2**30 // (34 * row) == 7710
     assert c["window/v1"]["max_positions"] == (2 * 2**30 - 29 * 1024 * row) // (5 * row) == 46489

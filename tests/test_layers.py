@@ -20,7 +20,7 @@ LAYERS = [
     ("larqlpy.engines",),
     ("larqlpy.state",),
     ("larqlpy.model", "larqlpy.weights", "larqlpy.text", "larqlpy.convert"),
-    ("larqlpy.config", "larqlpy.request", "larqlpy.decode", "larqlpy.budget", "larqlpy.session",
+    ("larqlpy.config", "larqlpy.request", "larqlpy.decode", "larqlpy.budget", "larqlpy.session", "larqlpy.calibration",
      "larqlpy.prefix_cache", "larqlpy.prepare", "larqlpy.runner", "larqlpy.batch_lines", "larqlpy.chat", "larqlpy.api",
      "larqlpy"),
     ("larqlpy.tools",),

@@ -58,7 +58,7 @@ def test_packing_is_little_endian_groups_of_eight():
 @pytest.mark.parametrize("opts, message", [
     (["k_bits=7", "v_bits=3"], "must be one of 2, 3, 4, 5, 6, 8"),
     (["k_bits=5"], "requires option bits (or k_bits and v_bits)"),
-    (["v_bits=3", "sink=0"], "must be >= 1"),
+    (["v_bits=3", "sink=-1"], "must be >= 0"),
     (["bits=4", "layer_bits=5:8"], "expected K/V widths"),
     (["bits=4", "layer_bits=5:8/4,5:exact"], "layer 5 given twice"),
     (["bits=4", "layer_bits=x:8/4"], "expected LAYER:K/V or LAYER:exact"),
@@ -200,6 +200,6 @@ def test_recommended_configuration_keeps_quality_on_270m(real, long_text):
     prompt, forced = ids[:400], ids[400:]
     ref = teacher_forced_logits(real.model, parse_engine_spec(), prompt, forced)
     rec = forced_score(real.model, preset_spec(RECOMMENDED), prompt, forced, ref)
-    plain = forced_score(real.model, spec("codec/v1", "bits=4"), prompt, forced, ref)
+    plain = forced_score(real.model, spec("codec/v1", "bits=4", "calib=off", "sink=0", "recent=0"), prompt, forced, ref)
     assert rec["mean_kl"] < 0.06, rec
     assert rec["mean_kl"] < plain["mean_kl"] / 3 and rec["loss"] < plain["loss"], (rec, plain)

@@ -194,7 +194,9 @@ def test_load_refusals(tiny, tmp_path, saved, tiny_dir):
     # engine, options, model, tokenizer
     with pytest.raises(LarqlError, match="made with engine codec/v1"):
         resume(tiny, path, None, parse_engine_spec(continuation="codec/v1", options=["bits=3"]))
-    with pytest.raises(LarqlError, match="made with engine codec/v1 \\[bits=4\\], this run asks for window/v1"):
+    # the defaults as they applied: no calibration on the tiny model, so calib=auto was off
+    with pytest.raises(LarqlError, match="made with engine codec/v1 \\[bits=4,calib=off,recent=16,sink=1\\], this run "
+                                         "asks for window/v1"):
         resume(tiny, path, None, parse_engine_spec(continuation="window/v1"))
     other = tmp_path / "other"
     make_tiny(other, seed=9, sliding_window=16)

@@ -88,7 +88,7 @@ def calibrate(
     read_config(home)
     check_output(home / calibration_file.FILE, "MODEL")  # before the measurement, not after
 
-    from larqlpy.tools.calibrate import calibrate as measure
+    from larqlpy.calibration import calibrate as measure
 
     t0 = time.perf_counter()
     loaded = load_model(model, device=device, key_calibration=False, allow_unused_tensors=allow_unused_tensors)

@@ -18,9 +18,8 @@ This module declares them and accounts for their bytes; the store is engines/sto
 from __future__ import annotations
 
 from larqlpy.engines.geometry import LayerGeometry
-from larqlpy.engines.options import (OptionSpec, canonical_layer_bits, int_in, on_off, parse_layer_bits,
-                                     width_in)
-from larqlpy.engines.presets import RECOMMENDED
+from larqlpy.engines.options import OptionSpec, canonical_layer_bits, int_in, one_of, parse_layer_bits, width_in
+from larqlpy.engines.presets import CODEC_DEFAULTS, CODEC_PLAIN, RECOMMENDED
 from larqlpy.engines.provider import Provider
 from larqlpy.errors import LarqlError
 from larqlpy.kernels import tqformat
@@ -30,10 +29,12 @@ WIDTH_HELP = "bits per coordinate: " + ", ".join(map(str, WIDTHS))
 BITS = OptionSpec("bits", width_in((3, 4)), help="bits per coordinate of K and V: 3 or 4")
 K_BITS = OptionSpec("k_bits", width_in(), help="key width (overrides bits); " + WIDTH_HELP)
 V_BITS = OptionSpec("v_bits", width_in(), help="value width (overrides bits); " + WIDTH_HELP)
-SINK = OptionSpec("sink", int_in(1, 4096), help="the first N positions' K and V rows kept exact (attention sinks)")
-RECENT = OptionSpec("recent", int_in(1, 4096), help="the newest N rows' K and V also kept at recent_bits")
+SINK = OptionSpec("sink", int_in(0, 4096), help="the first N positions' K and V rows kept exact (attention sinks)")
+RECENT = OptionSpec("recent", int_in(0, 4096), help="the newest N rows' K and V also kept at recent_bits (0: none)")
 RECENT_BITS = OptionSpec("recent_bits", width_in(), help="width of the newest `recent` rows (default 8); " + WIDTH_HELP)
-CALIB = OptionSpec("calib", on_off, help="on: keys quantized as (k - mean) * scale from the model's key calibration")
+CALIB = OptionSpec("calib", one_of("auto", "on", "off"),
+                   help="on: keys quantized as (k - mean) * scale from the model's key calibration; "
+                        "auto: on where the model has one (the request pipeline measures it once)")
 LAYER_BITS = OptionSpec("layer_bits", canonical_layer_bits,
                         help="per-layer widths, e.g. 5:8/4,11:exact (LAYER:K_BITS/V_BITS or LAYER:exact)")
 
@@ -70,12 +71,20 @@ class Codec(Provider):
         return RECOMMENDED
 
     @classmethod
+    def defaults(cls):
+        return CODEC_DEFAULTS
+
+    @classmethod
+    def saved_defaults(cls):
+        return CODEC_PLAIN
+
+    @classmethod
     def check_options(cls, options, where):
         missing = [t for t in ("k_bits", "v_bits") if t not in options and "bits" not in options]
         if missing:
             raise LarqlError(f"{where}: {cls.identity} requires option bits (or k_bits and v_bits)",
                              suggest=cls.suggestion())
-        if "recent_bits" in options and "recent" not in options:
+        if "recent_bits" in options and not options.get("recent"):
             raise LarqlError(f"{where}: recent_bits needs recent=N (how many of the newest rows)",
                              suggest=cls.suggestion())
 
@@ -106,8 +115,20 @@ class Codec(Provider):
         return int(self.options.get("recent_bits", 8))
 
     def calibrated(self, geometry: LayerGeometry) -> bool:
-        """Keys quantized under the model's key calibration: `calib=on`, on layers whose keys are codes."""
-        return self.options.get("calib", "off") == "on" and self.widths(geometry.index) is not None
+        """Keys quantized under the model's key calibration: `calib=on` (or `auto` on a model that has
+        one), on layers whose keys are codes."""
+        calib = self.options.get("calib", "off")
+        on = calib == "on" or (calib == "auto" and geometry.key_calibration is not None)
+        return on and self.widths(geometry.index) is not None
+
+    def wants_calibration(self) -> bool:
+        return self.options.get("calib", "off") in ("auto", "on")
+
+    def resolved(self, geometries):
+        out = dict(self.options)
+        if out.get("calib") == "auto":
+            out["calib"] = "on" if geometries and all(g.key_calibration is not None for g in geometries) else "off"
+        return out
 
     def row_format(self, geometry: LayerGeometry, tensor: str) -> tuple:
         """How this layer stores one head's row of K ("k") or V ("v"): ("tq", bits), or ("f32",) on a
@@ -161,6 +182,14 @@ class CodecRecent(Codec):
         return (BITS, K_BITS, V_BITS, SINK, LAYER_BITS, CALIB,
                 OptionSpec("exact_recent_k", int_in(1), required=True, help="newest K rows kept exact"))
 
+    @classmethod
+    def defaults(cls):
+        return ()  # its own recipe (exact recent keys): codec/v1's defaults are not its
+
+    @classmethod
+    def saved_defaults(cls):
+        return ()
+
     def exact_keys(self) -> int:
         return int(self.options["exact_recent_k"])
 
@@ -172,6 +201,14 @@ class Int4Group(Codec):
     @classmethod
     def option_specs(cls):
         return (OptionSpec("group", int_in(2), help="values per scale (default 32)"),)
+
+    @classmethod
+    def defaults(cls):
+        return ()
+
+    @classmethod
+    def saved_defaults(cls):
+        return ()
 
     @classmethod
     def check_options(cls, options, where):

@@ -50,9 +50,15 @@ def width_in(choices: Sequence[int] = WIDTHS) -> Callable[[str], int]:
 
 
 def on_off(text: str) -> str:
-    if text not in ("on", "off"):
-        raise ValueError(f"expected on or off, got {text!r}")
-    return text
+    return one_of("on", "off")(text)
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"expected {' or '.join(choices)}, got {text!r}")
+        return text
+    return parse
 
 
 SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB|TiB|K|M|G)?\s*$", re.IGNORECASE)

@@ -39,8 +39,28 @@ class Provider:
         return None
 
     @classmethod
+    def defaults(cls) -> tuple[tuple[str, object], ...]:
+        """Options taken when not given (spec validation fills them in, so states record them)."""
+        return ()
+
+    @classmethod
+    def saved_defaults(cls) -> tuple[tuple[str, object], ...]:
+        """What an option missing from a saved state meant: its value before it had a default."""
+        return ()
+
+    @classmethod
     def check_options(cls, options: dict, where: str) -> None:
         """Cross-option checks after each value parsed; raise LarqlError to refuse."""
+
+    def wants_calibration(self) -> bool:
+        """Whether this engine would use the model's key calibration (the request pipeline measures
+        one first when the model has none)."""
+        return False
+
+    def resolved(self, geometries: Sequence[LayerGeometry]) -> dict:
+        """The options as they apply on this model (an `auto` made on or off): what states record and
+        what a resumed state must match."""
+        return dict(self.options)
 
     def check_geometry(self, geometries: Sequence[LayerGeometry]) -> None:
         """Refuse a model this provider cannot serve, before any row is stored."""
@@ -69,4 +89,4 @@ class Provider:
         from larqlpy.engines.stores.base import EngineState  # torch: loaded when rows are first stored
 
         self.check_geometry(geometries)
-        return EngineState(self.identity, self.options, [self.make_store(g, device) for g in geometries])
+        return EngineState(self.identity, self.resolved(geometries), [self.make_store(g, device) for g in geometries])

@@ -68,6 +68,8 @@ def validate_options(cls: type["Provider"], pairs: Sequence[tuple[str, str]],
             seen[key] = declared[key].parse(raw)
         except ValueError as e:
             raise LarqlError(f"{where}: {cls.identity} option {key}: {e}", suggest=suggest) from None
+    for key, value in cls.defaults():
+        seen.setdefault(key, declared[key].parse(str(value)))
     missing = [o.name for o in declared.values() if o.required and o.name not in seen]
     if missing:
         raise LarqlError(f"{where}: {cls.identity} requires option {', '.join(missing)} "

@@ -14,6 +14,7 @@ import uvicorn
 from sse_starlette.sse import AppStatus
 
 from larqlpy.budget import KVBudget
+from larqlpy.calibration import ensure as ensure_calibration
 from larqlpy.config import ServeConfig
 from larqlpy.errors import LarqlError
 from larqlpy.prefix_cache import PrefixCache
@@ -45,6 +46,7 @@ def serve(loaded, config: ServeConfig, announce: Callable[[dict], None] | None =
     """Serve `loaded` as `config` says, on `sock` (bound by `listen` before the weights loaded, or
     now); `announce` hears what it serves before it answers."""
     sock = sock or listen(config.host, config.port)
+    ensure_calibration(loaded, config.spec())  # here, not inside the first request's handler
     s = assemble(loaded, config)
     if announce is not None:
         announce({"name": s.name, "weights": loaded.weights, "kv_dtype": loaded.kv_dtype,

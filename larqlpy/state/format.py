@@ -151,9 +151,10 @@ NUMERICS = (("weights", "f32"), ("dtype", "float32"), ("device", "cpu"), ("kv_dt
 
 
 def check_compatible(saved: SavedState, *, model_fingerprint: str, tokenizer_fingerprint: str,
-                     identity: str, options: dict, numerics: dict[str, str]) -> None:
+                     identity: str, options: dict, numerics: dict[str, str], made_options: dict | None = None) -> None:
     """Refuse a state whose rows another model, tokenizer, engine, weight format, dtype or device made:
-    continuing from it would not give the numbers an uninterrupted run gives."""
+    continuing from it would not give the numbers an uninterrupted run gives. `made_options`: the
+    saved engine's options as they read now (an option it predates at what it meant then)."""
     h, p = saved.header, saved.path
     if h["model_fingerprint"] != model_fingerprint:
         raise LarqlError(f"{p}: made with a different model (fingerprint {h['model_fingerprint']}, "
@@ -171,8 +172,10 @@ def check_compatible(saved: SavedState, *, model_fingerprint: str, tokenizer_fin
         raise LarqlError(f"{p}: made with a different tokenizer (fingerprint {h['tokenizer_fingerprint']}, "
                          f"this one {tokenizer_fingerprint})")
     want = {"identity": identity, "options": jsonable(options)}
-    if h["engine"] != want:
-        raise LarqlError(f"{p}: made with engine {_engine_str(h['engine'])}, this run asks for {_engine_str(want)}; "
+    made = h["engine"] if made_options is None else {"identity": h["engine"]["identity"],
+                                                     "options": jsonable(made_options)}
+    if made != want:
+        raise LarqlError(f"{p}: made with engine {_engine_str(made)}, this run asks for {_engine_str(want)}; "
                          "refusing (resume with the same engine, or drop `resume` to prefill afresh)")
 
 

@@ -8,6 +8,7 @@ Plain numpy: `info` reads it without torch.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -36,20 +37,52 @@ def save(model_dir: str | Path, layers: list, meta: dict) -> Path:
     return path
 
 
+def fallback_dir(fingerprint: str) -> Path:
+    """Where a model's calibration goes when its own folder is read-only: ~/.cache/larqlpy, by the
+    fingerprint of its weights."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "larqlpy" / "calibration" / fingerprint
+
+
+def save_somewhere(model_dir: str | Path, fingerprint: str, layers: list, meta: dict) -> Path:
+    """`save` beside the weights, or into `fallback_dir` when that folder cannot be written."""
+    if os.access(model_dir, os.W_OK):
+        try:
+            return save(model_dir, layers, meta)
+        except (OSError, LarqlError):
+            pass
+    home = fallback_dir(fingerprint)
+    home.mkdir(parents=True, exist_ok=True)
+    return save(home, layers, meta)
+
+
+def read_any(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint: str,
+             files_digest: str | None = None) -> tuple[list[Pair] | None, str | None]:
+    """`read` beside the weights, then in `fallback_dir`: the first usable one; else what is wrong
+    with the one beside the weights."""
+    pairs, problem = read(model_dir, n_layers, n_kv_heads, head_dim, fingerprint, files_digest)
+    if pairs is None:
+        cached, _ = read(fallback_dir(fingerprint), n_layers, n_kv_heads, head_dim, fingerprint, files_digest)
+        if cached is not None:
+            return cached, None
+    return pairs, problem
+
+
 def read(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int,
-         fingerprint: str | None = None) -> tuple[list[Pair] | None, str | None]:
+         fingerprint: str | None = None, files_digest: str | None = None) -> tuple[list[Pair] | None, str | None]:
     """(the layers' (mean, scale), None) when the directory holds a calibration that fits this model
     (and, given one, the fingerprint of the weights it was measured on); (None, None) when it holds
     none; (None, what is wrong) when the file is stale or damaged."""
     try:
-        return _read(Path(model_dir) / FILE, n_layers, n_kv_heads, head_dim, fingerprint), None
+        return _read(Path(model_dir) / FILE, n_layers, n_kv_heads, head_dim, fingerprint, files_digest), None
     except FileNotFoundError:
         return None, None
     except LarqlError as e:
         return None, str(e)
 
 
-def _read(path: Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint: str | None) -> list[Pair]:
+def _read(path: Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint: str | None,
+          files_digest: str | None) -> list[Pair]:
     if not path.exists():
         raise FileNotFoundError(path)
     try:
@@ -62,6 +95,10 @@ def _read(path: Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint
             if fingerprint is not None and meta.get("model_fingerprint", fingerprint) != fingerprint:
                 raise LarqlError(f"{path}: measured on other weights (fingerprint {meta['model_fingerprint']}, "
                                  f"these {fingerprint}); rerun `calibrate`")
+            made = meta.get("files_digest")  # one written before it was recorded: the fingerprint alone
+            if files_digest is not None and made is not None and made != files_digest:
+                raise LarqlError(f"{path}: measured on other weights (the weight files changed since); "
+                                 "rerun `calibrate`")
             out = []
             for i in range(n_layers):
                 pair = []

@@ -43,6 +43,7 @@ class LoadedModel:
     packed_from: str | None = None
     weights_digest: str | None = None  # of every byte the weights were read from (the fingerprint samples them)
     home: Path | None = None  # where config, tokenizer, calibration and caches live: path, or a GGUF's metadata cache
+    files_digest: str | None = None  # of every byte of the checkpoint's own files: what a key calibration must match
 
     def held_weights(self) -> list:
         """Every weight as the model holds it: float tensors, packed matrices (not nn.Parameters), and
@@ -123,18 +124,23 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
         setattr(model.get_submodule(owner), attr,
                 torch.nn.Parameter(tensor.to(device=dev, dtype=tdtype), requires_grad=False))
     checks.record()
+    own = _digest({f.name: sources[f.name] for f in ckpt.handles if f.name in sources})  # whatever `weights`
     if key_calibration:
-        _read_calibration(model, home, ckpt.fingerprint)
-    digest = xxhash.xxh3_128_hexdigest(json.dumps(sources, sort_keys=True).encode())
-    return LoadedModel(path, cfg, model, tokenizer, ckpt.fingerprint, weights, packed_from, digest, home)
+        _read_calibration(model, home, ckpt.fingerprint, own)
+    return LoadedModel(path, cfg, model, tokenizer, ckpt.fingerprint, weights, packed_from, _digest(sources), home,
+                       own)
 
 
-def _read_calibration(model: Decoder, home: Path, fingerprint: str) -> None:
+def _digest(sources: dict) -> str:
+    return xxhash.xxh3_128_hexdigest(json.dumps(sources, sort_keys=True).encode())
+
+
+def _read_calibration(model: Decoder, home: Path, fingerprint: str, files_digest: str) -> None:
     """The model's key calibration from kv_calibration.safetensors, when it has a usable one; else
     why not, on the model (a stale or damaged file is reported, not raised)."""
     c = model.cfg
-    pairs, model.calibration_problem = calibration_file.read(
-        home, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, fingerprint)
+    pairs, model.calibration_problem = calibration_file.read_any(
+        home, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, fingerprint, files_digest)
     if pairs is not None:
         model.key_calibration = [KeyCalibration.of(torch.from_numpy(m), torch.from_numpy(s)) for m, s in pairs]
 

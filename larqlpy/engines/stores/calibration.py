@@ -1,5 +1,5 @@
 """The key calibration as engines use it: per layer and KV head, the keys' mean and a per-channel
-scale (measured by larqlpy.tools.calibrate, read from kv_calibration.safetensors by the model).
+scale (measured by larqlpy.calibration, read from kv_calibration.safetensors by the model).
 
 Codes hold y = (k - mean) * scale; reconstruction is plain algebra -- k' = y' / scale + mean, and
 q . k' = (q / scale) . y' + q . mean -- so a codec needs nothing else to use it.

@@ -174,4 +174,4 @@ def new_codec_state(provider, geometries, device: torch.device) -> EngineState:
         stores.append(CodecStore(g, device, codec=layer_codec(provider, g, device), keep=g.window, scratch=scratch,
                                  exact_keys=provider.exact_keys(), sink=provider.sink(), recent=recent,
                                  recent_codec=wide))
-    return EngineState(provider.identity, provider.options, stores, shared=[scratch])
+    return EngineState(provider.identity, provider.resolved(geometries), stores, shared=[scratch])

@@ -1,5 +1,8 @@
 """Key calibration: per layer and KV head, the keys' mean and a per-channel scale, measured once on a
-fixed text and saved beside the model (weights/calibration_file.py); the codec engines' `calib=on`.
+fixed text and saved beside the model (weights/calibration_file.py); the codec engines' `calib=on`
+and `calib=auto` (codec/v1's default). `ensure` measures it the first time a request's engine wants
+one the model lacks (every entry point, through prepare.py), and caches it: beside the weights, or
+under ~/.cache/larqlpy when their folder is read-only.
 
 Why it helps: Gemma 3's keys share a large common component (0.4-0.86 of their length) and carry
 energy in channels the queries hardly read, so a codec that quantizes raw keys spends its bits on
@@ -17,18 +20,22 @@ larqlpy/data/calibration.txt, a text unrelated to the long.txt it is measured on
 from __future__ import annotations
 
 import hashlib
+import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
 
-from larqlpy.engines import EngineSpec, new_state
+from larqlpy.engines import EngineSpec, build_provider, new_state
 from larqlpy.engines.stores.base import QueryTap
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
 from larqlpy.decode.stream import prefill
+from larqlpy.weights import calibration_file
 from larqlpy.weights.calibration_file import FORMAT
 
-TEXT = Path(__file__).resolve().parent.parent / "data" / "calibration.txt"
+TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
 SKIP = 4  # leading positions left out of the statistics (sinks)
 EPS = 1e-3  # variance floor, relative to the mean channel's: a dead channel must not blow a scale up
 
@@ -86,5 +93,30 @@ def calibrate(loaded, text: str | None = None) -> tuple[list[KeyCalibration], di
     cals, shares = measure(loaded.model, ids)
     meta = {"format": FORMAT, "tokens": str(len(ids)), "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
             "model_fingerprint": loaded.fingerprint, "weights": loaded.weights,
+            **({"files_digest": loaded.files_digest} if loaded.files_digest else {}),
             "mean_share": ",".join(f"{x:.4f}" for x in shares)}
     return cals, meta
+
+
+_MEASURING = threading.Lock()  # a server's requests: one measures, the others wait and use it
+
+
+def ensure(loaded, spec: EngineSpec) -> str | None:
+    """Give `loaded` its key calibration when `spec`'s engine wants one and the model has none (or a
+    stale or damaged one): measured once, saved, and from then on read at load. Returns a note
+    saying what it did, or None."""
+    model = loaded.model
+    if model.key_calibration is not None or not build_provider(spec).wants_calibration():
+        return None
+    with _MEASURING:
+        if model.key_calibration is not None:
+            return None
+        why = f" ({model.calibration_problem})" if model.calibration_problem else ""
+        print(f"larqlpy: measuring the model's key calibration once{why}...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        cals, meta = calibrate(loaded)
+        path = calibration_file.save_somewhere(loaded.home, loaded.fingerprint, cals, meta)
+        model.key_calibration, model.calibration_problem = cals, None
+        note = (f"measured the key calibration{why} over {int(meta['tokens']):,} tokens in "
+                f"{time.perf_counter() - t0:.1f} s; cached at {path}")
+        return note
