@@ -20,7 +20,6 @@ larqlpy/data/calibration.txt, a text unrelated to the long.txt it is measured on
 from __future__ import annotations
 
 import hashlib
-import sys
 import threading
 import time
 from pathlib import Path
@@ -112,7 +111,6 @@ def ensure(loaded, spec: EngineSpec) -> str | None:
         if model.key_calibration is not None:
             return None
         why = f" ({model.calibration_problem})" if model.calibration_problem else ""
-        print(f"larqlpy: measuring the model's key calibration once{why}...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         cals, meta = calibrate(loaded)
         path = calibration_file.save_somewhere(loaded.home, loaded.fingerprint, cals, meta)

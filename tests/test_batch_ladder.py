@@ -100,7 +100,7 @@ def test_ladder_json_and_plot(tiny_dir, tmp_path):
         assert w["row_cosine"] == 1.0 and w["next_token_kl"] == 0.0  # bit-identical engine
         # independent accounting: 4 sliding layers hold min(n, 16) rows in rings; 2 global hold n (capacity 256)
         assert w["resident_kv_bytes"] == 4 * min(n, 16) * row + 2 * 256 * row
-        q = rows[("codec/v1 [bits=4]", n)]
+        q = rows[("codec/v1 [bits=4,calib=off,recent=0,sink=0]", n)]  # the ladder's plain codec
         assert 0.9 < q["row_cosine"] < 1.0 and q["next_token_kl"] > 0
         assert q["resident_kv_bytes"] < w["resident_kv_bytes"]
         assert abs(q["bytes_per_position"] - q["resident_kv_bytes"] / n) < 1e-6
