@@ -6,15 +6,16 @@ under ~/.cache/larqlpy when their folder is read-only.
 
 Why it helps: Gemma 3's keys share a large common component (0.4-0.86 of their length) and carry
 energy in channels the queries hardly read, so a codec that quantizes raw keys spends its bits on
-what scores never see. Quantizing y = (k - mean) * scale instead, with
-scale_c = (E[q_c^2] / Var[k_c])^(1/4), balances the key's energy against the query's per channel:
-that is the diagonal transform minimising E|y|^2 * E|q / scale|^2, i.e. the expected score error of
-an isotropic quantizer of y (engines/stores/calibration.py has the algebra the codecs use). The
-first SKIP positions (attention sinks, BOS) are left out of the statistics: they are outliers the
-`sink` option keeps exact.
+what scores never see. Quantizing y = (k - m_p) * scale instead, with
+scale_c = (E[q_c^2] / Var[k_c - m_p,c])^(1/4), balances the key's energy against the query's per
+channel: that is the diagonal transform minimising E|y|^2 * E|q / scale|^2, i.e. the expected score
+error of an isotropic quantizer of y (engines/stores/calibration.py has the algebra the codecs
+use). The mean is taken before RoPE and turned to each row's position (m_p = R(p) mean): a common
+part of the keys (Qwen2's key bias, Gemma's) is fixed before RoPE and spins after it, so one mean
+after RoPE leaves most of it in the rows. The first SKIP positions (attention sinks, BOS) are left
+out of the statistics: they are outliers the `sink` option keeps exact.
 
-Measured on the 270M (docs/codec.md): KL at 4/4 bits 0.17 -> 0.04 with a calibration from
-larqlpy/data/calibration.txt, a text unrelated to the long.txt it is measured on.
+What it buys, per model and width: docs/codec.md ("Key calibration").
 """
 
 from __future__ import annotations
@@ -30,58 +31,141 @@ from larqlpy.engines import EngineSpec, build_provider, new_state
 from larqlpy.engines.stores.base import QueryTap
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
+from larqlpy.kernels.rowcodec import TurboQuantCodec
 from larqlpy.decode.stream import prefill
 from larqlpy.weights import calibration_file
 from larqlpy.weights.calibration_file import FORMAT
 
 TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
 SKIP = 4  # leading positions left out of the statistics (sinks)
+# the queries that choose each head's mean, the codes' width, and the newest rows left exact (as
+# codec/v1's default recent tier reads them): the mean that matters is the one for the older rows
+JUDGE_FROM, EVERY, JUDGE_BITS, JUDGE_RECENT = 128, 8, 3, 16
 EPS = 1e-3  # variance floor, relative to the mean channel's: a dead channel must not blow a scale up
 
 
-def _scales(q2: torch.Tensor, k: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-    """q2: (D,) mean squared query per channel; k: (N, D) keys -> (D,) scale, geometric mean 1."""
-    var = ((k.double() - mean.double()) ** 2).mean(0)
+def _scales(q2: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+    """q2: (D,) mean squared query per channel; resid: (N, D) keys less their mean -> (D,) scale,
+    geometric mean 1."""
+    var = (resid.double() ** 2).mean(0)
     var = var + EPS * var.mean()
     q2 = q2.double() + EPS * q2.double().mean()
     s = (q2 / var) ** 0.25
     return s / s.log().mean().exp()
 
 
-class _QuerySquares:
-    """Per KV head, the queries' squared channels summed (positions from SKIP on), and their count."""
+class _Queries:
+    """Per KV head, the queries' squared channels summed (positions from SKIP on) and their count;
+    and every EVERY-th position's queries from JUDGE_FROM on, which judge each head's mean."""
 
     def __init__(self, n_kv_heads: int, head_dim: int):
         self.q2 = torch.zeros(n_kv_heads, head_dim, dtype=torch.float64)
         self.count = 0
+        self.kept: list[tuple[int, torch.Tensor]] = []  # (position, (H, D) queries)
+        self.params = None
 
     def __call__(self, store, q, p):
         hkv = store.geometry.n_kv_heads
         qq = q[:, max(0, SKIP - store.end):].double() ** 2  # (H, T', D)
         self.q2 += qq.reshape(hkv, -1, qq.shape[-1]).sum(1).cpu()
         self.count += qq.shape[0] // hkv * qq.shape[1]
+        self.params = p
+        for j in range(q.shape[1]):
+            if store.end + j >= JUDGE_FROM and (store.end + j) % EVERY == 0:
+                self.kept.append((store.end + j, q[:, j].float().cpu()))
+
+
+def _unturned(k: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """Keys (Hkv, N, D) at positions SKIP.. with RoPE undone (rotate-half layout)."""
+    ang = torch.arange(SKIP, SKIP + k.shape[1]).float()[:, None] * freq.cpu()[None, :]
+    cos, sin = ang.cos().double(), ang.sin().double()
+    half = k.shape[-1] // 2
+    a, b = k[..., :half], k[..., half:]
+    return torch.cat((a * cos + b * sin, b * cos - a * sin), dim=-1)
+
+
+def _joint(k: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k (N, D) at positions SKIP.. -> (a, b), each (D,), the least-squares fit k_p = a + R(p) b."""
+    n, d = k.shape
+    half = d // 2
+    ang = torch.arange(SKIP, SKIP + n).double()[:, None] * freq.cpu().double()[None, :]  # (N, half)
+    cos, sin = ang.cos().T, ang.sin().T  # (half, N)
+    one, zero = torch.ones_like(cos), torch.zeros_like(cos)
+    # per pair: k1 = a1 + b1 cos - b2 sin, k2 = a2 + b2 cos + b1 sin; unknowns (a1, a2, b1, b2)
+    rows1 = torch.stack((one, zero, cos, -sin), -1)
+    rows2 = torch.stack((zero, one, sin, cos), -1)
+    x = torch.cat((rows1, rows2), 1)  # (half, 2N, 4)
+    y = torch.cat((k[:, :half].T, k[:, half:].T), 1)[..., None]  # (half, 2N, 1)
+    sol = torch.linalg.lstsq(x, y).solution[..., 0]  # (half, 4)
+    return torch.cat((sol[:, 0], sol[:, 1])), torch.cat((sol[:, 2], sol[:, 3]))
+
+
+def _candidates(k: torch.Tensor, q2: torch.Tensor, freq: torch.Tensor) -> list[KeyCalibration]:
+    """One head's calibrations to choose from, k (1, N, D) at positions SKIP..: the mean fixed,
+    turning with RoPE, or both (the least-squares sum of the two)."""
+    t = _unturned(k, freq).mean(1)
+    zero = torch.zeros_like(t)
+    a, b = _joint(k[0], freq)
+    out = []
+    for mean, turning in ((k.mean(1), None), (zero, t), (a[None], b[None])):
+        m = KeyCalibration.of(mean, torch.ones_like(mean), turning, freq).means(SKIP, k.shape[1]).double()
+        out.append(KeyCalibration.of(mean, _scales(q2, (k - m)[0])[None], turning, freq))
+    return out
+
+
+def _attention_kl(cal: KeyCalibration, k: torch.Tensor, queries: _Queries, head: int, geometry) -> float:
+    """Mean KL(exact || keys through JUDGE_BITS codes under `cal`) of the kept queries of one KV head;
+    k (1, N, D) from position 0, the first SKIP rows exact (as sinks are)."""
+    codec = TurboQuantCodec(k.shape[-1], JUDGE_BITS, torch.device("cpu"))
+    kq = k.clone()
+    y = cal.apply(k[:, SKIP:], SKIP)
+    kq[:, SKIP:] = cal.undo(codec.decode(codec.encode(y[0])).view_as(y), SKIP)
+    total = 0.0
+    for pos, q in queries.kept:
+        group = q.shape[0] // geometry.n_kv_heads
+        qh, lo = q[head * group:(head + 1) * group], geometry.read_start(pos)
+        near = max(lo, pos + 1 - JUDGE_RECENT)  # codec/v1's recent tier: these rows are read nearly exact
+        seen = torch.cat((kq[0, lo:near], k[0, near:pos + 1]))
+        exact = torch.log_softmax(queries.params.logits(qh @ k[0, lo:pos + 1].T), -1)
+        approx = torch.log_softmax(queries.params.logits(qh @ seen.T), -1)
+        total += (exact.exp() * (exact - approx)).sum(-1).mean().item()
+    return total / max(len(queries.kept), 1)
+
+
+def _layer(store, queries: _Queries, freq: torch.Tensor) -> KeyCalibration:
+    """A layer's calibration: per head, the fixed or the turning mean, whichever codes its keys with
+    the smaller attention error on the calibration text."""
+    k_all = store.read(0, torch.float32)[0].cpu().float()
+    q2 = queries.q2 / max(queries.count, 1)
+    means, scales, turning = [], [], []
+    for h in range(k_all.shape[0]):
+        k = k_all[h:h + 1, SKIP:].double()
+        best = min(_candidates(k, q2[h], freq),
+                   key=lambda c: _attention_kl(c, k_all[h:h + 1], queries, h, store.geometry))
+        means.append(best.mean[0])
+        scales.append(best.scale[0])
+        turning.append(best.turning[0] if best.turning is not None else torch.zeros_like(best.mean[0]))
+    return KeyCalibration.of(torch.stack(means), torch.stack(scales), torch.stack(turning), freq)
 
 
 @torch.inference_mode()
 def measure(model, ids: list[int]) -> tuple[list[KeyCalibration], list[float]]:
     """Run `ids` through the model (exact rows) and measure every layer's calibration; also each
-    layer's share of key energy in the mean, |mean|^2 / E|k|^2 (averaged over KV heads)."""
-    if len(ids) < SKIP + 64:
-        raise LarqlError(f"calibration text too short: {len(ids)} tokens, need at least {SKIP + 64}")
+    layer's share of key energy in the mean, |m_p|^2 / E|k|^2 (averaged over KV heads)."""
+    if len(ids) < JUDGE_FROM + 64:
+        raise LarqlError(f"calibration text too short: {len(ids)} tokens, need at least {JUDGE_FROM + 64}")
     state = new_state(EngineSpec(), model.geometries(), torch.device(model.device))
-    squares = [_QuerySquares(s.geometry.n_kv_heads, s.geometry.head_dim) for s in state.layers]
+    queries = [_Queries(s.geometry.n_kv_heads, s.geometry.head_dim) for s in state.layers]
     stores = state.layers
-    state.layers = [QueryTap(s, sq) for s, sq in zip(stores, squares)]
+    state.layers = [QueryTap(s, sq) for s, sq in zip(stores, queries)]
     prefill(model, state, ids, 1024)
     out, shares = [], []
-    for store, sq in zip(stores, squares):
-        k, _ = store.read(SKIP, torch.float32)
-        k = k.cpu().double()
-        mean = k.mean(1)
-        q2 = sq.q2 / max(sq.count, 1)
-        scale = torch.stack([_scales(q2[h], k[h], mean[h]) for h in range(k.shape[0])])
-        out.append(KeyCalibration.of(mean, scale))
-        shares.append((mean.pow(2).sum(-1) / k.pow(2).sum(-1).mean(-1)).mean().item())
+    for store, sq in zip(stores, queries):
+        cal = _layer(store, sq, model.rope_freq(store.geometry.index).cpu())
+        k = store.read(SKIP, torch.float32)[0].cpu().double()
+        m = cal.means(SKIP, k.shape[1]).double().expand_as(k)
+        out.append(cal)
+        shares.append((m.pow(2).sum(-1) / k.pow(2).sum(-1)).mean().item())
     return out, shares
 
 

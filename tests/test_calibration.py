@@ -68,13 +68,34 @@ def test_calibration_measures_the_keys_and_round_trips(cal_dir):
     cals = loaded.model.key_calibration
     geoms = loaded.model.geometries()
     assert len(cals) == 6 and all(g.key_calibration is c for g, c in zip(geoms, cals))
-    # the mean is the keys' mean over the text (sinks left out), recomputed here from canonical rows
+    # each head's mean is the keys' mean over the text (sinks left out), either after RoPE (fixed) or
+    # before it (turning), recomputed here from canonical rows with the model's own RoPE tables
     ids = loaded.tokenizer.encode(TEXT)
     state = new_state(parse_engine_spec(), geoms, CPU)
     loaded.model(torch.tensor(ids), state)
+    kinds = set()
     for store, c in zip(state.layers, cals):
         k, _ = store.read(calib_tool.SKIP, torch.float32)
-        assert torch.allclose(c.mean, k.double().mean(1).float(), atol=1e-5)
+        cos, sin = loaded.model.ropes[store.geometry.kind].tables(calib_tool.SKIP, k.shape[1], torch.float32)
+        k1, k2 = k[..., :8], k[..., 8:]
+        unturned = torch.cat((k1 * cos[:, :8] + k2 * sin[:, :8], k2 * cos[:, :8] - k1 * sin[:, :8]), dim=-1)
+        turning = torch.zeros(2, 16) if c.turning is None else c.turning
+        resid = k - c.means(calib_tool.SKIP, k.shape[1])
+        r1, r2 = resid[..., :8], resid[..., 8:]
+        resid_unturned = torch.cat((r1 * cos[:, :8] + r2 * sin[:, :8], r2 * cos[:, :8] - r1 * sin[:, :8]), dim=-1)
+        for h in range(2):
+            turns, fixed = bool(turning[h].any()), bool(c.mean[h].any())
+            kinds.add((fixed, turns))
+            if not turns:  # the mean after RoPE
+                assert torch.allclose(c.mean[h], k[h].double().mean(0).float(), atol=1e-5)
+            elif not fixed:  # the mean before RoPE
+                assert torch.allclose(turning[h], unturned[h].double().mean(0).float(), atol=1e-5)
+            else:  # both, by least squares: the residual is orthogonal to a constant and to a turning vector
+                assert resid[h].mean(0).abs().max() < 1e-3 and resid_unturned[h].mean(0).abs().max() < 1e-3
+        # turned to a position, the mean is what RoPE makes of it there
+        m = turning[:, None].expand(2, k.shape[1], 16)
+        turned = m * cos + torch.cat((-m[..., 8:], m[..., :8]), dim=-1) * sin + c.mean[:, None]
+        assert torch.allclose(c.means(calib_tool.SKIP, k.shape[1]).expand_as(turned), turned, atol=1e-5)
         assert c.scale.shape == (2, 16) and (c.scale > 0).all()
         assert abs(c.scale.log().mean(-1)).max() < 1e-5  # geometric mean 1 per head
     assert len({c.digest for c in cals}) == 6
@@ -89,12 +110,15 @@ def test_identity_calibration_changes_nothing(cal_dir):
     assert torch.equal(torch.stack([t.logits for t in plain]), torch.stack([t.logits for t in ident]))
 
 
+@pytest.mark.parametrize("turning", [False, True], ids=["fixed-mean", "pre-rope-mean"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_calibrated_store_reconstructs_by_algebra_and_fused_equals_scratch(window):
+def test_calibrated_store_reconstructs_by_algebra_and_fused_equals_scratch(window, turning):
     gen = torch.Generator().manual_seed(3)
     g = LayerGeometry(0, window, 2, 64)
-    cal = KeyCalibration.of(torch.randn(2, 64, generator=gen) * 3,
-                                        torch.rand(2, 64, generator=gen) * 3 + 0.2)
+    mean, scale = torch.randn(2, 64, generator=gen) * 3, torch.rand(2, 64, generator=gen) * 3 + 0.2
+    freq = 1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64)
+    turns = mean * torch.tensor([[0.0], [1.0]]) if turning else None  # head 1's mean turns, head 0's is fixed
+    cal = KeyCalibration.of(mean - turns if turning else mean, scale, turns, freq)
     kc, vc = TurboQuantCodec(64, 4, CPU), TurboQuantCodec(64, 3, CPU)
     tier = KVCodec(TurboQuantCodec(64, 8, CPU), TurboQuantCodec(64, 8, CPU), cal)
 
@@ -117,7 +141,7 @@ def test_calibrated_store_reconstructs_by_algebra_and_fused_equals_scratch(windo
     # rows older than the tier: (decoded y) / scale + mean, y the 4-bit codes of (k - mean) * scale
     old = fused.rows.read(lo, fused.end - 3)
     y = kc.decode({"norm": old["k_norm"].reshape(-1), "code": old["k_code"].reshape(-1, 32)}).view(2, -1, 64)
-    want = y / cal.scale[:, None] + cal.mean[:, None]
+    want = y / cal.scale[:, None] + cal.means(lo, y.shape[1])
     got = keys[:, :want.shape[1]]
     if window is None:
         got, want = got[:, 2:], want[:, 2:]  # the two sinks are exact
@@ -126,7 +150,7 @@ def test_calibrated_store_reconstructs_by_algebra_and_fused_equals_scratch(windo
     # the newest three rows come from the 8-bit tier: far closer to the keys than their 4-bit codes
     new = fused.rows.read(fused.end - 3, fused.end)
     y4 = kc.decode({"norm": new["k_norm"].reshape(-1), "code": new["k_code"].reshape(-1, 32)}).view(2, -1, 64)
-    err4 = (y4 / cal.scale[:, None] + cal.mean[:, None] - k_all[:, -3:]).norm()
+    err4 = (y4 / cal.scale[:, None] + cal.means(fused.end - 3, 3) - k_all[:, -3:]).norm()
     assert (keys[:, -3:] - k_all[:, -3:]).norm() < err4 / 5
 
 
@@ -330,7 +354,7 @@ def test_cells_rules_calib_quantize_keys_under_the_calibration(cal_dir, tmp_path
                 continue
             kc = TurboQuantCodec(16, 4, CPU)
             y = kc.decode({"norm": c.data["k_norm"].reshape(-1), "code": c.data["k_code"].reshape(-1, 8)})
-            want = y.view(2, c.n, 16) / cal.scale[:, None] + cal.mean[:, None]
+            want = y.view(2, c.n, 16) / cal.scale[:, None] + cal.means(c.start, c.n)
             got, _ = store.read(c.start, torch.float32)
             assert torch.allclose(got[:, :c.n], want, atol=1e-5)
             checked += 1

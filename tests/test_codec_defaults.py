@@ -119,3 +119,44 @@ def test_a_state_saved_before_the_defaults_resumes_as_it_was_saved(tiny_dir, tmp
         resume(loaded, tmp_path / "old.kv", None, codec("bits=4"))
     line = error_line(e.value)
     assert "calib=off,recent=0,sink=0" in line and "calib=on,recent=16,sink=1" in line
+
+
+def cells(*options: str):
+    return parse_engine_spec(continuation="cells/v1", options=list(options))
+
+
+def test_cells_quantize_keys_under_the_calibration_by_default_and_old_states_resume_as_saved(tiny_dir, tmp_path):
+    assert cells().options_dict == {"calib": "auto"}
+    generate(tiny_dir, "bits=4")  # calibrates
+    loaded = load(tiny_dir)
+    _, held = run(loaded, cells(), PROMPT, 4)
+    assert held.state.options["calib"] == "on"  # what applied, recorded
+    assert all(s.calibration is not None for s in held.state.layers)
+    save(loaded, tmp_path / "c.kv", held)
+    assert load_state(tmp_path / "c.kv").header["engine"]["options"]["calib"] == "on"
+    _, off = run(loaded, cells("calib=off"), PROMPT, 4)
+    assert off.state.options["calib"] == "off" and all(s.calibration is None for s in off.state.layers)
+    off.state.options = {}  # a state saved before cells had the option
+    save(loaded, tmp_path / "old.kv", off)
+    _, spec, _ = resume(loaded, tmp_path / "old.kv", None, None)
+    assert spec.options_dict["calib"] == "off"
+
+
+def test_a_format_1_calibration_still_loads_and_calibrate_if_needed_measures_it_again(tiny_dir, capsys, monkeypatch):
+    import sys
+
+    from larqlpy.cli.main import main
+
+    generate(tiny_dir, "bits=4")
+    c = load(tiny_dir).config
+    layers, _ = calibration_file.read(tiny_dir, c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+    meta = {"format": "larqlpy-kv-calibration/1"}
+    calibration_file.save(tiny_dir, [(m + 0.5, s) for m, s, _ in layers], meta)  # every mean fixed
+    old = load(tiny_dir).model.key_calibration
+    assert old is not None and all(c.turning is None for c in old)
+    assert torch.equal(old[0].mean, torch.from_numpy(layers[0][0] + 0.5))
+    monkeypatch.setattr(sys, "argv", ["larqlpy", "calibrate", str(tiny_dir), "--if-needed"])
+    with pytest.raises(SystemExit):
+        main()
+    assert "calibrating again" in " ".join(capsys.readouterr().err.split())
+    assert calibration_file.format_of(tiny_dir) == calibration_file.FORMAT

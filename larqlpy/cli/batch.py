@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, DEVICE, DTYPE, KV_DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, err,
-                                model_home, monitored, started)
+                                model_home, monitored, size_flag, started)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write, check_output, read_bytes
@@ -80,7 +80,6 @@ def checked(model, infile, output, workers, ray_address, actors, actor_cpus, wor
     """Every refusal the flags can make, before any weights load; the KV budget in bytes and the shard."""
     from larqlpy.batch_lines import parse_shard
     from larqlpy.config import BatchConfig
-    from larqlpy.engines.options import parse_size
     from larqlpy.model.families import read_config
 
     if workers < 1:
@@ -91,12 +90,7 @@ def checked(model, infile, output, workers, ray_address, actors, actor_cpus, wor
         raise LarqlError("--ray runs actors instead of --workers; --actors and --actor-cpus must be >= 1")
     if resume_output and output is None:
         raise LarqlError("--resume-output needs -o: it continues that file")
-    budget = None
-    if kv_budget is not None:
-        try:
-            budget = parse_size(kv_budget)
-        except ValueError as e:
-            raise LarqlError(f"--kv-budget: {e}") from None
+    budget = None if kv_budget is None else size_flag(kv_budget, "--kv-budget")
     part = parse_shard(shard) if shard is not None else None
     BatchConfig(parallel, budget)
     read_config(model_home(model))  # a bad model directory is one line, not one error per request

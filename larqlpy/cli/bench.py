@@ -1,4 +1,4 @@
-"""`larqlpy bench ladder|consistency`: measurements of every engine on a real model."""
+"""`larqlpy bench ladder|consistency|needle`: measurements of every engine on a real model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, MONITOR, MONITOR_PLOT,
-                                WEIGHTS, check_paths, err, fmt_bytes, load_model, monitored, one_engine, out)
+                                WEIGHTS, check_paths, err, fmt_bytes, load_model, monitored, one_engine, out,
+                                size_flag)
 from larqlpy.errors import LarqlError
 from larqlpy.files import check_output
 
@@ -94,15 +95,11 @@ def _ladder_budget(model: Path, budget: str, specs, max_positions: int, as_json:
     """Confirm `residency --budget` by running: each engine grows a context until the process's
     memory grew by the budget."""
     from larqlpy.engines import preset_spec
-    from larqlpy.engines.options import parse_size
     from larqlpy.engines.presets import LADDER
     from larqlpy.tools.ladder import until_budget
     from larqlpy.tools.residency import capacity
 
-    try:
-        nbytes = parse_size(budget)
-    except ValueError as e:
-        raise LarqlError(f"--budget: {e}") from None
+    nbytes = size_flag(budget, "--budget")
     if max_positions < 1:
         raise LarqlError("--max-positions must be >= 1")
     specs = specs or [preset_spec(p) for p in LADDER]
@@ -165,3 +162,99 @@ def bench_consistency(
         t.add_row(escape(e["engine"]), f"{e['exact_match_rate']:.0%}", f"{e['mean_common_prefix']:.1f}",
                   f"{e['mean_kl']:.4f}")
     out.print(t)
+
+
+@bench_app.command("needle")
+def bench_needle(
+    model: Path = typer.Argument(..., help="model directory or .gguf file"),
+    positions: str = typer.Option("4096,16384", "--positions", help="comma-separated context lengths (tokens)"),
+    depths: str = typer.Option("0.1,0.5,0.9", "--depths", help="where the key hides: 0 the start, 1 the end"),
+    engines: List[str] = typer.Option([], "--engines", help="an engine and its options, e.g. 'codec/v1 bits=3' "
+                                      "(repeat; default: canonical/v1, codec/v1 bits=4, codec/v1 bits=3)"),
+    kv_budget: str = typer.Option("1/8", "--kv-budget", help="cells/v1's budget: a share of canonical/v1's KV "
+                                  "at each length (1/8) or a size (64MiB); 'none': no cells/v1 run"),
+    capacity_budget: Optional[str] = typer.Option(None, "--capacity", help="also: the longest context each "
+                                                  "engine's rows fit in this much memory (e.g. 256MiB)"),
+    seed: int = typer.Option(0, "--seed", help="chooses the keys"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="write a PNG: found or missed per engine and depth"),
+    as_json: bool = typer.Option(False, "--json"),
+    device: str = DEVICE,
+    weights: Optional[str] = WEIGHTS,
+    allow_unused_tensors: bool = ALLOW_UNUSED,
+):
+    """Pass-key retrieval: a key hidden in filler text, asked for, per engine, length and depth."""
+    from larqlpy.tools import needle as nd
+
+    lengths = _lengths(positions, 1)
+    try:
+        where = [float(d) for d in depths.split(",")]
+    except ValueError:
+        raise LarqlError(f"--depths: expected comma-separated numbers, got {depths!r}") from None
+    if not where or not all(0 <= d <= 1 for d in where):
+        raise LarqlError("--depths must lie in [0, 1]")
+    chosen = [nd.parse_engine(e) for e in engines] or [nd.Engine("canonical/v1"), nd.Engine("codec/v1", ("bits=4",)),
+                                                       nd.Engine("codec/v1", ("bits=3",))]
+    if kv_budget != "none":
+        chosen.append(_cells_engine(kv_budget))
+    cap = None if capacity_budget is None else size_flag(capacity_budget, "--capacity")
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise LarqlError(f"--plot: expected a .png path, got {plot}")
+    if plot is not None:
+        check_output(plot, "--plot")
+    loaded = load_model(model, device=device, weights=weights, allow_unused_tensors=allow_unused_tensors)
+    show = None if as_json else (lambda r: err.print(
+        f"{r['positions']:,} tokens, depth {r['depth']}: {r['engine']}: "
+        f"{'refused' if r['found'] is None else 'found' if r['found'] else 'missed'}",
+        markup=False))
+    result = nd.needle(loaded, lengths, where, chosen, seed, on_row=show)
+    if cap is not None:
+        result["capacity"] = {"budget": cap, "engines": nd.capacity(loaded, chosen, cap,
+                                                                   loaded.config.max_position_embeddings)}
+    if plot is not None:
+        nd.plot(result, plot)
+        result["plot"] = str(plot)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    _needle_tables(model, result)
+
+
+def _cells_engine(kv_budget: str):
+    """--kv-budget: a share of canonical/v1's KV (1/8, 0.125) or a size (64MiB)."""
+    from larqlpy.tools import needle as nd
+
+    if "/" in kv_budget or kv_budget.startswith("0."):
+        try:
+            return nd.Engine("cells/v1", (), nd.parse_fraction(kv_budget))
+        except LarqlError as e:
+            raise LarqlError(f"--kv-budget: {e}") from None
+    size_flag(kv_budget, "--kv-budget")
+    return nd.Engine("cells/v1", (f"budget={kv_budget}",))
+
+
+def _needle_tables(model: Path, result: dict) -> None:
+    t = Table(title=f"{model}: pass-key retrieval")
+    for col in ("engine", "tokens", "depth", "found", "answer", "resident KV", "prefill tok/s", "decode tok/s",
+                "recovered"):
+        t.add_column(col, justify="left" if col in ("engine", "answer") else "right")
+    for r in result["rows"]:
+        if r["found"] is None:
+            t.add_row(escape(r["engine"]), f"~{r['positions']:,}", f"{r['depth']:g}", "refused", escape(r["error"]))
+            continue
+        moved = {(x["event"], x["to"]): x["count"] for x in r.get("cells", {}).get("transitions", [])}
+        t.add_row(escape(r["engine"]), f"{r['prompt_tokens']:,}", f"{r['depth']:g}", "yes" if r["found"] else "NO",
+                  escape(r["answer"].strip()[:24]), fmt_bytes(r["resident_kv_bytes"]),
+                  f"{r['prefill_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.2f}",
+                  f"{moved.get(('CACHE_MISS', 'RECOVERING'), 0):,}" if "cells" in r else "")
+    out.print(t)
+    for sk in result["skipped"]:
+        err.print(f"skipped {sk['positions']:,} tokens: {sk['reason']}", markup=False)
+    if "capacity" in result:
+        c = Table(title=f"the longest context each engine's rows fit in {fmt_bytes(result['capacity']['budget'])}")
+        for col in ("engine", "positions"):
+            c.add_column(col, justify="left" if col == "engine" else "right")
+        for e in result["capacity"]["engines"]:
+            c.add_row(escape(e["engine"]), f"{e['max_positions']:,}" if e["max_positions"] is not None else e["note"])
+        out.print(c)
+    if "plot" in result:
+        err.print(f"wrote {result['plot']}", markup=False)

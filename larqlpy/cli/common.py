@@ -166,3 +166,13 @@ def check_paths(data: Optional[Path], plot: Optional[Path]) -> None:
     from larqlpy.tools.monitor import check_paths as check
 
     check(data, plot)
+
+
+def size_flag(value: str, flag: str) -> int:
+    """A size flag's bytes (64MiB, 1GB, 4096), or its one-line refusal naming the flag."""
+    from larqlpy.engines.options import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise LarqlError(f"{flag}: {e}") from None

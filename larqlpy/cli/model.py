@@ -76,9 +76,12 @@ def calibrate(
         cfg = read_config(home)
         pairs, problem = calibration_file.read(home, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                                checkpoint(model, cfg, allow_unused_tensors).fingerprint)
-        if pairs is not None:
+        if pairs is not None and calibration_file.format_of(home) == calibration_file.FORMAT:
             err.print(f"{model}: already calibrated", markup=False)
             return
+        if pairs is not None:
+            err.print(f"{model}: calibrating again: its calibration is an older format (no means turning with RoPE)",
+                      markup=False)
         if problem:
             err.print(f"{model}: calibrating again: {cli_text(problem)}", markup=False, soft_wrap=True)
 

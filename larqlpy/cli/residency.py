@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from larqlpy.cli.common import CONTINUATION, CONTINUATION_OPTION, fmt_bytes, one_engine, out, preset_flags
+from larqlpy.cli.common import CONTINUATION, CONTINUATION_OPTION, fmt_bytes, one_engine, out, preset_flags, size_flag
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 
@@ -33,7 +33,6 @@ def residency(
     with --budget, the longest context each engine fits in that many bytes. Named geometries:
     gemma3-270m/1b/4b/12b/27b, gemma2-2b/9b, llama3.2-1b/3b, llama3.1-8b, qwen2.5-0.5b/1.5b/3b/7b,
     qwen3-0.6b/1.7b/4b/8b, mistral-7b-v0.1, smollm2-135m."""
-    from larqlpy.engines.options import parse_size
 
     specs = one_engine("residency", engine, continuation, continuation_option)
     check_kv_dtype(kv_dtype)
@@ -41,10 +40,7 @@ def residency(
         raise LarqlError("residency: give exactly one of --positions N or --budget SIZE")
     if budget is None:
         return show_residency(model, positions, specs, as_json, kv_dtype)
-    try:
-        nbytes = parse_size(budget)
-    except ValueError as e:
-        raise LarqlError(f"--budget: {e}") from None
+    nbytes = size_flag(budget, "--budget")
     show_capacity(model, nbytes, specs, as_json, kv_dtype)
 
 

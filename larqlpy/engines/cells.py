@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from larqlpy.engines.codec import CALIB
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.lifecycle import load_rules
 from larqlpy.engines.options import OptionSpec, parse_size, width_in
@@ -35,7 +36,32 @@ class Cells(Provider):
     def option_specs(cls):
         return (OptionSpec("budget", parse_size, help="resident KV budget, e.g. 64MiB"),
                 OptionSpec("rules", str, help="rules YAML file (default: the packaged rules)"),
-                OptionSpec("bits", width_in((3, 4)), help="override the rules' codec width (3 or 4)"))
+                OptionSpec("bits", width_in((3, 4)), help="override the rules' codec width (3 or 4)"),
+                CALIB)
+
+    @classmethod
+    def defaults(cls):
+        return (("calib", "auto"),)  # QUANTIZED keys calibrated wherever the model has (or gets) one
+
+    @classmethod
+    def saved_defaults(cls):
+        return (("calib", "off"),)
+
+    def calibrated(self, geometries) -> bool:
+        """QUANTIZED keys under the key calibration: the rules' `calib: on`, or the option (`auto`:
+        where every layer has one)."""
+        calib = self.options.get("calib", "off")
+        return self.rules.policy.calib or calib == "on" or (
+            calib == "auto" and bool(geometries) and all(g.key_calibration is not None for g in geometries))
+
+    def wants_calibration(self) -> bool:
+        return self.rules.policy.calib or self.options.get("calib", "off") in ("auto", "on")
+
+    def resolved(self, geometries):
+        out = dict(self.options)
+        if out.get("calib") == "auto":
+            out["calib"] = "on" if self.calibrated(geometries) else "off"
+        return out
 
     def __init__(self, options):
         super().__init__(options)

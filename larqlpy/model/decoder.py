@@ -127,6 +127,10 @@ class Decoder(nn.Module):
         """The LM head's matrix: the embeddings when tied."""
         return self.embed_tokens if self.cfg.tie_word_embeddings else self.lm_head
 
+    def rope_freq(self, layer: int) -> torch.Tensor:
+        """The inverse frequencies of the RoPE `layer` turns its queries and keys with (D/2,)."""
+        return self.ropes["global" if self.cfg.window(layer) is None else "sliding"].inv_freq
+
     def geometries(self) -> list[LayerGeometry]:
         c = self.cfg
         cal = self.key_calibration or [None] * c.num_hidden_layers

@@ -66,9 +66,9 @@ def attention_kl(store, q: torch.Tensor, params: AttentionParams, codec) -> floa
     k = store.read(lo, torch.float32)[0].cpu()  # the codecs here are the CPU ones
     q = q.cpu()
     cal = g.key_calibration
-    x = k if cal is None else cal.apply(k)
+    x = k if cal is None else cal.apply(k, lo)
     y = codec.decode(codec.encode(x.reshape(-1, g.head_dim))).view_as(x)
-    kq = y if cal is None else cal.undo(y)
+    kq = y if cal is None else cal.undo(y, lo)
     hkv = k.shape[0]
     group = q.shape[0] // hkv
     total, count = 0.0, 0

@@ -1,5 +1,8 @@
 """`kv_calibration.safetensors` beside the weights: the model's key calibration (per layer, the keys'
 mean and per-channel scale, each (Hkv, D) float32), its metadata, and every check on reading it.
+Format 2 adds, per layer, `key_turning`: the heads' means taken before RoPE, which
+engines/stores/calibration.py turns to each row's position (zero on heads whose mean is fixed).
+Format 1 (every mean fixed) is still read.
 
 A problem with the file (stale: measured on other weights; damaged) is reported, not raised: only
 the engines that read the calibration refuse to run without it (engines/stores/calibration.py).
@@ -19,19 +22,23 @@ from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write
 
 FILE = "kv_calibration.safetensors"
-FORMAT = "larqlpy-kv-calibration/1"
-Pair = tuple[np.ndarray, np.ndarray]  # (mean, scale)
+FORMAT = "larqlpy-kv-calibration/2"
+FORMATS = ("larqlpy-kv-calibration/1", FORMAT)
+Layer = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # (mean, scale, turning mean or None)
 
 
 def save(model_dir: str | Path, layers: list, meta: dict) -> Path:
-    """Write the calibration into the model directory (atomically); `layers` are (mean, scale) pairs
-    or objects with .mean and .scale (a KeyCalibration), array-like on the CPU."""
+    """Write the calibration into the model directory (atomically); `layers` are (mean, scale[,
+    turning]) tuples or KeyCalibrations, array-like on the CPU."""
     path = Path(model_dir) / FILE
     tensors = {}
     for i, layer in enumerate(layers):
-        mean, scale = (layer.mean, layer.scale) if hasattr(layer, "mean") else layer
+        mean, scale, turning = (layer.mean, layer.scale, layer.turning) if hasattr(layer, "mean") \
+            else (*layer, None)[:3]
         tensors[f"layers.{i}.key_mean"] = np.ascontiguousarray(mean, dtype=np.float32)
         tensors[f"layers.{i}.key_scale"] = np.ascontiguousarray(scale, dtype=np.float32)
+        if turning is not None:
+            tensors[f"layers.{i}.key_turning"] = np.ascontiguousarray(turning, dtype=np.float32)
     with atomic_write(path, "`calibrate`") as f:
         f.write(to_bytes(tensors, metadata={k: str(v) for k, v in meta.items()}))
     return path
@@ -57,7 +64,7 @@ def save_somewhere(model_dir: str | Path, fingerprint: str, layers: list, meta: 
 
 
 def read_any(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint: str,
-             files_digest: str | None = None) -> tuple[list[Pair] | None, str | None]:
+             files_digest: str | None = None) -> tuple[list[Layer] | None, str | None]:
     """`read` beside the weights, then in `fallback_dir`: the first usable one; else what is wrong
     with the one beside the weights."""
     pairs, problem = read(model_dir, n_layers, n_kv_heads, head_dim, fingerprint, files_digest)
@@ -69,8 +76,8 @@ def read_any(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: in
 
 
 def read(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int,
-         fingerprint: str | None = None, files_digest: str | None = None) -> tuple[list[Pair] | None, str | None]:
-    """(the layers' (mean, scale), None) when the directory holds a calibration that fits this model
+         fingerprint: str | None = None, files_digest: str | None = None) -> tuple[list[Layer] | None, str | None]:
+    """(the layers' (mean, scale, turning or None), None) when the directory holds a calibration that fits this model
     (and, given one, the fingerprint of the weights it was measured on); (None, None) when it holds
     none; (None, what is wrong) when the file is stale or damaged."""
     try:
@@ -82,14 +89,14 @@ def read(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int,
 
 
 def _read(path: Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint: str | None,
-          files_digest: str | None) -> list[Pair]:
+          files_digest: str | None) -> list[Layer]:
     if not path.exists():
         raise FileNotFoundError(path)
     try:
         with safe_open(str(path), framework="numpy") as f:
             meta = f.metadata() or {}
             names = set(f.keys())
-            if meta.get("format") != FORMAT:
+            if meta.get("format") not in FORMATS:
                 raise LarqlError(f"{path}: not a larqlpy key calibration (format {meta.get('format')!r}); "
                                  "rerun `calibrate`")
             if fingerprint is not None and meta.get("model_fingerprint", fingerprint) != fingerprint:
@@ -102,8 +109,11 @@ def _read(path: Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint
             out = []
             for i in range(n_layers):
                 pair = []
-                for what in ("key_mean", "key_scale"):
+                for what in ("key_mean", "key_scale", "key_turning"):
                     name = f"layers.{i}.{what}"
+                    if what == "key_turning" and name not in names:
+                        pair.append(None)
+                        continue
                     if name not in names:
                         raise LarqlError(f"{path}: missing tensor {name}; rerun `calibrate`")
                     t = f.get_tensor(name)
@@ -111,9 +121,9 @@ def _read(path: Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint
                         raise LarqlError(f"{path}: tensor {name} is {t.dtype} {list(t.shape)}, expected float32 "
                                          f"{[n_kv_heads, head_dim]}; rerun `calibrate`")
                     pair.append(t)
-                if not (np.isfinite(pair[0]).all() and np.isfinite(pair[1]).all() and (pair[1] > 0).all()):
+                if not (all(np.isfinite(t).all() for t in pair if t is not None) and (pair[1] > 0).all()):
                     raise LarqlError(f"{path}: layer {i} holds non-finite or non-positive values; rerun `calibrate`")
-                out.append((pair[0], pair[1]))
+                out.append((pair[0], pair[1], pair[2]))
             if any(n.startswith(f"layers.{n_layers}.") for n in names):
                 raise LarqlError(f"{path}: calibrated for more than {n_layers} layers; rerun `calibrate`")
     except LarqlError:
@@ -121,6 +131,15 @@ def _read(path: Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint
     except Exception as e:  # safetensors reports bad headers and truncation as its own error types
         raise LarqlError(f"{path}: not a readable calibration file ({str(e).splitlines()[0]})") from None
     return out
+
+
+def format_of(model_dir: str | Path) -> str | None:
+    """The format a readable calibration file beside the weights says it has (None: no such file)."""
+    try:
+        with safe_open(str(Path(model_dir) / FILE), framework="numpy") as f:
+            return (f.metadata() or {}).get("format")
+    except Exception:  # a missing or damaged file: `read` says what is wrong with it
+        return None
 
 
 def summary(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint: str) -> str:

@@ -139,10 +139,12 @@ def _read_calibration(model: Decoder, home: Path, fingerprint: str, files_digest
     """The model's key calibration from kv_calibration.safetensors, when it has a usable one; else
     why not, on the model (a stale or damaged file is reported, not raised)."""
     c = model.cfg
-    pairs, model.calibration_problem = calibration_file.read_any(
+    layers, model.calibration_problem = calibration_file.read_any(
         home, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, fingerprint, files_digest)
-    if pairs is not None:
-        model.key_calibration = [KeyCalibration.of(torch.from_numpy(m), torch.from_numpy(s)) for m, s in pairs]
+    if layers is not None:
+        model.key_calibration = [KeyCalibration.of(torch.from_numpy(m), torch.from_numpy(s),
+                                                   None if t is None else torch.from_numpy(t), model.rope_freq(i))
+                                 for i, (m, s, t) in enumerate(layers)]
 
 
 def _tensor(ckpt: Checkpoint | GGUFCheckpoint, handles: dict, ours: str) -> torch.Tensor:

@@ -1,14 +1,19 @@
 """The key calibration as engines use it: per layer and KV head, the keys' mean and a per-channel
 scale (measured by larqlpy.calibration, read from kv_calibration.safetensors by the model).
 
-Codes hold y = (k - mean) * scale; reconstruction is plain algebra -- k' = y' / scale + mean, and
-q . k' = (q / scale) . y' + q . mean -- so a codec needs nothing else to use it.
+Codes hold y = (k - m_p) * scale; reconstruction is plain algebra -- k' = y' / scale + m_p, and
+q . k' = (q / scale) . y' + q . m_p -- so a codec needs nothing else to use it. A head's mean m_p
+is the same at every position, or one taken before RoPE and rotated to the row's position p
+(RoPE's rotation, rotate-half layout, with the layer's inverse frequencies). A constant mean
+misses what RoPE spins: a key bias (Qwen2) turns at the speed of its channel pair, so most of it
+stays in the rows; the turning mean takes it out at every position.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -17,34 +22,107 @@ from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.errors import LarqlError
 
 
+class _Turns:
+    """cos and sin of every (position, channel pair) angle, (P, D/2) each, grown on demand: one per
+    set of frequencies and device, shared by the layers and states that use it. Computed as the
+    model's RoPE tables are (position * freq in float32), so m_p is the model's own R(p) mean."""
+
+    _all: dict = {}
+    _lock = threading.Lock()
+
+    def __init__(self, freq: torch.Tensor):
+        self.freq = freq
+        self.cs = torch.empty(0, 2 * freq.shape[0], device=freq.device)
+
+    @classmethod
+    def of(cls, freq: torch.Tensor) -> "_Turns":
+        key = (freq.cpu().numpy().tobytes(), str(freq.device))
+        with cls._lock:
+            return cls._all.setdefault(key, cls(freq))
+
+    def rows(self, first: int, n: int) -> torch.Tensor:
+        """[cos | sin] of positions first..first+n-1: (n, D)."""
+        cs = self.cs
+        if first + n > cs.shape[0]:
+            with self._lock:
+                if first + n > self.cs.shape[0]:
+                    p = max(2 * self.cs.shape[0], first + n, 1024)
+                    ang = torch.arange(p, device=self.freq.device).float()[:, None] * self.freq[None, :]
+                    self.cs = torch.cat((ang.cos(), ang.sin()), dim=-1)
+                cs = self.cs
+        return cs[first:first + n]
+
+
+def _turns(freq: torch.Tensor | None) -> _Turns | None:
+    return None if freq is None else _Turns.of(freq)
+
+
 @dataclass(frozen=True)
 class KeyCalibration:
-    """One layer's: mean and scale are (Hkv, D) float32; digest names them (saved with states)."""
+    """One layer's: mean, scale (Hkv, D) float32; a head's mean is either `mean`, the same at every
+    position, or `turning`, taken before RoPE and turned to each row's position with the layer's
+    inverse frequencies `freq` (D/2,) -- m_p = mean + R(p) turning, one of the two zero per head
+    (larqlpy.calibration measures which serves each head better). digest names it all (states
+    record it)."""
 
     mean: torch.Tensor
     scale: torch.Tensor
     digest: str
+    turning: torch.Tensor | None = None
+    freq: torch.Tensor | None = None
+    turns: _Turns | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, mean: torch.Tensor, scale: torch.Tensor) -> "KeyCalibration":
+    def of(cls, mean: torch.Tensor, scale: torch.Tensor, turning: torch.Tensor | None = None,
+           freq: torch.Tensor | None = None) -> "KeyCalibration":
         mean, scale = mean.float().contiguous(), scale.float().contiguous()
-        h = hashlib.sha256(mean.numpy().tobytes() + scale.numpy().tobytes()).hexdigest()[:16]
-        return cls(mean, scale, h)
+        named = mean.cpu().numpy().tobytes() + scale.cpu().numpy().tobytes()
+        if turning is not None and bool(turning.any()):
+            turning, freq = turning.float().contiguous(), freq.float().contiguous()
+            named += b"rope" + turning.cpu().numpy().tobytes() + freq.cpu().numpy().tobytes()
+        else:
+            turning = freq = None
+        return cls(mean, scale, hashlib.sha256(named).hexdigest()[:16], turning, freq, _turns(freq))
 
     def to(self, device: torch.device) -> "KeyCalibration":
-        return KeyCalibration(self.mean.to(device), self.scale.to(device), self.digest)
+        turning, freq = (None, None) if self.freq is None else (self.turning.to(device), self.freq.to(device))
+        return KeyCalibration(self.mean.to(device), self.scale.to(device), self.digest, turning, freq,
+                              _turns(freq))
 
-    def apply(self, k: torch.Tensor) -> torch.Tensor:
-        """Keys (Hkv, N, D) -> what the codes hold: (k - mean) * scale."""
-        return (k.float() - self.mean[:, None]) * self.scale[:, None]
+    def means(self, first: int, n: int) -> torch.Tensor:
+        """The mean at positions first..first+n-1: (Hkv, n, D), or (Hkv, 1, D) when none turns."""
+        if self.turning is None:
+            return self.mean[:, None]
+        cs = self.turns.rows(first, n)
+        half = self.mean.shape[-1] // 2
+        cos, sin = cs[:, :half], cs[:, half:]
+        a, b = self.turning[:, None, :half], self.turning[:, None, half:]
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).add_(self.mean[:, None])
 
-    def undo(self, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Decoded codes (Hkv, N, D) -> keys: y / scale + mean (into `out` when given; it may be y)."""
-        return torch.div(y, self.scale[:, None], out=out).add_(self.mean[:, None])
+    def apply(self, k: torch.Tensor, first: int) -> torch.Tensor:
+        """Keys (Hkv, N, D) at positions first.. -> what the codes hold: (k - m_p) * scale."""
+        return (k.float() - self.means(first, k.shape[1])) * self.scale[:, None]
+
+    def undo(self, y: torch.Tensor, first: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoded codes (Hkv, N, D) at positions first.. -> keys: y / scale + m_p (into `out` when
+        given; it may be y)."""
+        return torch.div(y, self.scale[:, None], out=out).add_(self.means(first, y.shape[1]))
 
     def query(self, q: torch.Tensor, head: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries (G, D) of one KV head -> (q / scale, q . mean): what scores on codes take."""
+        """Queries (G, D) of one KV head -> (q / scale, q . mean): the fixed part of q . m_p."""
         return q / self.scale[head], q @ self.mean[head]
+
+    def turning_bias(self, q: torch.Tensor, first: int, n: int) -> torch.Tensor | None:
+        """The turning part of q . m_p for every query head, q (H, D), at positions first..first+n-1:
+        (H, n), one product per layer against the shared cos/sin table; None when no head turns."""
+        if self.turning is None:
+            return None
+        t = self.turning.repeat_interleave(q.shape[0] // self.turning.shape[0], dim=0)
+        half = t.shape[-1] // 2
+        q1, q2, m1, m2 = q[:, :half], q[:, half:], t[:, :half], t[:, half:]
+        # q . R(p) t = sum_i cos(p f_i) (q1 m1 + q2 m2)_i + sin(p f_i) (q2 m1 - q1 m2)_i
+        coef = torch.cat((q1 * m1 + q2 * m2, q2 * m1 - q1 * m2), dim=-1)
+        return coef @ self.turns.rows(first, n).T
 
 
 def require_calibration(geometries: Sequence[LayerGeometry], who: str) -> None:

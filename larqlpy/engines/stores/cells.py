@@ -101,7 +101,7 @@ class CellStore(LayerStore):
                 buf[0][:, dst], buf[1][:, dst] = cell.data["k"][:, a:b], cell.data["v"][:, a:b]
             elif cell.state == State.QUANTIZED:
                 rules.apply(Event.READ_REQUEST, State.QUANTIZED, State.QUANTIZED)
-                self._decode(cell.data, cell.precision, a, b, buf, dst)
+                self._decode(cell.data, cell.precision, cell.start + a, a, b, buf, dst)
             else:  # PERSISTED: bring it back for this read only
                 cell.state = rules.apply(Event.CACHE_MISS, State.PERSISTED, State.RECOVERING)
                 exact = cell.precision == self.geometry.kv_dtype
@@ -110,15 +110,15 @@ class CellStore(LayerStore):
                 if exact:
                     buf[0][:, dst], buf[1][:, dst] = fields["k"][:, a:b], fields["v"][:, a:b]
                 else:
-                    self._decode(fields, cell.precision, a, b, buf, dst)
+                    self._decode(fields, cell.precision, cell.start + a, a, b, buf, dst)
                 cell.state = rules.apply(Event.WRITE_BACK, State.RECOVERING, State.PERSISTED)
         return buf[0].to(dtype), buf[1].to(dtype)
 
-    def _decode(self, data, precision, a, b, buf, dst):
+    def _decode(self, data, precision, first, a, b, buf, dst):
         codec = self.codec(precision_widths(precision))
         rows = {name: t[:, a:b] for name, t in data.items()}
         for i, t in enumerate("kv"):
-            codec.decode(rows, t, buf[i][:, dst])
+            codec.decode(rows, t, buf[i][:, dst], first)
 
     def meta(self):
         return {} if self.calibration is None else {"key_calibration": self.calibration.digest}
@@ -152,7 +152,7 @@ class CellStore(LayerStore):
         if dst == State.QUANTIZED:
             codec = self.codec(rules.policy.widths(self.geometry.index))
             cell.data, cell.precision = codec.encode(cell.data["k"][:, :cell.n].float(),
-                                                     cell.data["v"][:, :cell.n].float()), codec.label
+                                                     cell.data["v"][:, :cell.n].float(), cell.start), codec.label
         else:
             arrays = {name: to_numpy(t[:, :cell.n]) for name, t in cell.data.items()} if cell.state == State.ACTIVE \
                 else {name: t.numpy() for name, t in cell.data.items()}
@@ -325,10 +325,13 @@ class CellManager(Shared):
 def new_cells_state(provider, geometries, device: torch.device) -> EngineState:
     if provider.rules.policy.calib:
         require_calibration(geometries, f"cells/v1 (the rules in {provider.rules.source} set calib: on)")
-    rules = dataclasses.replace(provider.rules, counts=Counter())  # each sequence counts its own
+    if provider.options.get("calib") == "on":
+        require_calibration(geometries, "cells/v1 calib=on")
+    policy = dataclasses.replace(provider.rules.policy, calib=provider.calibrated(geometries))
+    rules = dataclasses.replace(provider.rules, policy=policy, counts=Counter())  # each sequence counts its own
     manager = CellManager(rules, provider.options.get("budget"), device)
     manager.stores = [CellStore(g, device, manager) for g in geometries]
-    state = EngineState(provider.identity, provider.options, manager.stores, shared=[manager])
+    state = EngineState(provider.identity, provider.resolved(geometries), manager.stores, shared=[manager])
     if manager.budget is not None:
         state.max_chunk = rules.cell_size  # hold the budget between blocks of one cell
     return state

@@ -49,9 +49,9 @@ class CodecStore(RowStore):
 
     def append(self, k, v):
         q_start = self.end
-        self.rows.append(self.codec.encode(k, v))
+        self.rows.append(self.codec.encode(k, v, q_start))
         if self.recent is not None:
-            self.recent.append(self.recent_codec.encode(k, v))
+            self.recent.append(self.recent_codec.encode(k, v, q_start))
         if self.exact_keys is not None:
             self.exact_keys.append({"k": k.to(self.exact_dtype)})
         if self.sinks is not None and q_start < self.sink:
@@ -80,7 +80,7 @@ class CodecStore(RowStore):
             if lo < hi:
                 r = rows.read(lo, hi)
                 for i, t in enumerate("kv"):
-                    codec.decode(r, t, buf[i][:, lo - start:hi - start])
+                    codec.decode(r, t, buf[i][:, lo - start:hi - start], lo)
         lo = self._exact_from(start)
         if lo < self.end:
             buf[0][:, lo - start:] = self.exact_keys.read(lo, self.end)["k"]
@@ -110,12 +110,16 @@ class CodecStore(RowStore):
         hkv = self.geometry.n_kv_heads
         group = q.shape[0] // hkv
         out = torch.empty(q.shape[0], 1, q.shape[2], dtype=torch.float32)
+        cal = self.codec.calibration
+        turning = None if cal is None else cal.turning_bias(q[:, 0].float(), start, self.end - start)
         for h in range(hkv):
             qh = q[h * group:(h + 1) * group, 0].float()
+            tb = (None, None) if turning is None else (turning[h * group:(h + 1) * group, :lo - start],
+                                                       turning[h * group:(h + 1) * group, mid - start:])
             prepared = self.codec.query(qh, h)  # one rotation per head serves the main codes and the tier
-            parts = [self.codec.scores(prepared, r, h, lo - start)]
+            parts = [self.codec.scores(prepared, r, h, lo - start, turning=tb[0])]
             if t is not None:
-                parts.append(self.recent_codec.scores(prepared, t, h))
+                parts.append(self.recent_codec.scores(prepared, t, h, turning=tb[1]))
             if exact is not None:
                 parts.append(qh @ exact[h].T)
             s = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]

@@ -53,10 +53,11 @@ class KVCodec:
         """Bytes of one position's K and V codes over all KV heads."""
         return n_kv_heads * (self.k.row_bytes + self.v.row_bytes)
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        """k, v: (Hkv, T, D) -> fields (Hkv, T, ...); keys as (k - mean) * scale under a calibration."""
+    def encode(self, k: torch.Tensor, v: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
+        """k, v: (Hkv, T, D) at positions first.. -> fields (Hkv, T, ...); keys as (k - m_p) * scale
+        under a calibration."""
         if self.calibration is not None:
-            k = self.calibration.apply(k)
+            k = self.calibration.apply(k, first)
         return {**self._encode("k", k), **self._encode("v", v)}
 
     def _encode(self, t: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -64,8 +65,9 @@ class KVCodec:
         enc = self.codecs[t].encode(x.reshape(hkv * n, -1))
         return {f"{t}_{name}": val.view(hkv, n, *val.shape[1:]) for name, val in enc.items()}
 
-    def decode(self, fields: dict[str, torch.Tensor], t: str, out: torch.Tensor) -> None:
-        """Rows' `t` ("k" or "v") fields -> out (Hkv, N, D) f32, the calibration undone."""
+    def decode(self, fields: dict[str, torch.Tensor], t: str, out: torch.Tensor, first: int) -> None:
+        """Rows' `t` ("k" or "v") fields at positions first.. -> out (Hkv, N, D) f32, the calibration
+        undone."""
         hkv, n, d = out.shape
         codec = self.codecs[t]
         flat = {name: fields[f"{t}_{name}"].reshape(hkv * n, *fields[f"{t}_{name}"].shape[2:]).contiguous()
@@ -75,7 +77,7 @@ class KVCodec:
         if not direct or got.data_ptr() != out.data_ptr():
             out.copy_(got.view(hkv, n, d))
         if t == "k" and self.calibration is not None:
-            self.calibration.undo(out, out=out)
+            self.calibration.undo(out, first, out=out)
 
     # -- attending on codes (fused codecs, CPU) --------------------------------------------------
     def query(self, q: torch.Tensor, head: int):
@@ -87,11 +89,15 @@ class KVCodec:
             q, bias = self.calibration.query(q, head)
         return self.k.rotate(q), bias
 
-    def scores(self, query, fields: dict[str, torch.Tensor], head: int, hi: int | None = None) -> torch.Tensor:
-        """(G, N) scores of the prepared queries against the first `hi` rows' K codes of `head`."""
+    def scores(self, query, fields: dict[str, torch.Tensor], head: int, hi: int | None = None,
+               turning: torch.Tensor | None = None) -> torch.Tensor:
+        """(G, N) scores of the prepared queries against the first `hi` rows' K codes of `head`;
+        `turning`: these rows' slice of the calibration's turning_bias for these queries."""
         qr, bias = query
         s = self.k.scores(qr, self._head(fields, "k", head, hi))
-        return s if bias is None else s.add_(bias[:, None])
+        if bias is not None:
+            s.add_(bias[:, None])
+        return s if turning is None else s.add_(turning)
 
     def weighted_sum(self, p: torch.Tensor, fields: dict[str, torch.Tensor], head: int) -> torch.Tensor:
         """sum_j p_j * v_j (G, D) over `head`'s V codes, without decoding a row."""
