@@ -14,6 +14,7 @@ Asserts nothing.
     python bench/decode.py --model models/smollm2-135m-instruct   # its own Q4_1 GGUF for llama.cpp
     python bench/decode.py --model models/qwen2.5-coder-0.5b-instruct   # its Q5_0/Q8_0/Q6_K/Q4_K GGUF
     python bench/decode.py --model models/gguf/qwen2.5-coder-0.5b-instruct.gguf --weights native,int4
+    python bench/decode.py --model models/qwen2.5-coder-0.5b-instruct --weights native --long 4096,16384
 """
 
 from __future__ import annotations
@@ -223,6 +224,32 @@ AIMS = (  # issue 17, against this run's own figures: (what, runner, baseline, c
 )
 
 
+def long_prefill(path: Path, lengths: list[int], weights: list[str], engine: str) -> None:
+    """Prefill tokens/s at long context (issue 30: >= 1.5x llama.cpp at 16K), each runner once per
+    length, the order alternating; the text is long.txt repeated."""
+    from larqlpy.tools.ladder import ladder_ids
+    from stream import cpu_name
+
+    runners = [Larqlpy(path, w, engine) for w in weights]
+    gguf = gguf_path(path)
+    if gguf is None:
+        raise SystemExit("no GGUF for this model: nothing to compare with")
+    runners.append(LlamaCpp(gguf, max(lengths) + 64))
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; model {path}, larqlpy engine {engine}")
+    print("| length | " + " | ".join(f"{r.name} tok/s" for r in runners) + " | larqlpy / llama.cpp |")
+    print("|---|" + "---|" * (len(runners) + 1))
+    for i, n in enumerate(lengths):
+        ids = ladder_ids(runners[0].loaded.tokenizer, n)
+        rate = {}
+        for r in (runners if i % 2 == 0 else runners[::-1]):
+            t0 = time.perf_counter()
+            r.prefill(ids)
+            rate[r.name] = n / (time.perf_counter() - t0)
+        cpp = rate[runners[-1].name]
+        print(f"| {n:,} | " + " | ".join(f"{rate[r.name]:.1f}" for r in runners) + " | "
+              + ", ".join(f"{rate[r.name] / cpp:.2f}x" for r in runners[:-1]) + " |", flush=True)
+
+
 def main() -> None:
     from larqlpy.kernels import cpu
     from stream import cpu_name
@@ -235,9 +262,13 @@ def main() -> None:
     ap.add_argument("--weights", default="f32,bf16,native,int8,int4")
     ap.add_argument("--engine", default="canonical/v1")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--long", help="instead: prefill only, at these lengths (e.g. 4096,16384,32768), larqlpy "
+                                   "(--weights, --engine) against llama.cpp, one prefill each, alternating")
     args = ap.parse_args()
     torch.set_num_threads(2)
     path = Path(args.model)
+    if args.long:
+        return long_prefill(path, [int(n) for n in args.long.split(",")], args.weights.split(","), args.engine)
 
     runners = [Larqlpy(path, w, args.engine) for w in args.weights.split(",")]
     runners.append(Transformers(path))
