@@ -10,9 +10,10 @@ what scores never see. Quantizing y = (k - m_p) * scale instead, with
 scale_c = (E[q_c^2] / Var[k_c - m_p,c])^(1/4), balances the key's energy against the query's per
 channel: that is the diagonal transform minimising E|y|^2 * E|q / scale|^2, i.e. the expected score
 error of an isotropic quantizer of y (engines/stores/calibration.py has the algebra the codecs
-use). The mean is taken before RoPE and turned to each row's position (m_p = R(p) mean): a common
-part of the keys (Qwen2's key bias, Gemma's) is fixed before RoPE and spins after it, so one mean
-after RoPE leaves most of it in the rows. The first SKIP positions (attention sinks, BOS) are left
+use). A mean may be taken before RoPE and turned to each row's position (m_p = R(p) mean): a
+common part of the keys (Qwen2's key bias) is fixed before RoPE and spins after it, so one mean
+after RoPE leaves most of it in the rows. Per KV head the mean is fixed, turning, or both, as
+measured attention on the calibration text prefers. The first SKIP positions (attention sinks, BOS) are left
 out of the statistics: they are outliers the `sink` option keeps exact.
 
 What it buys, per model and width: docs/codec.md ("Key calibration").
@@ -113,10 +114,10 @@ def _candidates(k: torch.Tensor, q2: torch.Tensor, freq: torch.Tensor) -> list[K
     return out
 
 
-def _attention_kl(cal: KeyCalibration, k: torch.Tensor, queries: _Queries, head: int, geometry) -> float:
-    """Mean KL(exact || keys through JUDGE_BITS codes under `cal`) of the kept queries of one KV head;
+def _attention_kl(cal: KeyCalibration, k: torch.Tensor, queries: _Queries, head: int, geometry,
+                  codec: TurboQuantCodec) -> float:
+    """Mean KL(exact || keys through `codec` under `cal`) of the kept queries of one KV head;
     k (1, N, D) from position 0, the first SKIP rows exact (as sinks are)."""
-    codec = TurboQuantCodec(k.shape[-1], JUDGE_BITS, torch.device("cpu"))
     kq = k.clone()
     y = cal.apply(k[:, SKIP:], SKIP)
     kq[:, SKIP:] = cal.undo(codec.decode(codec.encode(y[0])).view_as(y), SKIP)
@@ -132,20 +133,25 @@ def _attention_kl(cal: KeyCalibration, k: torch.Tensor, queries: _Queries, head:
     return total / max(len(queries.kept), 1)
 
 
-def _layer(store, queries: _Queries, freq: torch.Tensor) -> KeyCalibration:
-    """A layer's calibration: per head, the fixed or the turning mean, whichever codes its keys with
-    the smaller attention error on the calibration text."""
+def _layer(store, queries: _Queries, freq: torch.Tensor) -> tuple[KeyCalibration, float]:
+    """A layer's calibration: per head, the candidate (_candidates) that codes its keys with the
+    smallest attention error on the calibration text; and the layer's share of key energy in the
+    mean, |m_p|^2 / E|k|^2 (averaged over KV heads)."""
     k_all = store.read(0, torch.float32)[0].cpu().float()
     q2 = queries.q2 / max(queries.count, 1)
+    codec = TurboQuantCodec(k_all.shape[-1], JUDGE_BITS, torch.device("cpu"))
     means, scales, turning = [], [], []
     for h in range(k_all.shape[0]):
         k = k_all[h:h + 1, SKIP:].double()
         best = min(_candidates(k, q2[h], freq),
-                   key=lambda c: _attention_kl(c, k_all[h:h + 1], queries, h, store.geometry))
+                   key=lambda c: _attention_kl(c, k_all[h:h + 1], queries, h, store.geometry, codec))
         means.append(best.mean[0])
         scales.append(best.scale[0])
         turning.append(best.turning[0] if best.turning is not None else torch.zeros_like(best.mean[0]))
-    return KeyCalibration.of(torch.stack(means), torch.stack(scales), torch.stack(turning), freq)
+    cal = KeyCalibration.of(torch.stack(means), torch.stack(scales), torch.stack(turning), freq)
+    k = k_all[:, SKIP:].double()
+    m = cal.means(SKIP, k.shape[1]).double().expand_as(k)
+    return cal, (m.pow(2).sum(-1) / k.pow(2).sum(-1)).mean().item()
 
 
 @torch.inference_mode()
@@ -161,11 +167,9 @@ def measure(model, ids: list[int]) -> tuple[list[KeyCalibration], list[float]]:
     prefill(model, state, ids, 1024)
     out, shares = [], []
     for store, sq in zip(stores, queries):
-        cal = _layer(store, sq, model.rope_freq(store.geometry.index).cpu())
-        k = store.read(SKIP, torch.float32)[0].cpu().double()
-        m = cal.means(SKIP, k.shape[1]).double().expand_as(k)
+        cal, share = _layer(store, sq, model.rope_freq(store.geometry.index).cpu())
         out.append(cal)
-        shares.append((m.pow(2).sum(-1) / k.pow(2).sum(-1)).mean().item())
+        shares.append(share)
     return out, shares
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from larqlpy.engines.codec import CALIB
-from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.geometry import LayerGeometry, calibrated_everywhere
 from larqlpy.engines.lifecycle import load_rules
 from larqlpy.engines.options import OptionSpec, parse_size, width_in
 from larqlpy.engines.provider import Provider
@@ -51,17 +51,13 @@ class Cells(Provider):
         """QUANTIZED keys under the key calibration: the rules' `calib: on`, or the option (`auto`:
         where every layer has one)."""
         calib = self.options.get("calib", "off")
-        return self.rules.policy.calib or calib == "on" or (
-            calib == "auto" and bool(geometries) and all(g.key_calibration is not None for g in geometries))
+        return self.rules.policy.calib or calib == "on" or (calib == "auto" and calibrated_everywhere(geometries))
 
     def wants_calibration(self) -> bool:
         return self.rules.policy.calib or self.options.get("calib", "off") in ("auto", "on")
 
     def resolved(self, geometries):
-        out = dict(self.options)
-        if out.get("calib") == "auto":
-            out["calib"] = "on" if self.calibrated(geometries) else "off"
-        return out
+        return self.calib_resolved(self.calibrated(geometries))
 
     def __init__(self, options):
         super().__init__(options)

@@ -17,7 +17,7 @@ This module declares them and accounts for their bytes; the store is engines/sto
 
 from __future__ import annotations
 
-from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.geometry import LayerGeometry, calibrated_everywhere
 from larqlpy.engines.options import OptionSpec, canonical_layer_bits, int_in, one_of, parse_layer_bits, width_in
 from larqlpy.engines.presets import CODEC_DEFAULTS, CODEC_PLAIN, RECOMMENDED
 from larqlpy.engines.provider import Provider
@@ -125,10 +125,7 @@ class Codec(Provider):
         return self.options.get("calib", "off") in ("auto", "on")
 
     def resolved(self, geometries):
-        out = dict(self.options)
-        if out.get("calib") == "auto":
-            out["calib"] = "on" if geometries and all(g.key_calibration is not None for g in geometries) else "off"
-        return out
+        return self.calib_resolved(calibrated_everywhere(geometries))
 
     def row_format(self, geometry: LayerGeometry, tensor: str) -> tuple:
         """How this layer stores one head's row of K ("k") or V ("v"): ("tq", bits), or ("f32",) on a

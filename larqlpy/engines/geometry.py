@@ -58,3 +58,8 @@ class LayerGeometry:
         """Rows a later query can still read after `positions` positions: all on a global layer,
         the window on a sliding one (what window/v1, codec/v1 and cells/v1 retain)."""
         return positions if self.window is None else min(positions, self.window)
+
+
+def calibrated_everywhere(geometries) -> bool:
+    """Whether every layer has the model's key calibration (what `calib=auto` turns on for)."""
+    return bool(geometries) and all(g.key_calibration is not None for g in geometries)

@@ -62,6 +62,13 @@ class Provider:
         what a resumed state must match."""
         return dict(self.options)
 
+    def calib_resolved(self, on: bool) -> dict:
+        """The options with `calib=auto` made what it applies as (`on`: the keys are calibrated)."""
+        out = dict(self.options)
+        if out.get("calib") == "auto":
+            out["calib"] = "on" if on else "off"
+        return out
+
     def check_geometry(self, geometries: Sequence[LayerGeometry]) -> None:
         """Refuse a model this provider cannot serve, before any row is stored."""
 

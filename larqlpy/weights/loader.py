@@ -112,8 +112,21 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
             (lambda: _pack(ckpt, handles, checks, cfg, weights))
         packed, packed_from = packed_cache.load_or_build(home, weights, ckpt.fingerprint, sources, build)
         matrices = _install_packed(model, packed, dev)
+    _install_floats(model, ckpt, handles, checks, matrices, dev, tdtype)
+    checks.record()
+    own = _digest({f.name: sources[f.name] for f in ckpt.handles if f.name in sources})  # whatever `weights`
+    if key_calibration:
+        _read_calibration(model, home, ckpt.fingerprint, own)
+    return LoadedModel(path, cfg, model, tokenizer, ckpt.fingerprint, weights, packed_from, _digest(sources), home,
+                       own)
+
+
+def _install_floats(model: Decoder, ckpt, handles: dict, checks: KnownFiles, packed: set, dev: torch.device,
+                    tdtype: torch.dtype) -> None:
+    """Every weight not among the `packed` matrices onto the model as a float Parameter, each checked
+    finite as it is read."""
     for ours, (hf, _) in ckpt.wanted.items():
-        if ours in matrices:
+        if ours in packed:
             continue
         if ckpt.dtypes[ours] == "F32" and dev.type == "cpu" and tdtype == torch.float32:
             tensor = _float32(ckpt, handles, checks, ours)  # zero-copy from the file's pages, shared between processes
@@ -123,12 +136,6 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
         owner, _, attr = ours.rpartition(".")
         setattr(model.get_submodule(owner), attr,
                 torch.nn.Parameter(tensor.to(device=dev, dtype=tdtype), requires_grad=False))
-    checks.record()
-    own = _digest({f.name: sources[f.name] for f in ckpt.handles if f.name in sources})  # whatever `weights`
-    if key_calibration:
-        _read_calibration(model, home, ckpt.fingerprint, own)
-    return LoadedModel(path, cfg, model, tokenizer, ckpt.fingerprint, weights, packed_from, _digest(sources), home,
-                       own)
 
 
 def _digest(sources: dict) -> str:

@@ -59,11 +59,10 @@ def _turns(freq: torch.Tensor | None) -> _Turns | None:
 
 @dataclass(frozen=True)
 class KeyCalibration:
-    """One layer's: mean, scale (Hkv, D) float32; a head's mean is either `mean`, the same at every
-    position, or `turning`, taken before RoPE and turned to each row's position with the layer's
-    inverse frequencies `freq` (D/2,) -- m_p = mean + R(p) turning, one of the two zero per head
-    (larqlpy.calibration measures which serves each head better). digest names it all (states
-    record it)."""
+    """One layer's: mean, scale (Hkv, D) float32; a head's mean m_p = mean + R(p) turning, `mean`
+    the same at every position and `turning` taken before RoPE and turned to each row's position
+    with the layer's inverse frequencies `freq` (D/2,); either may be zero (larqlpy.calibration
+    measures which form serves each head). digest names it all (states record it)."""
 
     mean: torch.Tensor
     scale: torch.Tensor
