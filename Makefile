@@ -57,6 +57,8 @@ test-cuda: model
 # it (about 6 minutes on 2 cores; pip caches the wheel).
 bench-setup: setup
 	$(BIN)/python -c 'import llama_cpp' 2>/dev/null || $(BIN)/pip install -q -e '.[test,model,ray,bench]'
+	# xgrammar only to be measured beside llguidance (bench/structured.py): without its triton/transformers pins
+	$(BIN)/python -c 'import xgrammar' 2>/dev/null || $(BIN)/pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 
 bench: model bench-setup
 	$(BIN)/python bench/decode.py --model $(MODEL_DIR)
@@ -70,6 +72,8 @@ bench: model bench-setup
 	$(BIN)/python bench/stream.py --model $(MODEL_DIR)
 	$(BIN)/python bench/startup.py --model $(MODEL_DIR)
 	$(BIN)/python bench/gguf_run.py
+	$(BIN)/python bench/structured.py --model $(SMOL_DIR)
+	$(BIN)/python bench/structured.py --model "$(QWEN_GGUF)"
 
 # The codec accuracy tables in docs/codec.md (about 10 minutes).
 codec-quality: model

@@ -7,12 +7,11 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from larqlpy.chat import ChatSession
-from larqlpy.config import GenerationConfig
 from larqlpy.decode.sequence import Token
 from larqlpy.decode.stream import generate_step
 from larqlpy.engines import EngineSpec, parse_engine_spec
 from larqlpy.prepare import prepare
-from larqlpy.request import Request
+from larqlpy.request import Request, generation
 from larqlpy.weights.loader import LoadedModel
 from larqlpy.weights.loader import load as load_dir
 
@@ -44,7 +43,7 @@ class Model:
         spec = engine_spec(kw.pop("engine", None), kw.pop("continuation", None), kw.pop("options", None)) \
             if {"engine", "continuation", "options"} & kw.keys() else None
         template = kw.pop("chat_template", None)
-        return ChatSession(self.loaded, spec, GenerationConfig.from_dict(kw), template, system=system)
+        return ChatSession(self.loaded, spec, generation(kw), template, system=system)
 
     def complete(self, prompt: str | list[int], **kw) -> str:
         return "".join(t.text for t in self.generate(prompt, **kw))

@@ -36,6 +36,23 @@ class SamplingConfig:
             raise LarqlError(f"`top_p` must be in (0, 1], got {self.top_p}")
 
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar")
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What the output must match (decode/constraint.py): a JSON Schema (its JSON text), any JSON
+    object, a regular expression, or a Lark or GBNF grammar (its text)."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self):
+        if self.kind not in GRAMMAR_KINDS:
+            raise LarqlError(f"a grammar is one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     max_tokens: int = 64
@@ -43,8 +60,16 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_at_eos: bool = True  # end at the model's EOS and end-of-turn ids
     stop: tuple[str, ...] = ()  # end where one of these strings appears in the text (which stops before it)
+    grammar: Grammar | None = None  # the output must match it: every other token is masked before sampling
+    logprobs: int | None = None  # None: none; N: each token's log-probability and the N likeliest beside it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias) added to those logits (OpenAI: -100..100)
+    frequency_penalty: float = 0.0  # OpenAI: minus (times generated so far) x this, per id
+    presence_penalty: float = 0.0  # OpenAI: minus this, per id generated at least once
+    repetition_penalty: float = 1.0  # llama.cpp's: a positive logit / p, a negative one x p (1: off), for the ids
+    repeat_last_n: int = 64  # among the history's last N (-1: all of it)
 
     def __post_init__(self):
+        self._check_shaping()
         if self.max_tokens < 0:
             raise LarqlError(f"`max_tokens` must be >= 0, got {self.max_tokens}")
         if self.prefill_chunk < 1:
@@ -56,6 +81,29 @@ class GenerationConfig:
         if any(s == "" for s in self.stop):
             raise LarqlError("`stop` strings must not be empty")
         object.__setattr__(self, "stop", tuple(self.stop))
+
+    def _check_shaping(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise LarqlError(f"`logprobs` must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise LarqlError(f"`{name}` must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise LarqlError(f"`repetition_penalty` must be a positive number, got {self.repetition_penalty}")
+        if self.repeat_last_n < -1:
+            raise LarqlError(f"`repeat_last_n` must be >= -1 (-1: the whole history), got {self.repeat_last_n}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        pairs = tuple((int(k), float(v)) for k, v in bias)
+        for tok, b in pairs:
+            if tok < 0 or not -100.0 <= b <= 100.0:
+                raise LarqlError(f"`logit_bias` maps token ids >= 0 to biases in [-100, 100], got {tok}: {b}")
+        object.__setattr__(self, "logit_bias", pairs)
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Anything but sampling itself changes the logits: a grammar, a bias or a penalty."""
+        return self.grammar is not None or bool(self.logit_bias) or self.frequency_penalty != 0.0 or \
+            self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "GenerationConfig":

@@ -30,6 +30,10 @@ def prepare(loaded, req: Request, source: StateSource | None = None, key=None, s
         ids = source.tokens if ids is None else ids
     elif source is not None:
         spec.stateful("keep its state for later requests")
+    vocab = loaded.config.vocab_size
+    biased = [t for t, _ in req.gen.logit_bias if t >= vocab]
+    if biased:
+        raise LarqlError(f"`logit_bias` names token id {biased[0]}; the model's ids are 0..{vocab - 1}")
     gen, notes = fit_context(req.gen, len(ids), loaded.config.max_position_embeddings)
     measured = ensure_calibration(loaded, spec) if spec is not None else None
     notes = [*notes, measured] if measured else notes

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any, Mapping
 
-from larqlpy.config import GenerationConfig
+from larqlpy.config import MAX_LOGPROBS, GenerationConfig, Grammar
+from larqlpy.decode.constraint import compile_grammar, schema_text
 from larqlpy.engines import EngineSpec, parse_engine_spec
 from larqlpy.engines.options import parse_size
 from larqlpy.errors import LarqlError
@@ -21,11 +22,14 @@ from larqlpy.text.messages import check_messages
 
 # OpenAI fields that would change what is generated and that larqlpy does not implement: refused,
 # not ignored. Anything else unknown (user, metadata, ...) is ignored, as OpenAI ignores it.
-UNSUPPORTED = ("logprobs", "top_logprobs", "best_of", "echo", "suffix", "logit_bias", "tools", "tool_choice",
-               "functions", "function_call", "response_format", "audio", "modalities", "prediction")
-PENALTIES = ("frequency_penalty", "presence_penalty")
+UNSUPPORTED = ("best_of", "echo", "suffix", "tools", "tool_choice", "functions", "function_call", "audio",
+               "modalities", "prediction")
 MAX_STOPS = 4  # OpenAI's limit on `stop`
-EXTENSION = ("continuation", "options", "engine", "prefill_chunk")  # the body's "larqlpy" object
+# the body's "larqlpy" object: the engine, and the settings OpenAI's API has no field for
+EXTENSION = ("continuation", "options", "engine", "prefill_chunk", "regex", "grammar", "repetition_penalty",
+             "repeat_last_n")
+GRAMMAR_FIELDS = ("json_schema", "regex", "grammar", "response_format")  # the flat spelling: one at most
+SHAPING = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -61,13 +65,9 @@ class Request:
         for key in ("engine", "continuation", "kv_budget", "resume", "save_state", "chat_template"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 raise LarqlError(f"`{key}` must be a string")
-        for key in ("max_tokens", "top_k", "seed", "prefill_chunk"):
-            _integer(raw, key)
-        for key in ("temperature", "top_p"):
-            _number(raw, key)
         own = {f.name for f in fields(cls)} - {"gen", "options", "prompt", "ids"}
         return cls(prompt=prompt, options=_options(raw.get("options", raw.get("continuation_options", ()))),
-                   gen=_generation(raw), **{k: raw[k] for k in own if raw.get(k) is not None})
+                   gen=generation(raw), **{k: raw[k] for k in own if raw.get(k) is not None})
 
     @classmethod
     def from_api(cls, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
@@ -90,18 +90,16 @@ class Request:
         for key in UNSUPPORTED:
             if body.get(key) not in (None, False):
                 raise LarqlError(f"`{key}` is not supported by this server")
-        for key in PENALTIES:
-            if _number(body, key, -2.0, 2.0) not in (None, 0):
-                raise LarqlError(f"`{key}` is not supported by this server (only 0)")
         n = _integer(body, "n")
         if n not in (None, 1):
             raise LarqlError(f"`n` must be 1 (one choice per request), got {n}")
         engine = _extension(body.get("larqlpy"), default or cls())
-        gen = _generation({"max_tokens": _max_tokens(body, chat, max_tokens_limit),
+        gen = generation({"max_tokens": _max_tokens(body, chat, max_tokens_limit),
                            "temperature": _number(body, "temperature", 0.0, 2.0, default=1.0),
                            "top_p": _number(body, "top_p", 0.0, 1.0, default=1.0, lo_open=True),
                            "seed": _integer(body, "seed"), "stop": _stops(body.get("stop"), MAX_STOPS),
-                           "prefill_chunk": engine.pop("prefill_chunk", None)})
+                           "prefill_chunk": engine.pop("prefill_chunk", None), **_openai_shaping(body, chat),
+                           **{k: engine.pop(k) for k in EXTENSION[4:] if engine.get(k) is not None}})
         if chat:
             req = cls(messages=_messages(body.get("messages")), gen=gen, **engine)
         else:
@@ -144,11 +142,89 @@ class Request:
 
 # -- the checks every spelling shares ----------------------------------------------------------------
 
-def _generation(raw: dict[str, Any]) -> GenerationConfig:
+def generation(raw: dict[str, Any]) -> GenerationConfig:
+    """Generation settings in the flat spelling (flags, a batch line, the Python API), each checked."""
+    for key in ("max_tokens", "top_k", "seed", "prefill_chunk", "logprobs", "repeat_last_n"):
+        _integer(raw, key)
+    for key in ("temperature", "top_p", *SHAPING):
+        _number(raw, key)
     stop = raw.get("stop")
     if stop is not None:
         raw = {**raw, "stop": _stops(stop)}
+    raw = {**raw, "grammar": _grammar(raw), "logit_bias": _logit_bias(raw.get("logit_bias"))}
     return GenerationConfig.from_dict(raw)
+
+
+def _grammar(raw: dict[str, Any]) -> Grammar | None:
+    """The one grammar the flat spelling may give (`json_schema`, `regex`, `grammar` or OpenAI's
+    `response_format`), compiled once here so that one that cannot be is refused before any work."""
+    given = [k for k in GRAMMAR_FIELDS if raw.get(k) is not None]
+    if len(given) > 1:
+        raise LarqlError(f"give one of {', '.join(f'`{k}`' for k in given)}: each is a grammar for the whole output")
+    if not given:
+        return None
+    key = given[0]
+    if key == "response_format":
+        grammar = _response_format(raw[key])
+    elif key == "json_schema":
+        grammar = Grammar("json_schema", schema_text(raw[key]))
+    else:
+        if not isinstance(raw[key], str) or not raw[key]:
+            raise LarqlError(f"`{key}` must be a non-empty string")
+        grammar = Grammar(key, utf8(raw[key], f"`{key}`"))
+    if grammar is not None:
+        compile_grammar(grammar, key)
+    return grammar
+
+
+def _response_format(value: Any) -> Grammar | None:
+    """OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar("json_object")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise LarqlError("`response_format` json_schema must be an object with a `schema` object")
+        return Grammar("json_schema", schema_text(spec.get("schema", {})))
+    raise LarqlError("`response_format` must be an object whose type is text, json_object or json_schema")
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """{"id": bias, ...} (JSON's keys are strings) as (id, bias) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise LarqlError("`logit_bias` must be an object mapping token ids to biases")
+    pairs = []
+    for k, v in value.items():
+        if not (isinstance(k, int) or (isinstance(k, str) and k.strip().isdigit())) or isinstance(v, bool) or \
+                not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise LarqlError(f"`logit_bias` maps token ids to numbers, got {k!r}: {v!r}")
+        pairs.append((int(k), float(v)))
+    return tuple(pairs)
+
+
+def _openai_shaping(body: dict, chat: bool) -> dict[str, Any]:
+    """OpenAI's log-probability, penalty, bias and response-format fields as the flat spelling's.
+    Chat asks with `logprobs: true` and `top_logprobs`; completions with `logprobs: N`."""
+    out: dict[str, Any] = {k: _number(body, k, -2.0, 2.0) for k in SHAPING[:2]}
+    out["logit_bias"], out["response_format"] = body.get("logit_bias"), body.get("response_format")
+    if chat:
+        wants = body.get("logprobs")
+        if wants is not None and not isinstance(wants, bool):
+            raise LarqlError("`logprobs` must be a boolean")
+        top = _integer(body, "top_logprobs")
+        if top is not None and not wants:
+            raise LarqlError("`top_logprobs` needs `logprobs`: true")
+        out["logprobs"] = (top or 0) if wants else None
+    else:
+        out["logprobs"] = _integer(body, "logprobs")
+    if out["logprobs"] is not None and not 0 <= out["logprobs"] <= MAX_LOGPROBS:
+        raise LarqlError(f"`{'top_logprobs' if chat else 'logprobs'}` must be in 0..{MAX_LOGPROBS}")
+    return out
 
 
 def _stops(value: Any, most: int | None = None) -> tuple[str, ...]:
@@ -242,12 +318,13 @@ def _extension(ext: Any, default: Request) -> dict[str, Any]:
         if ext.get(key) is not None and not isinstance(ext[key], str):
             raise LarqlError(f"`larqlpy`.{key} must be a string")
     chunk = _integer(ext, "prefill_chunk")
+    shaping = {k: ext[k] for k in EXTENSION[4:] if ext.get(k) is not None}  # checked with the flat spelling's
     options = _options(ext.get("options", {}))
     if ext.get("engine") or ext.get("continuation") or options:
         engine = {"engine": ext.get("engine"), "continuation": ext.get("continuation"), "options": options}
     else:
         engine = {"engine": default.engine, "continuation": default.continuation, "options": default.options}
-    return {**engine, "prefill_chunk": chunk}
+    return {**engine, "prefill_chunk": chunk, **shaping}
 
 
 def _json_type(value: Any) -> str:

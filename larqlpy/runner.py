@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from larqlpy.budget import KVBudget
 from larqlpy.config import BatchConfig
+from larqlpy.decode.logits import described
 from larqlpy.decode.scheduler import Scheduler
 from larqlpy.decode.sequence import Sequence, Token
 from larqlpy.decode.stream import generate_step
@@ -78,6 +79,8 @@ def record(loaded, seq: Sequence) -> dict:
               "device": str(loaded.device), "dtype": str(loaded.model.dtype).replace("torch.", ""),
               "weights": loaded.weights, "kv_dtype": loaded.kv_dtype,
               "stats": seq.metrics().as_dict() if seq.output else {"prompt_tokens": len(seq.prompt_ids)}, "error": None}
+    if seq.gen.logprobs is not None:
+        result["logprobs"] = [described(loaded.tokenizer, t, lp) for t, lp in zip(seq.output, seq.logprobs)]
     if seq.notes:
         result["notes"] = seq.notes
     result.update(seq.report())

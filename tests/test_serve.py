@@ -4,6 +4,7 @@ prefix reuse, budgets, restarts and bad requests."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
@@ -119,7 +120,22 @@ BAD = [  # (what, body or raw bytes, headers, status, text in the message)
     ("top_p zero", {"model": NAME, "prompt": "hi", "top_p": 0}, {}, 400, "'top_p' must be in"),
     ("n of 2", {"model": NAME, "prompt": "hi", "n": 2}, {}, 400, "'n' must be 1"),
     ("stop a number", {"model": NAME, "prompt": "hi", "stop": 5}, {}, 400, "'stop' must be"),
-    ("logprobs", {"model": NAME, "prompt": "hi", "logprobs": 2}, {}, 400, "not supported"),
+    ("logprobs past 20", {"model": NAME, "prompt": "hi", "logprobs": 21}, {}, 400, "'logprobs' must be in 0..20"),
+    ("top_logprobs without logprobs", {"model": NAME, "messages": CHAT, "top_logprobs": 2}, {"chat": True}, 400,
+     "'top_logprobs' needs 'logprobs'"),
+    ("a schema that is no schema", {"model": NAME, "messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "thing"}}}}, {"chat": True}, 400,
+     "'response_format' cannot be compiled"),
+    ("a regex that does not compile", {"model": NAME, "prompt": "hi", "larqlpy": {"regex": "[a-"}}, {}, 400,
+     "'regex' cannot be compiled"),
+    ("two grammars", {"model": NAME, "prompt": "hi", "response_format": {"type": "json_object"},
+                      "larqlpy": {"regex": "a+"}}, {}, 400, "give one of"),
+    ("logit_bias id past the vocabulary", {"model": NAME, "prompt": "hi", "logit_bias": {"99999999": 1}}, {}, 400,
+     "'logit_bias' names token id"),
+    ("frequency_penalty past 2", {"model": NAME, "prompt": "hi", "frequency_penalty": 3}, {}, 400,
+     "'frequency_penalty' must be in"),
+    ("tools, not yet", {"model": NAME, "messages": CHAT, "tools": [{"type": "function"}]}, {"chat": True}, 400,
+     "'tools' is not supported"),
     ("stream not boolean", {"model": NAME, "prompt": "hi", "stream": "yes"}, {}, 400, "'stream' must be a boolean"),
     ("bad engine option", {"model": NAME, "prompt": "hi", "larqlpy": {"continuation": "codec/v1",
                                                                      "options": {"bits": 11}}}, {}, 400, "bits"),
@@ -152,6 +168,56 @@ def test_bad_requests_get_their_4xx_json_and_the_server_stays_up(server, what, b
     ok = server.post("/v1/completions", {"model": NAME, "prompt": "Hello", "max_tokens": 2},
                      headers={"Authorization": "Bearer sk-test"})
     assert ok.status_code == 200
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pets": {"type": "array", "maxItems": 3, "items": {"type": "object", "properties": {
+        "kind": {"enum": ["cat", "dog", "fish"]}, "name": {"type": "string", "maxLength": 16}},
+        "required": ["kind", "name"], "additionalProperties": False}}},
+    "required": ["name", "age", "pets"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Invent a person with pets. Reply with JSON."}]
+
+
+def test_response_format_and_logprobs_through_the_openai_client(client):
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for seed in range(3):
+        c = client.chat.completions.create(model=NAME, messages=ASK, response_format=fmt, temperature=1.0, seed=seed,
+                                           max_tokens=200, logprobs=True, top_logprobs=3)
+        text = c.choices[0].message.content
+        jsonschema.validate(json.loads(text), PERSON)
+        content = c.choices[0].logprobs.content
+        assert len(content) == c.usage.completion_tokens and c.choices[0].finish_reason == "stop"
+        assert b"".join(bytes(e.bytes) for e in content) == text.encode()
+        assert all(e.logprob <= 0 and len(e.top_logprobs) <= 3 for e in content)
+    chunks = list(client.chat.completions.create(model=NAME, messages=ASK, response_format=fmt, temperature=0,
+                                                 max_tokens=200, logprobs=True, stream=True,
+                                                 stream_options={"include_usage": True}))
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    jsonschema.validate(json.loads(streamed), PERSON)
+    entries = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert len(entries) == chunks[-1].usage.completion_tokens
+    whole = client.chat.completions.create(model=NAME, messages=ASK, response_format=fmt, temperature=0,
+                                           max_tokens=200, logprobs=True)
+    assert whole.choices[0].message.content == streamed
+    assert [e.logprob for e in whole.choices[0].logprobs.content] == [e.logprob for e in entries]
+    legacy = client.completions.create(model=NAME, prompt="The three primary colors are", max_tokens=8,
+                                       temperature=0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert "".join(lp.tokens) == legacy.choices[0].text and len(lp.token_logprobs) == 8
+    assert all(max(top.values()) == v for top, v in zip(lp.top_logprobs, lp.token_logprobs))  # greedy
+
+
+def test_json_object_and_penalties_through_the_server(client):
+    c = client.chat.completions.create(model=NAME, messages=ASK, response_format={"type": "json_object"},
+                                       temperature=0, max_tokens=120, frequency_penalty=0.5, presence_penalty=0.5,
+                                       extra_body={"larqlpy": {"repetition_penalty": 1.1}})
+    assert isinstance(json.loads(c.choices[0].message.content), dict)
+    r = client.completions.create(model=NAME, prompt="A phone number: ", max_tokens=20, temperature=0,
+                                  extra_body={"larqlpy": {"regex": "[0-9]{3}-[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].text)
 
 
 def test_routes_health_models_metrics(server):

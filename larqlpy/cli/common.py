@@ -54,7 +54,47 @@ FLAGS = {
     "queue_size": "--queue-size", "max_tokens_limit": "--max-tokens-limit", "max_body_bytes": "--max-body",
     "disk_budget": "--disk-budget", "state_dir": "--state-dir", "shard": "--shard",
     "shutdown_grace_s": "--shutdown-grace", "host": "--host", "allow_unused_tensors": "--allow-unused-tensors",
+    "json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar", "logprobs": "--logprobs",
+    "logit_bias": "--logit-bias", "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
+    "repetition_penalty": "--repetition-penalty", "repeat_last_n": "--repeat-last-n",
 }
+
+# What shapes the output beyond sampling: a grammar, log-probabilities, penalties and biases (`run`)
+JSON_SCHEMA = typer.Option(None, "--json-schema", help="the output is JSON valid under this JSON Schema FILE")
+REGEX = typer.Option(None, "--regex", help="the output matches this regular expression")
+GRAMMAR = typer.Option(None, "--grammar", help="the output matches this Lark or GBNF grammar FILE")
+LOGPROBS = typer.Option(None, "--logprobs", help="with --json: each token's log-probability and the N likeliest "
+                        "beside it (0..20)")
+LOGIT_BIAS = typer.Option([], "--logit-bias", help="ID=BIAS: add BIAS (-100..100) to that token's logit (repeatable)")
+FREQUENCY_PENALTY = typer.Option(0.0, "--frequency-penalty", help="-2..2: minus this x times a token was generated")
+PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty", help="-2..2: minus this for a token generated at all")
+REPETITION_PENALTY = typer.Option(1.0, "--repetition-penalty", help="llama.cpp's: tokens among the last "
+                                  "--repeat-last-n have a positive logit divided, a negative one multiplied (1: off)")
+REPEAT_LAST_N = typer.Option(64, "--repeat-last-n", help="the tokens --repetition-penalty looks back over (-1: all)")
+
+
+def shaping(json_schema: Optional[Path], regex: Optional[str], grammar: Optional[Path], logprobs: Optional[int],
+            logit_bias: list[str], **penalties: float) -> dict:
+    """The output-shaping flags as request fields (the files read, each bias parsed), refused in one line."""
+    bias = {}
+    for item in logit_bias:
+        tok, sep, value = item.partition("=")
+        try:
+            bias[int(tok)] = float(value)
+        except ValueError:
+            raise LarqlError(f"--logit-bias takes ID=BIAS, e.g. 42=-100; got {item!r}") from None
+    return dict(json_schema=read_text(json_schema, "--json-schema"), regex=regex,
+                grammar=read_text(grammar, "--grammar"), logprobs=logprobs, logit_bias=bias or None, **penalties)
+
+
+def read_text(path: Optional[Path], what: str) -> Optional[str]:
+    """A small text file a flag names, as text (None: not given), refused in one line."""
+    if path is None:
+        return None
+    try:
+        return utf8(path.read_bytes(), f"{what} {path}")
+    except OSError as e:
+        raise LarqlError(f"{what} {path}: {e.strerror or e}") from None
 
 
 def flag(name: str) -> str | None:

@@ -10,8 +10,10 @@ from typing import List, Optional
 import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE,
-                                KV_DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, cli_text, err, fmt_bytes,
-                                load_model, model_home, monitored, read_prompt)
+                                FREQUENCY_PENALTY, GRAMMAR, JSON_SCHEMA, KV_DTYPE, LOGIT_BIAS, LOGPROBS, MONITOR,
+                                MONITOR_PLOT, PRESENCE_PENALTY, REGEX, REPEAT_LAST_N, REPETITION_PENALTY, WEIGHTS,
+                                check_paths, cli_text, err, fmt_bytes, load_model, model_home, monitored, read_prompt,
+                                shaping)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
@@ -45,6 +47,15 @@ def run(
                               "rendered with the model's chat template"),
     system: Optional[str] = typer.Option(None, "--system", help="with --chat: a system message first"),
     chat_template: Optional[Path] = CHAT_TEMPLATE,
+    json_schema: Optional[Path] = JSON_SCHEMA,
+    regex: Optional[str] = REGEX,
+    grammar: Optional[Path] = GRAMMAR,
+    logprobs: Optional[int] = LOGPROBS,
+    logit_bias: List[str] = LOGIT_BIAS,
+    frequency_penalty: float = FREQUENCY_PENALTY,
+    presence_penalty: float = PRESENCE_PENALTY,
+    repetition_penalty: float = REPETITION_PENALTY,
+    repeat_last_n: int = REPEAT_LAST_N,
     stats: bool = typer.Option(False, "--stats", help="print engine, speeds and KV bytes to stderr"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
     monitor: Optional[Path] = MONITOR,
@@ -61,7 +72,10 @@ def run(
         continuation=continuation, options=list(continuation_option), kv_budget=kv_budget,
         resume=str(resume_from) if resume_from else None, save_state=str(save_state) if save_state else None,
         reprefill=reprefill, max_tokens=max_tokens, prefill_chunk=prefill_chunk, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=seed, stop=list(stop)))
+        top_k=top_k, top_p=top_p, seed=seed, stop=list(stop),
+        **shaping(json_schema, regex, grammar, logprobs, list(logit_bias), frequency_penalty=frequency_penalty,
+                  presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
+                  repeat_last_n=repeat_last_n)))
     check_paths(monitor, monitor_plot)
     check_kv_dtype(kv_dtype)
     show(generate(model, req, as_json, monitor, monitor_plot, device=device, dtype=dtype, weights=weights,

@@ -11,16 +11,18 @@ from larqlpy.config import SamplingConfig
 from larqlpy.errors import LarqlError
 
 
-def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
+def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None, shaped: bool = False) -> int:
     """One id from `logits` (V,). Under greedy decoding the argmax itself tells whether a logit is
-    not finite (a NaN anywhere is what argmax picks, and an infinity is the maximum): no extra pass."""
+    not finite (a NaN anywhere is what argmax picks, and an infinity is the maximum): no extra pass.
+    `shaped`: logits already checked and then masked (their -inf are ids that may not come)."""
     if cfg.temperature == 0.0:  # numpy's argmax (the first maximum, as torch's) is faster on a CPU row
         cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
         best = int(logits.numpy().argmax()) if cpu else int(torch.argmax(logits))
         if not math.isfinite(float(logits[best])):
             raise non_finite()
         return best
-    refuse_non_finite(logits)
+    if not shaped:
+        refuse_non_finite(logits)
     logits = logits.float() / cfg.temperature
     if cfg.top_k:
         kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1])).values[-1]
@@ -31,7 +33,16 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
         keep = torch.cumsum(sorted_p, 0) - sorted_p < cfg.top_p  # always keeps the most likely token
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+    return draw(probs.cpu(), gen)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """One id with probability `probs` (V,), by the inverse of its cumulative sum (in float64, so that
+    an id's share is its own to 1e-16): one pass over the row, where torch.multinomial draws an
+    exponential per id, ten times slower (docs/structured.md). An id of probability 0 is never drawn."""
+    cdf = torch.cumsum(probs, 0, dtype=torch.float64)
+    u = torch.rand(1, generator=gen, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
 
 
 def non_finite() -> LarqlError:

@@ -17,7 +17,9 @@ from typing import Any, Protocol
 import torch
 
 from larqlpy.config import GenerationConfig
-from larqlpy.decode.sampling import sample
+from larqlpy.decode.constraint import Constraint, Vocabulary, compile_grammar
+from larqlpy.decode.logits import Logprob, Shaper, logprob
+from larqlpy.decode.sampling import refuse_non_finite, sample
 from larqlpy.decode.stops import Piece, StopStrings
 from larqlpy.engines import EngineSpec, build_provider
 from larqlpy.engines.stores.base import EngineState
@@ -62,7 +64,8 @@ class Token:
     index: int  # 0-based among the tokens let out
     logits: torch.Tensor  # (V,) float32 logits this token was chosen from
     metrics: Metrics
-    finish_reason: str | None = None  # "stop" (a stop id or string) or "length", on the last token
+    finish_reason: str | None = None  # "stop" (a stop id or string, a complete grammar) or "length", on the last
+    logprob: Logprob | None = None  # when the request asks for log-probabilities
 
 
 @dataclass
@@ -116,15 +119,21 @@ class Sequence:
                  source: StateSource | None = None, key: Any = None, request: Any = None, notes=()):
         if not prompt_ids:
             raise LarqlError("empty prompt: nothing to condition on")
-        if gen.stop and tokenizer is None:
-            raise LarqlError("`stop` strings need the model's tokenizer to read the text")
+        if (gen.stop or gen.grammar is not None) and tokenizer is None:
+            raise LarqlError("`stop` strings and grammars need the model's tokenizer to read the text")
         self.model, self.spec, self.gen, self.source = model, spec, gen, source
         self.provider = build_provider(spec)  # its engine, built once: peak accounting and fresh states
         self.key, self.request, self.notes = key, request, list(notes)
         self.prompt_ids, self.history = list(prompt_ids), list(prompt_ids)
         self.stop_ids = frozenset(stop_ids) if gen.stop_at_eos else frozenset()
+        self.tokenizer = tokenizer
         self.detokenizer = tokenizer.stream() if tokenizer is not None else None
         self.stops = StopStrings(gen.stop)
+        vocab = model.cfg.vocab_size if gen.shapes_logits else 0
+        constraint = Constraint(Vocabulary.of(tokenizer, vocab), compile_grammar(gen.grammar)) \
+            if gen.grammar is not None else None
+        self.shaper = Shaper(gen, vocab, constraint)
+        self.logprobs: list[Logprob | None] = []  # of the ids let out
         seed = gen.sampling.seed
         self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
         self.state: EngineState | None = None
@@ -212,26 +221,39 @@ class Sequence:
             self.prefill_seconds = self.t_decode - self.t0
         if len(self.generated) >= self.gen.max_tokens:  # max_tokens 0: the prompt only
             return self._release([], "length")
-        tok = sample(logits, self.gen.sampling, self.rng)
+        tok, lp = self._choose(logits)
         self.generated.append(tok)
         self.history.append(tok)
         if tok in self.stop_ids:  # its text is none, and what waited goes out before it
             out, reason = self.stops.flush(), "stop"
             if not self.stops.cut:
-                out.append(Piece(tok, "", logits))
+                out.append(Piece(tok, "", (logits, lp)))
         else:
             text = self.detokenizer.step(tok) if self.detokenizer is not None else ""
-            out, reason = self.stops.push(Piece(tok, text, logits)), None
-            if not self.stops.cut and len(self.generated) == self.gen.max_tokens:
-                out, reason = out + self.stops.flush(), "length"
+            out, reason = self.stops.push(Piece(tok, text, (logits, lp))), None
+            if not self.stops.cut and (self.shaper.done or len(self.generated) == self.gen.max_tokens):
+                out, reason = out + self.stops.flush(), "stop" if self.shaper.done else "length"
         if self.stops.cut:  # a stop string: the text ends before it, and the state where the text ends
             tokens = self._release(out, "stop")
-            self._end_at_text((out[-1] if out else self.stops.dropped[0]).extra)
+            self._end_at_text((out[-1] if out else self.stops.dropped[0]).extra[0])
         else:
             tokens = self._release(out, reason)
         if self.spec.replay and not self.finished:  # no-cache: the whole history again, on a fresh state
             self.state = self._fresh()
         return tokens
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, Logprob | None]:
+        """The next id from the model's logits, shaped by the request's settings, and its
+        log-probability where asked."""
+        shaped = self.shaper.active
+        if shaped:
+            refuse_non_finite(logits)
+            logits = self.shaper(logits, self.history)
+        tok = sample(logits, self.gen.sampling, self.rng, shaped)
+        lp = logprob(logits, self.gen.sampling.temperature, tok, self.gen.logprobs) \
+            if self.gen.logprobs is not None else None
+        self.shaper.accept(tok)
+        return tok, lp
 
     def fail(self, e: Exception) -> None:
         self.error = failure(e)
@@ -269,8 +291,10 @@ class Sequence:
         m = self.metrics()
         out = []
         for i, p in enumerate(pieces):
-            out.append(Token(p.id, p.text, len(self.output), p.extra, m, finish if i == len(pieces) - 1 else None))
+            logits, lp = p.extra
+            out.append(Token(p.id, p.text, len(self.output), logits, m, finish if i == len(pieces) - 1 else None, lp))
             self.output.append(p.id)
+            self.logprobs.append(lp)
             self.text += p.text
         return out
 

@@ -37,8 +37,10 @@ def int_path(bits: int, lowest: int, highest: int) -> str:
     return "float"
 
 
+@lru_cache(maxsize=1)
 def describe() -> str:
-    """The features that choose kernels here, for benches and `info`."""
+    """The features that choose kernels here, for benches and `info` (and every measured choice's
+    key, asked per product: LLVM's host name is an FFI call)."""
     wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vnni", "avx512bf16", "avxvnni", "amx-bf16",
               "amx-int8", "amx-tile")
     have = [f for f in wanted if f in features()]

@@ -145,17 +145,23 @@ async def streamed(request: HttpRequest, h: Handle, rid: str, chat: bool, includ
     async with aclosing(events(request, h)) as source:
         if chat:
             yield json.dumps(protocol.chunk(rid, chat, s.name, None, None, first=True))
+        pending, sent = [], 0  # log-probabilities of tokens whose text has not gone out yet; text sent
         async for kind, value in source:
             if kind == "error":
                 yield json.dumps(ApiError(500, value, kind="server_error").body())
                 return
-            if kind == "token" and value.text:
-                yield json.dumps(protocol.chunk(rid, chat, s.name, value.text, None))
+            if kind == "token":
+                pending.append((value.id, value.logprob))
+                if value.text:
+                    yield json.dumps(protocol.chunk(rid, chat, s.name, value.text, None,
+                                                    lps=protocol.logprobs(seq, chat, pending, sent)))
+                    pending, sent = [], sent + len(value.text)
             if kind in ("done", "cut"):
                 break
         else:
             return  # the client went away
-    last = protocol.chunk(rid, chat, s.name, None if chat else "", seq.finish_reason or "length")
+    last = protocol.chunk(rid, chat, s.name, None if chat else "", seq.finish_reason or "length",
+                          lps=protocol.logprobs(seq, chat, pending, sent) if pending else None)
     last["larqlpy"] = protocol.extra(seq)
     yield json.dumps(last)
     if kind == "cut":  # ended where it stood, its finish "length"; the error says why; then [DONE]

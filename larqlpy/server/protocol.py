@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 
+from larqlpy.decode.logits import Logprob, described
 from larqlpy.decode.sequence import Sequence
 from larqlpy.errors import NAMED, LarqlError
 from larqlpy.files import check_fields
@@ -93,22 +94,42 @@ def extra(seq: Sequence) -> dict:
             "continuation_refused": seq.info.get("refused"), "tokens": list(seq.output), "notes": seq.notes}
 
 
+def logprobs(seq: Sequence, chat: bool, tokens: list[tuple[int, Logprob]], offset: int = 0) -> dict | None:
+    """`tokens`' log-probabilities in the choice's shape: chat's `content` list, or completions'
+    parallel lists (`offset`: where the first token's text begins in the completion); None when the
+    request asked for none."""
+    if seq.gen.logprobs is None:
+        return None
+    entries = [described(seq.tokenizer, t, lp) for t, lp in tokens]
+    if chat:
+        return {"content": entries}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
 def response(rid: str, chat: bool, model: str, seq: Sequence) -> dict:
     finish = seq.finish_reason or "length"
+    lps = logprobs(seq, chat, list(zip(seq.output, seq.logprobs)))
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": seq.text}, "finish_reason": finish,
-                  "logprobs": None}
+                  "logprobs": lps}
     else:
-        choice = {"index": 0, "text": seq.text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": seq.text, "finish_reason": finish, "logprobs": lps}
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice], "usage": usage(seq), "larqlpy": extra(seq)}
 
 
-def chunk(rid: str, chat: bool, model: str, text: str | None, finish: str | None, first: bool = False) -> dict:
+def chunk(rid: str, chat: bool, model: str, text: str | None, finish: str | None, first: bool = False,
+          lps: dict | None = None) -> dict:
     if chat:
         delta: dict = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lps}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice]}

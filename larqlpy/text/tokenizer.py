@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -92,6 +94,39 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.inner.get_vocab_size()
+
+    def to_json(self, _=None) -> str:
+        """tokenizer.json's text, as `tokenizers` writes it back."""
+        return self.inner.to_str()
+
+    def token_bytes(self, tok: int) -> bytes:
+        """The bytes id `tok` stands for, alone: a byte-level BPE token's own bytes; a SentencePiece
+        token with its ▁ as a space, or the byte of a <0xNN> fallback; a special token's text."""
+        piece = self.inner.id_to_token(tok)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode()
+        fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        return bytes([int(fallback.group(1), 16)]) if fallback else piece.replace("\u2581", " ").encode()
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        decoder = json.loads(self.inner.to_str()).get("decoder") or {}
+        kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+        return "ByteLevel" in kinds
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character each byte is written as, reversed."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 def _post_processor_adds(inner: HFTokenizer, bos_id: int | None) -> bool:

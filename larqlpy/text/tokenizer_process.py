@@ -32,7 +32,7 @@ def _serve(conn, parents_end, path: str) -> None:  # pragma: no cover - runs in 
         conn.send(("error", str(e)))
         return
     conn.send(("ok", (tok.bos_id, tok.add_bos, tok.stop_ids, tok.fingerprint, tok.config, tok.vocab_size)))
-    calls = {"ids_of": tok.ids_of, "decode": tok.decode}
+    calls = {"ids_of": tok.ids_of, "decode": tok.decode, "token_bytes": tok.token_bytes, "to_json": tok.to_json}
     while True:
         try:
             name, arg = conn.recv()
@@ -61,6 +61,12 @@ class RemoteTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._ask("decode", list(ids))
+
+    def token_bytes(self, tok: int) -> bytes:
+        return self._ask("token_bytes", tok)
+
+    def to_json(self, _=None) -> str:
+        return self._ask("to_json", None)
 
     @property
     def vocab_size(self) -> int:
