@@ -236,8 +236,13 @@ def long_prefill(path: Path, lengths: list[int], weights: list[str], engine: str
         raise SystemExit("no GGUF for this model: nothing to compare with")
     runners.append(LlamaCpp(gguf, max(lengths) + 64))
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; model {path}, larqlpy engine {engine}")
-    print("| length | " + " | ".join(f"{r.name} tok/s" for r in runners) + " | larqlpy / llama.cpp |")
-    print("|---|" + "---|" * (len(runners) + 1))
+    # Attention's share of a long prefill, estimated: a 1,024-token prefill from nothing is nearly all
+    # matrix work, which grows linearly; what a long prefill takes beyond that is attention over its rows.
+    chunk_ids = ladder_ids(runners[0].loaded.tokenizer, 1024)
+    base = {r.name: median_time(lambda r=r: r.prefill(chunk_ids), 3) / len(chunk_ids) for r in runners[:-1]}
+    print("| length | " + " | ".join(f"{r.name} tok/s" for r in runners) + " | larqlpy / llama.cpp | "
+          "larqlpy time in attention (est.) |")
+    print("|---|" + "---|" * (len(runners) + 2))
     for i, n in enumerate(lengths):
         ids = ladder_ids(runners[0].loaded.tokenizer, n)
         rate = {}
@@ -246,8 +251,9 @@ def long_prefill(path: Path, lengths: list[int], weights: list[str], engine: str
             r.prefill(ids)
             rate[r.name] = n / (time.perf_counter() - t0)
         cpp = rate[runners[-1].name]
+        share = ", ".join(f"{max(0.0, 1 - base[r.name] * rate[r.name]):.0%}" for r in runners[:-1])
         print(f"| {n:,} | " + " | ".join(f"{rate[r.name]:.1f}" for r in runners) + " | "
-              + ", ".join(f"{rate[r.name] / cpp:.2f}x" for r in runners[:-1]) + " |", flush=True)
+              + ", ".join(f"{rate[r.name] / cpp:.2f}x" for r in runners[:-1]) + f" | {share} |", flush=True)
 
 
 def main() -> None:
