@@ -12,6 +12,7 @@ from larqlpy.decode.stream import generate_step
 from larqlpy.engines import EngineSpec, parse_engine_spec
 from larqlpy.prepare import prepare
 from larqlpy.request import Request, generation
+from larqlpy.runner import execute
 from larqlpy.weights.loader import LoadedModel
 from larqlpy.weights.loader import load as load_dir
 
@@ -37,6 +38,15 @@ class Model:
         """The assistant's reply to a conversation ([{"role": ..., "content": ...}, ...]) rendered with
         the model's chat template (or the file `chat_template`); it stops at the end of its turn."""
         return self._run(Request.from_api(messages=messages, **kw))
+
+    def respond(self, messages: list[dict], **kw: object) -> dict:
+        """The assistant's whole reply to a conversation as OpenAI's message -- {"role", "content",
+        "tool_calls" (when `tools` were offered and called)} -- with its "finish_reason"."""
+        result = execute(self.loaded, Request.from_api(messages=messages, **kw))
+        message = {"role": "assistant", "content": result.get("content", result["text"])}
+        if result.get("tool_calls"):
+            message["tool_calls"] = result["tool_calls"]
+        return {**message, "finish_reason": result["finish_reason"]}
 
     def session(self, system: str | None = None, **kw) -> ChatSession:
         """A conversation that keeps its attention state across turns (larqlpy.chat.ChatSession)."""

@@ -10,12 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 from larqlpy.calibration import ensure as ensure_calibration
-from larqlpy.config import GenerationConfig
+from larqlpy.config import GenerationConfig, Grammar
 from larqlpy.decode.sequence import Sequence, StateSource
 from larqlpy.errors import LarqlError
 from larqlpy.request import Request
 from larqlpy.session import FileSource
 from larqlpy.text.chat_template import ChatTemplate
+from larqlpy.text.tools import call_grammar, tag_tokens
 
 
 def prepare(loaded, req: Request, source: StateSource | None = None, key=None, spec=None) -> Sequence:
@@ -23,6 +24,7 @@ def prepare(loaded, req: Request, source: StateSource | None = None, key=None, s
     resumes a file reads it here); given one, the engine must keep a state. `spec`: an engine
     already chosen (a chat's), instead of the request's."""
     spec = req.spec() if spec is None else spec
+    req = with_tools(loaded, req)
     ids = prompt_ids(loaded, req)
     if req.resume is not None:
         source = FileSource(loaded, req.resume, req.reprefill)
@@ -41,12 +43,26 @@ def prepare(loaded, req: Request, source: StateSource | None = None, key=None, s
                     source=source, key=key if key is not None else req.id, request=req, notes=notes)
 
 
+def with_tools(loaded, req: Request) -> Request:
+    """A request that offers tools, with its template's convention for them and, when it must call
+    one, the grammar of that call."""
+    if req.tools is None:
+        return req
+    use = dataclasses.replace(req.tools, convention=ChatTemplate.for_tokenizer(loaded.tokenizer,
+                                                                              req.chat_template).convention)
+    if use.forced:
+        grammar = Grammar("grammar", call_grammar(use, tag_tokens(loaded.tokenizer.ids_of)))
+        return dataclasses.replace(req, tools=use, gen=dataclasses.replace(req.gen, grammar=grammar))
+    return dataclasses.replace(req, tools=use)
+
+
 def prompt_ids(loaded, req: Request) -> list[int] | None:
     """The request's prompt as ids: its conversation rendered with the chat template (which writes
     BOS itself), its ids, or its text; None for an empty prompt that continues a resumed state."""
     tok = loaded.tokenizer
     if req.messages is not None:
-        return tok.encode(ChatTemplate.for_tokenizer(tok, req.chat_template).render(list(req.messages)), add_bos=False)
+        template = ChatTemplate.for_tokenizer(tok, req.chat_template)
+        return tok.encode(template.render(list(req.messages), tools=req.tools), add_bos=False)
     if req.ids is not None:
         vocab = loaded.config.vocab_size
         if max(req.ids) >= vocab or min(req.ids) < 0:

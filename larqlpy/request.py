@@ -7,6 +7,7 @@ refusal, before any weights load; `prepare.prepare` turns a request into a seque
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -19,15 +20,15 @@ from larqlpy.engines.options import parse_size
 from larqlpy.errors import LarqlError
 from larqlpy.files import check_output, utf8
 from larqlpy.text.messages import check_messages
+from larqlpy.text.tools import ToolUse, call_grammar, tool_use
 
 # OpenAI fields that would change what is generated and that larqlpy does not implement: refused,
 # not ignored. Anything else unknown (user, metadata, ...) is ignored, as OpenAI ignores it.
-UNSUPPORTED = ("best_of", "echo", "suffix", "tools", "tool_choice", "functions", "function_call", "audio",
-               "modalities", "prediction")
+UNSUPPORTED = ("best_of", "echo", "suffix", "functions", "function_call", "audio", "modalities", "prediction")
 MAX_STOPS = 4  # OpenAI's limit on `stop`
 # the body's "larqlpy" object: the engine, and the settings OpenAI's API has no field for
-EXTENSION = ("continuation", "options", "engine", "prefill_chunk", "regex", "grammar", "repetition_penalty",
-             "repeat_last_n")
+EXTENSION_SHAPING = ("regex", "grammar", "repetition_penalty", "repeat_last_n")
+EXTENSION = ("continuation", "options", "engine", "prefill_chunk", *EXTENSION_SHAPING)
 GRAMMAR_FIELDS = ("json_schema", "regex", "grammar", "response_format")  # the flat spelling: one at most
 SHAPING = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 
@@ -46,6 +47,7 @@ class Request:
     resume: str | None = None
     save_state: str | None = None
     reprefill: bool = False
+    tools: ToolUse | None = None  # OpenAI's tools and tool_choice (text/tools.py); with `messages` only
     gen: GenerationConfig = field(default_factory=GenerationConfig)
 
     @classmethod
@@ -65,9 +67,10 @@ class Request:
         for key in ("engine", "continuation", "kv_budget", "resume", "save_state", "chat_template"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 raise LarqlError(f"`{key}` must be a string")
-        own = {f.name for f in fields(cls)} - {"gen", "options", "prompt", "ids"}
+        own = {f.name for f in fields(cls)} - {"gen", "options", "prompt", "ids", "tools"}
+        gen = generation(raw)
         return cls(prompt=prompt, options=_options(raw.get("options", raw.get("continuation_options", ()))),
-                   gen=generation(raw), **{k: raw[k] for k in own if raw.get(k) is not None})
+                   gen=gen, tools=_tools(raw, gen), **{k: raw[k] for k in own if raw.get(k) is not None})
 
     @classmethod
     def from_api(cls, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
@@ -99,9 +102,11 @@ class Request:
                            "top_p": _number(body, "top_p", 0.0, 1.0, default=1.0, lo_open=True),
                            "seed": _integer(body, "seed"), "stop": _stops(body.get("stop"), MAX_STOPS),
                            "prefill_chunk": engine.pop("prefill_chunk", None), **_openai_shaping(body, chat),
-                           **{k: engine.pop(k) for k in EXTENSION[4:] if engine.get(k) is not None}})
+                           **{k: engine.pop(k) for k in EXTENSION_SHAPING if engine.get(k) is not None}})
         if chat:
-            req = cls(messages=_messages(body.get("messages")), gen=gen, **engine)
+            req = cls(messages=_messages(body.get("messages")), gen=gen, tools=_tools(body, gen), **engine)
+        elif body.get("tools") is not None:
+            raise LarqlError("`tools` need /v1/chat/completions")
         else:
             req = _completion_prompt(cls(gen=gen, **engine), body.get("prompt"))
         req.spec()
@@ -177,6 +182,22 @@ def _grammar(raw: dict[str, Any]) -> Grammar | None:
     return grammar
 
 
+def _tools(raw: dict[str, Any], gen: GenerationConfig) -> ToolUse | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls`, checked; a forced call's grammar compiled
+    once here, so that parameters no grammar can be made of are refused before any work."""
+    use = tool_use(raw.get("tools"), raw.get("tool_choice"), raw.get("parallel_tool_calls", True))
+    if use is None:
+        return None
+    if raw.get("messages") is None:
+        raise LarqlError("`tools` need `messages`: tools are offered in a chat")
+    if use.forced and gen.grammar is not None:
+        raise LarqlError("a required tool call is a grammar of its own: give `tool_choice` \"required\" "
+                         "(or a named function) or a grammar such as `response_format`, not both")
+    if use.forced:
+        compile_grammar(Grammar("grammar", call_grammar(use)), "tools")
+    return use
+
+
 def _response_format(value: Any) -> Grammar | None:
     """OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}."""
     kind = value.get("type") if isinstance(value, dict) else None
@@ -250,9 +271,21 @@ def _options(opts: Any) -> tuple[str, ...]:
 
 def _messages(messages: Any) -> tuple[dict, ...]:
     check_messages(messages)
+    kept = []
     for m in messages:
-        utf8(m["content"], "`messages`")
-    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+        utf8(m.get("content") or "", "`messages`")
+        one = {"role": m["role"], "content": m.get("content") or ""}
+        if m.get("tool_calls"):
+            one["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
+                "name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}}
+                for c in m["tool_calls"]]
+        one.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
+        kept.append(one)
+    return tuple(kept)
+
+
+def _arguments(args: str | dict) -> str:
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
 def _integer(raw: dict, key: str) -> int | None:
@@ -318,7 +351,7 @@ def _extension(ext: Any, default: Request) -> dict[str, Any]:
         if ext.get(key) is not None and not isinstance(ext[key], str):
             raise LarqlError(f"`larqlpy`.{key} must be a string")
     chunk = _integer(ext, "prefill_chunk")
-    shaping = {k: ext[k] for k in EXTENSION[4:] if ext.get(k) is not None}  # checked with the flat spelling's
+    shaping = {k: ext[k] for k in EXTENSION_SHAPING if ext.get(k) is not None}  # checked with the flat spelling's
     options = _options(ext.get("options", {}))
     if ext.get("engine") or ext.get("continuation") or options:
         engine = {"engine": ext.get("engine"), "continuation": ext.get("continuation"), "options": options}

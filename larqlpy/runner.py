@@ -16,6 +16,7 @@ from larqlpy.errors import LarqlError, failure
 from larqlpy.prepare import prepare
 from larqlpy.request import Request
 from larqlpy.session import save
+from larqlpy.text.tools import read_reply
 
 
 def execute(loaded, req: Request, on_token: Callable[[Token], None] | None = None) -> dict:
@@ -79,6 +80,10 @@ def record(loaded, seq: Sequence) -> dict:
               "device": str(loaded.device), "dtype": str(loaded.model.dtype).replace("torch.", ""),
               "weights": loaded.weights, "kv_dtype": loaded.kv_dtype,
               "stats": seq.metrics().as_dict() if seq.output else {"prompt_tokens": len(seq.prompt_ids)}, "error": None}
+    if req.tools is not None:
+        reply = read_reply(seq.text, req.tools)
+        result["content"], result["tool_calls"] = reply.content, list(reply.calls)
+        result["finish_reason"] = "tool_calls" if reply.calls else result["finish_reason"]
     if seq.gen.logprobs is not None:
         result["logprobs"] = [described(loaded.tokenizer, t, lp) for t, lp in zip(seq.output, seq.logprobs)]
     if seq.notes:

@@ -70,8 +70,8 @@ def test_template_refusals_are_one_line(smol, real, tmp_path):
     f = tmp_path / "t.jinja"
     f.write_text(GEMMA_STYLE)
     t = ChatTemplate.for_tokenizer(smol.tokenizer, f)
-    with pytest.raises(LarqlError, match="the role 'tool'"):  # no tools yet: refused before the template
-        t.render([{"role": "tool", "content": "x"}])
+    with pytest.raises(LarqlError, match="the role 'robot'"):  # refused before the template
+        t.render([{"role": "robot", "content": "x"}])
     raising = tmp_path / "raising.jinja"
     raising.write_text("{{ raise_exception('system messages are not supported') }}")
     with pytest.raises(LarqlError, match="system messages are not supported"):

@@ -7,6 +7,8 @@ weights must not pay for torch.
 
 from __future__ import annotations
 
+import json
+
 import gc
 import os
 import sys
@@ -56,7 +58,8 @@ FLAGS = {
     "shutdown_grace_s": "--shutdown-grace", "host": "--host", "allow_unused_tensors": "--allow-unused-tensors",
     "json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar", "logprobs": "--logprobs",
     "logit_bias": "--logit-bias", "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
-    "repetition_penalty": "--repetition-penalty", "repeat_last_n": "--repeat-last-n",
+    "repetition_penalty": "--repetition-penalty", "repeat_last_n": "--repeat-last-n", "tools": "--tools",
+    "tool_choice": "--tool-choice", "messages": "--chat",
 }
 
 # What shapes the output beyond sampling: a grammar, log-probabilities, penalties and biases (`run`)
@@ -71,6 +74,10 @@ PRESENCE_PENALTY = typer.Option(0.0, "--presence-penalty", help="-2..2: minus th
 REPETITION_PENALTY = typer.Option(1.0, "--repetition-penalty", help="llama.cpp's: tokens among the last "
                                   "--repeat-last-n have a positive logit divided, a negative one multiplied (1: off)")
 REPEAT_LAST_N = typer.Option(64, "--repeat-last-n", help="the tokens --repetition-penalty looks back over (-1: all)")
+TOOLS = typer.Option(None, "--tools", help="with --chat: the tools the model may call, a FILE holding OpenAI's "
+                     "`tools` list (JSON); the calls come back in --json's tool_calls")
+TOOL_CHOICE = typer.Option(None, "--tool-choice", help="with --tools: auto (default), none, required, or the name "
+                           "of the one function to call")
 
 
 def shaping(json_schema: Optional[Path], regex: Optional[str], grammar: Optional[Path], logprobs: Optional[int],
@@ -85,6 +92,21 @@ def shaping(json_schema: Optional[Path], regex: Optional[str], grammar: Optional
             raise LarqlError(f"--logit-bias takes ID=BIAS, e.g. 42=-100; got {item!r}") from None
     return dict(json_schema=read_text(json_schema, "--json-schema"), regex=regex,
                 grammar=read_text(grammar, "--grammar"), logprobs=logprobs, logit_bias=bias or None, **penalties)
+
+
+def tool_flags(tools: Optional[Path], tool_choice: Optional[str]) -> dict:
+    """--tools and --tool-choice as request fields (the file read as JSON), refused in one line."""
+    if tools is None:
+        if tool_choice is not None:
+            raise LarqlError("--tool-choice needs --tools")
+        return {}
+    try:
+        listed = json.loads(read_text(tools, "--tools"))
+    except ValueError as e:
+        raise LarqlError(f"--tools {tools}: not JSON ({e})") from None
+    choice = tool_choice if tool_choice in (None, "auto", "none", "required") else \
+        {"type": "function", "function": {"name": tool_choice}}
+    return {"tools": listed, "tool_choice": choice}
 
 
 def read_text(path: Optional[Path], what: str) -> Optional[str]:

@@ -11,9 +11,9 @@ import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE,
                                 FREQUENCY_PENALTY, GRAMMAR, JSON_SCHEMA, KV_DTYPE, LOGIT_BIAS, LOGPROBS, MONITOR,
-                                MONITOR_PLOT, PRESENCE_PENALTY, REGEX, REPEAT_LAST_N, REPETITION_PENALTY, WEIGHTS,
-                                check_paths, cli_text, err, fmt_bytes, load_model, model_home, monitored, read_prompt,
-                                shaping)
+                                MONITOR_PLOT, PRESENCE_PENALTY, REGEX, REPEAT_LAST_N, REPETITION_PENALTY, TOOL_CHOICE,
+                                TOOLS, WEIGHTS, check_paths, cli_text, err, fmt_bytes, load_model, model_home,
+                                monitored, read_prompt, shaping, tool_flags)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
@@ -56,6 +56,8 @@ def run(
     presence_penalty: float = PRESENCE_PENALTY,
     repetition_penalty: float = REPETITION_PENALTY,
     repeat_last_n: int = REPEAT_LAST_N,
+    tools: Optional[Path] = TOOLS,
+    tool_choice: Optional[str] = TOOL_CHOICE,
     stats: bool = typer.Option(False, "--stats", help="print engine, speeds and KV bytes to stderr"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
     monitor: Optional[Path] = MONITOR,
@@ -75,7 +77,7 @@ def run(
         top_k=top_k, top_p=top_p, seed=seed, stop=list(stop),
         **shaping(json_schema, regex, grammar, logprobs, list(logit_bias), frequency_penalty=frequency_penalty,
                   presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
-                  repeat_last_n=repeat_last_n)))
+                  repeat_last_n=repeat_last_n), **tool_flags(tools, tool_choice)))
     check_paths(monitor, monitor_plot)
     check_kv_dtype(kv_dtype)
     show(generate(model, req, as_json, monitor, monitor_plot, device=device, dtype=dtype, weights=weights,

@@ -142,6 +142,7 @@ async def whole(request: HttpRequest, h: Handle, rid: str, chat: bool):
 
 async def streamed(request: HttpRequest, h: Handle, rid: str, chat: bool, include_usage: bool):
     s, seq = served(request), h.seq
+    deltas = protocol.ChatDeltas(seq.request.tools)
     async with aclosing(events(request, h)) as source:
         if chat:
             yield json.dumps(protocol.chunk(rid, chat, s.name, None, None, first=True))
@@ -152,15 +153,19 @@ async def streamed(request: HttpRequest, h: Handle, rid: str, chat: bool, includ
                 return
             if kind == "token":
                 pending.append((value.id, value.logprob))
-                if value.text:
-                    yield json.dumps(protocol.chunk(rid, chat, s.name, value.text, None,
+                for out in (deltas.feed(value.text) if chat else [value.text]) if value.text else []:
+                    yield json.dumps(protocol.chunk(rid, chat, s.name, out, None,
                                                     lps=protocol.logprobs(seq, chat, pending, sent)))
-                    pending, sent = [], sent + len(value.text)
+                    pending = []
+                sent += len(value.text)
             if kind in ("done", "cut"):
                 break
         else:
             return  # the client went away
-    last = protocol.chunk(rid, chat, s.name, None if chat else "", seq.finish_reason or "length",
+    for out in deltas.close() if chat else []:
+        yield json.dumps(protocol.chunk(rid, chat, s.name, out, None))
+    finish = "tool_calls" if deltas.n else seq.finish_reason or "length"
+    last = protocol.chunk(rid, chat, s.name, None if chat else "", finish,
                           lps=protocol.logprobs(seq, chat, pending, sent) if pending else None)
     last["larqlpy"] = protocol.extra(seq)
     yield json.dumps(last)

@@ -11,6 +11,7 @@ from larqlpy.decode.logits import Logprob, described
 from larqlpy.decode.sequence import Sequence
 from larqlpy.errors import NAMED, LarqlError
 from larqlpy.files import check_fields
+from larqlpy.text.tools import CallStream, ToolUse, read_reply
 
 
 class ApiError(Exception):
@@ -116,20 +117,54 @@ def response(rid: str, chat: bool, model: str, seq: Sequence) -> dict:
     finish = seq.finish_reason or "length"
     lps = logprobs(seq, chat, list(zip(seq.output, seq.logprobs)))
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": seq.text}, "finish_reason": finish,
-                  "logprobs": lps}
+        reply = read_reply(seq.text, seq.request.tools)
+        message = {"role": "assistant", "content": reply.content}
+        if reply.calls:
+            message["tool_calls"], finish = list(reply.calls), "tool_calls"
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": lps}
     else:
         choice = {"index": 0, "text": seq.text, "finish_reason": finish, "logprobs": lps}
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice], "usage": usage(seq), "larqlpy": extra(seq)}
 
 
-def chunk(rid: str, chat: bool, model: str, text: str | None, finish: str | None, first: bool = False,
+def chunk(rid: str, chat: bool, model: str, text: str | dict | None, finish: str | None, first: bool = False,
           lps: dict | None = None) -> dict:
+    """A streamed chunk: `text` new text, or (chat) a whole delta -- ChatDeltas' tool calls."""
     if chat:
-        delta: dict = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+        delta: dict = {"role": "assistant", "content": ""} if first else \
+            ({} if text is None else text if isinstance(text, dict) else {"content": text})
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps}
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lps}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice]}
+
+
+class ChatDeltas:
+    """A chat stream's deltas for its text as it comes: content, or, where tools are offered, each
+    call once it is whole -- its id and name first, then its arguments, in OpenAI's shape."""
+
+    def __init__(self, use: ToolUse | None):
+        self.use = use
+        self.calls = CallStream(use) if use is not None and use.choice != "none" else None
+        self.n = 0  # calls sent
+
+    def feed(self, text: str) -> list[dict]:
+        return self._deltas(self.calls.feed(text) if self.calls is not None else [text])
+
+    def close(self) -> list[dict]:
+        return self._deltas(self.calls.close()) if self.calls is not None else []
+
+    def _deltas(self, parts: list) -> list[dict]:
+        out = []
+        for p in parts:
+            if isinstance(p, str):
+                out += [{"content": p}] if p else []
+            elif self.use.parallel or not self.n:
+                fn = p["function"]
+                out += [{"tool_calls": [{"index": self.n, "id": p["id"], "type": "function",
+                                         "function": {"name": fn["name"], "arguments": ""}}]},
+                        {"tool_calls": [{"index": self.n, "function": {"arguments": fn["arguments"]}}]}]
+                self.n += 1
+        return out

@@ -20,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from larqlpy.errors import LarqlError
 from larqlpy.files import read_text
 from larqlpy.text.messages import check_messages
+from larqlpy.text.tools import ToolUse, convention, template_messages
 
 
 def _raise_exception(message):
@@ -114,10 +115,22 @@ class ChatTemplate:
         _OWN[tokenizer] = own = cls(source, tokenizer.special_tokens(), "the model's chat template")
         return own
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    @property
+    def convention(self) -> str:
+        """How this template's model calls tools (text/tools.py)."""
+        return convention(self.source)
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: ToolUse | None = None,
+               **kwargs: Any) -> str:
+        """`messages` (OpenAI's, tool calls and results included) as the prompt text; `tools` are
+        passed to the template as transformers passes them, or described in the system message
+        where the template knows none."""
         check_messages(messages)
+        conv = self.convention
+        offered = [dict(t) for t in tools.tools] if tools is not None and tools.choice != "none" else None
         try:
-            return self.template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+            return self.template.render(messages=template_messages(messages, conv, tools),
+                                        tools=offered if conv != "generic" else None, documents=None,
                                         add_generation_prompt=add_generation_prompt, **{**self.special, **kwargs})
         except jinja2.exceptions.TemplateError as e:  # raise_exception(...) in the template, or a sandbox refusal
             raise LarqlError(f"{self.origin}: {e.message or e}") from None
