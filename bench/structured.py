@@ -5,7 +5,9 @@
    answer's tokens;
 2. what the mask costs a decode step: decode tok/s with and without a JSON Schema, at batch 1 and
    batch 8, the two alternating;
-3. how often sampled outputs (temperature 1) parse and validate against the schema.
+3. how often sampled outputs (temperature 1) parse and validate against the schema, and how often
+   a required tool call (`tool_choice: "required"`, tests/test_tools.py's two tools) is made and
+   its arguments validate against its function's parameters.
 
     python bench/structured.py --model models/smollm2-135m-instruct
     python bench/structured.py --model models/gguf/qwen2.5-coder-0.5b-instruct.gguf --samples 50
@@ -28,13 +30,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 from stream import cpu_name  # noqa: E402
 
 from larqlpy.config import Grammar  # noqa: E402
-from larqlpy.decode.constraint import JSON_LAYOUT, Constraint, Vocabulary, compile_grammar  # noqa: E402
+from larqlpy.decode.constraint import Constraint, Vocabulary, compile_grammar  # noqa: E402
 from larqlpy.request import Request  # noqa: E402
 from larqlpy.runner import execute_many  # noqa: E402
+from larqlpy.text.tools import JSON_LAYOUT  # noqa: E402
 from larqlpy.weights.loader import load  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
 from test_structured import PERSON as SCHEMA  # noqa: E402  (the nested schema the tests hold to)
+from test_tools import ASK as WEATHER_ASK, TOOLS, check_call  # noqa: E402
 
 ANSWER = {"name": "Ada Lovelace", "age": 36, "address": {"city": "London", "zip": "01234"},
           "pets": [{"kind": "cat", "name": "Puff"}, {"kind": "dog", "name": "Rex"}]}
@@ -127,6 +131,21 @@ def validity(loaded, samples: int, parallel: int) -> tuple[int, int, list[str]]:
     return good, samples, bad
 
 
+def tool_validity(loaded, samples: int, parallel: int) -> tuple[int, int, list[str]]:
+    reqs = [(i, Request.from_dict({"messages": WEATHER_ASK, "tools": TOOLS, "tool_choice": "required",
+                                   "max_tokens": 120, "temperature": 1.0, "seed": 2000 + i})) for i in range(samples)]
+    good, bad = 0, []
+    for _, rec in execute_many(loaded, reqs, parallel=parallel):
+        try:
+            assert rec["finish_reason"] == "tool_calls" and rec["tool_calls"], "no call"
+            for call in rec["tool_calls"]:
+                check_call(call)
+            good += 1
+        except Exception as e:  # noqa: BLE001 - the failure is the figure
+            bad.append(f"{type(e).__name__}: {rec['text'][:80]!r}")
+    return good, samples, bad
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
@@ -155,6 +174,10 @@ def main() -> None:
         print(f"| {batch} | {plain:.1f} | {masked:.1f} | {100 * (1 - masked / plain):.1f}% |", flush=True)
     good, n, bad = validity(loaded, args.samples, parallel=16)
     print(f"\nsampled at temperature 1: {good}/{n} parse and validate against the schema")
+    for b in bad[:5]:
+        print("  failed:", b)
+    good, n, bad = tool_validity(loaded, args.samples, parallel=16)
+    print(f"required tool calls sampled at temperature 1: {good}/{n} made, parsed and validated")
     for b in bad[:5]:
         print("  failed:", b)
 

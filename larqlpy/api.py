@@ -10,6 +10,7 @@ from larqlpy.chat import ChatSession
 from larqlpy.decode.sequence import Token
 from larqlpy.decode.stream import generate_step
 from larqlpy.engines import EngineSpec, parse_engine_spec
+from larqlpy.errors import LarqlError
 from larqlpy.prepare import prepare
 from larqlpy.request import Request, generation
 from larqlpy.runner import execute
@@ -43,10 +44,10 @@ class Model:
         """The assistant's whole reply to a conversation as OpenAI's message -- {"role", "content",
         "tool_calls" (when `tools` were offered and called)} -- with its "finish_reason"."""
         result = execute(self.loaded, Request.from_api(messages=messages, **kw))
-        message = {"role": "assistant", "content": result.get("content", result["text"])}
-        if result.get("tool_calls"):
-            message["tool_calls"] = result["tool_calls"]
-        return {**message, "finish_reason": result["finish_reason"]}
+        out = _message(result)
+        if "choices" in result:  # n > 1: every choice's, the first's also at the top
+            out["choices"] = [{"index": c["index"], **_message(c)} for c in result["choices"]]
+        return out
 
     def session(self, system: str | None = None, **kw) -> ChatSession:
         """A conversation that keeps its attention state across turns (larqlpy.chat.ChatSession)."""
@@ -59,8 +60,17 @@ class Model:
         return "".join(t.text for t in self.generate(prompt, **kw))
 
     def _run(self, req: Request) -> Iterator[Token]:
+        if req.n > 1:
+            raise LarqlError("`n` > 1 makes several answers: ask `respond` for them")
         seq = prepare(self.loaded, req)  # refusals now, not at the first token
         return generate_step(self.loaded.model, seq)
+
+
+def _message(result: dict) -> dict:
+    message = {"role": "assistant", "content": result.get("content", result["text"])}
+    if result.get("tool_calls"):
+        message["tool_calls"] = result["tool_calls"]
+    return {**message, "finish_reason": result["finish_reason"]}
 
 
 def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str | None = None,

@@ -11,6 +11,7 @@ import dataclasses
 
 from larqlpy.calibration import ensure as ensure_calibration
 from larqlpy.config import GenerationConfig, Grammar
+from larqlpy.decode.fork import Branches, branch_settings
 from larqlpy.decode.sequence import Sequence, StateSource
 from larqlpy.errors import LarqlError
 from larqlpy.request import Request
@@ -41,6 +42,20 @@ def prepare(loaded, req: Request, source: StateSource | None = None, key=None, s
     notes = [*notes, measured] if measured else notes
     return Sequence(loaded.model, ids, spec, gen, stop_ids=loaded.tokenizer.stop_ids, tokenizer=loaded.tokenizer,
                     source=source, key=key if key is not None else req.id, request=req, notes=notes)
+
+
+def prepare_all(loaded, req: Request, source: StateSource | None = None, key=None) -> list[Sequence]:
+    """`req` as its sequences: one, or its `n` choices -- branches of one prompt, prefilled once
+    (decode/fork.py), each with its own seed when one is given. Branches neither take from nor
+    leave kept states: `source` serves a single choice only."""
+    if req.n == 1:
+        return [prepare(loaded, req, source, key)]
+    first = prepare(loaded, req, key=key)
+    branches = Branches(loaded.model, first.spec, req.n, first.gen.prefill_chunk)
+    first.source = branches
+    return [first] + [Sequence(loaded.model, first.prompt_ids, first.spec, branch_settings(first.gen, i),
+                               stop_ids=loaded.tokenizer.stop_ids, tokenizer=loaded.tokenizer, source=branches,
+                               key=first.key, request=first.request, notes=first.notes) for i in range(1, req.n)]
 
 
 def with_tools(loaded, req: Request) -> Request:

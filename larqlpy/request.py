@@ -26,6 +26,7 @@ from larqlpy.text.tools import ToolUse, call_grammar, tool_use
 # not ignored. Anything else unknown (user, metadata, ...) is ignored, as OpenAI ignores it.
 UNSUPPORTED = ("best_of", "echo", "suffix", "functions", "function_call", "audio", "modalities", "prediction")
 MAX_STOPS = 4  # OpenAI's limit on `stop`
+MAX_CHOICES = 16  # `n`: each choice is a live sequence of its own
 # the body's "larqlpy" object: the engine, and the settings OpenAI's API has no field for
 EXTENSION_SHAPING = ("regex", "grammar", "repetition_penalty", "repeat_last_n")
 EXTENSION = ("continuation", "options", "engine", "prefill_chunk", *EXTENSION_SHAPING)
@@ -47,6 +48,7 @@ class Request:
     resume: str | None = None
     save_state: str | None = None
     reprefill: bool = False
+    n: int = 1  # choices of one prompt (prefilled once: decode/fork.py)
     tools: ToolUse | None = None  # OpenAI's tools and tool_choice (text/tools.py); with `messages` only
     gen: GenerationConfig = field(default_factory=GenerationConfig)
 
@@ -67,10 +69,11 @@ class Request:
         for key in ("engine", "continuation", "kv_budget", "resume", "save_state", "chat_template"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 raise LarqlError(f"`{key}` must be a string")
-        own = {f.name for f in fields(cls)} - {"gen", "options", "prompt", "ids", "tools"}
+        own = {f.name for f in fields(cls)} - {"gen", "options", "prompt", "ids", "tools", "n"}
         gen = generation(raw)
         return cls(prompt=prompt, options=_options(raw.get("options", raw.get("continuation_options", ()))),
-                   gen=gen, tools=_tools(raw, gen), **{k: raw[k] for k in own if raw.get(k) is not None})
+                   gen=gen, tools=_tools(raw, gen), n=_choices(raw),
+                   **{k: raw[k] for k in own if raw.get(k) is not None})
 
     @classmethod
     def from_api(cls, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
@@ -93,9 +96,6 @@ class Request:
         for key in UNSUPPORTED:
             if body.get(key) not in (None, False):
                 raise LarqlError(f"`{key}` is not supported by this server")
-        n = _integer(body, "n")
-        if n not in (None, 1):
-            raise LarqlError(f"`n` must be 1 (one choice per request), got {n}")
         engine = _extension(body.get("larqlpy"), default or cls())
         gen = generation({"max_tokens": _max_tokens(body, chat, max_tokens_limit),
                            "temperature": _number(body, "temperature", 0.0, 2.0, default=1.0),
@@ -103,12 +103,13 @@ class Request:
                            "seed": _integer(body, "seed"), "stop": _stops(body.get("stop"), MAX_STOPS),
                            "prefill_chunk": engine.pop("prefill_chunk", None), **_openai_shaping(body, chat),
                            **{k: engine.pop(k) for k in EXTENSION_SHAPING if engine.get(k) is not None}})
+        n = _choices(body)
         if chat:
-            req = cls(messages=_messages(body.get("messages")), gen=gen, tools=_tools(body, gen), **engine)
+            req = cls(messages=_messages(body.get("messages")), gen=gen, tools=_tools(body, gen), n=n, **engine)
         elif body.get("tools") is not None:
             raise LarqlError("`tools` need /v1/chat/completions")
         else:
-            req = _completion_prompt(cls(gen=gen, **engine), body.get("prompt"))
+            req = _completion_prompt(cls(gen=gen, n=n, **engine), body.get("prompt"))
         req.spec()
         return req
 
@@ -138,6 +139,8 @@ class Request:
         spec = parse_engine_spec(self.engine, continuation, options) if chosen or self.resume is None else None
         if spec is not None and (self.save_state or self.resume):
             spec.stateful("be saved or resumed")
+        if self.n > 1 and (self.save_state or self.resume):
+            raise LarqlError("`n` > 1 makes several states of one prompt: it cannot `save_state` or `resume`")
         if self.reprefill and self.resume is None:
             raise LarqlError("`reprefill` only makes sense with `resume`")
         if self.save_state is not None:
@@ -180,6 +183,13 @@ def _grammar(raw: dict[str, Any]) -> Grammar | None:
     if grammar is not None:
         compile_grammar(grammar, key)
     return grammar
+
+
+def _choices(raw: dict[str, Any]) -> int:
+    n = _integer(raw, "n")
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise LarqlError(f"`n` must be in 1..{MAX_CHOICES}, got {n}")
+    return n or 1
 
 
 def _tools(raw: dict[str, Any], gen: GenerationConfig) -> ToolUse | None:

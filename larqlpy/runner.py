@@ -13,19 +13,25 @@ from larqlpy.decode.scheduler import Scheduler
 from larqlpy.decode.sequence import Sequence, Token
 from larqlpy.decode.stream import generate_step
 from larqlpy.errors import LarqlError, failure
-from larqlpy.prepare import prepare
+from larqlpy.prepare import prepare_all
 from larqlpy.request import Request
 from larqlpy.session import save
 from larqlpy.text.tools import read_reply
 
 
 def execute(loaded, req: Request, on_token: Callable[[Token], None] | None = None) -> dict:
-    """Run `req` alone and return its result record (text, token ids, engine, stats, session)."""
-    seq = prepare(loaded, req)
-    for tok in generate_step(loaded.model, seq):
-        if on_token is not None:
-            on_token(tok)
-    return record(loaded, seq)
+    """Run `req` alone and return its result record (text, token ids, engine, stats, session); its
+    `n` choices, when it asks for several, batched together (`on_token` sees the first's tokens)."""
+    seqs = prepare_all(loaded, req)
+    if len(seqs) == 1:
+        for tok in generate_step(loaded.model, seqs[0]):
+            if on_token is not None:
+                on_token(tok)
+        return record(loaded, seqs[0])
+    for event in Scheduler(loaded.model, len(seqs)).run(seqs):
+        if on_token is not None and event.token is not None and event.seq is seqs[0]:
+            on_token(event.token)
+    return finished_record(loaded, seqs)
 
 
 def execute_many(loaded, requests: Iterable[tuple[Any, Request | str]], parallel: int | None = None,
@@ -38,19 +44,26 @@ def execute_many(loaded, requests: Iterable[tuple[Any, Request | str]], parallel
     sched = Scheduler(loaded.model, parallel, KVBudget(kv_budget), step_tokens)
     refused: list[tuple[Any, dict]] = []
 
+    groups: dict[int, list[Sequence]] = {}  # a request's choices, until every one has finished
+
     def sequences() -> Iterator[Sequence]:
         for key, req in requests:
             try:
                 if isinstance(req, str):
                     raise LarqlError(req)
-                yield prepare(loaded, req, key=key)
+                seqs = prepare_all(loaded, req, key=key)
             except Exception as e:  # one bad request must not take the others down
                 refused.append((key, error_record(req, failure(e))))
+                continue
+            groups[id(seqs[0].request)] = seqs
+            yield from seqs
 
     for event in sched.run(sequences(), on_step):
         yield from _drain(refused)
-        if event.token is None:
-            yield event.seq.key, finished_record(loaded, event.seq)
+        seqs = groups.get(id(event.seq.request))  # None: its request's record went out at this step
+        if event.token is None and seqs is not None and all(s.finished for s in seqs):
+            del groups[id(event.seq.request)]
+            yield event.seq.key, finished_record(loaded, seqs)
     yield from _drain(refused)
 
 
@@ -59,14 +72,22 @@ def _drain(items: list) -> Iterator:
         yield items.pop(0)
 
 
-def finished_record(loaded, seq: Sequence) -> dict:
-    """A batched sequence's record: its error, or its result (saving its state where it asks)."""
-    if seq.error is not None:
-        return error_record(seq.request, seq.error)
+def finished_record(loaded, seqs: list[Sequence]) -> dict:
+    """A request's record once its sequences have finished: an error, or its result (saving its
+    state where it asks); with several choices, the first's record with every one's in `choices`."""
+    failed = next((s for s in seqs if s.error is not None), None)
+    if failed is not None:
+        return error_record(failed.request, failed.error)
     try:
-        return record(loaded, seq)
+        result = record(loaded, seqs[0])
     except Exception as err:  # saving its state failed
-        return error_record(seq.request, failure(err))
+        return error_record(seqs[0].request, failure(err))
+    if len(seqs) > 1:
+        own = ("text", "tokens", "finish_reason", "content", "tool_calls", "logprobs")
+        result["choices"] = [{"index": i, **{k: v for k, v in record(loaded, s).items() if k in own}}
+                             for i, s in enumerate(seqs)]
+        result["stats"]["completion_tokens"] = sum(len(s.output) for s in seqs)
+    return result
 
 
 def record(loaded, seq: Sequence) -> dict:

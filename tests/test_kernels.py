@@ -227,6 +227,26 @@ def test_decode_attention_of_many_sequences_in_one_call(softcap):
                            together[s])
 
 
+@pytest.mark.parametrize("split", [128, 256, 77, 1])
+def test_a_query_over_pieces_of_rows_is_one_sequence(split):
+    """A branch's query reads its prompt's shared rows, then its own (two buffers): split at a whole
+    chunk, the same bits as over the rows in one buffer; anywhere else, the same numbers (float64);
+    beside other sequences in one call, the bits it gets alone."""
+    g = torch.Generator().manual_seed(11)
+    k, v = torch.randn(2, 500, 64, generator=g), torch.randn(2, 500, 64, generator=g)
+    shared, own = (k[:, :split], v[:, :split]), (k[:, split:].clone(), v[:, split:].clone())
+    q = torch.randn(2, 8, 64, generator=g)
+    whole = attend_rows(q[:1], [Span(k, v, 0, 500)], 0.125)
+    pieces = (Span(*shared, 0, split), Span(*own, 0, 500 - split))
+    got = attend_rows(q[:1], [pieces], 0.125)
+    assert (got[0].double() - _attention64(q[0], k, v, 0.125, 0.0)).abs().max() < 1e-5
+    if split % 128 == 0:
+        assert torch.equal(got, whole)
+    other = Span(k[:, :50], v[:, :50], 0, 50)
+    both = attend_rows(q, [pieces, other], 0.125)
+    assert torch.equal(both[0], got[0]) and torch.equal(both[1], attend_rows(q[1:], [other], 0.125)[0])
+
+
 @pytest.mark.parametrize("first, n", [(0, 1), (5, 40), (290, 200), (299, 300), (100, 300)])
 def test_decode_attention_writes_the_new_row_and_reads_a_ring_in_position_order(first, n):
     """A span the kernel writes: the step's own K, V (a column of the step's block) lands in the

@@ -118,7 +118,7 @@ BAD = [  # (what, body or raw bytes, headers, status, text in the message)
     ("temperature out of range", {"model": NAME, "prompt": "hi", "temperature": 7}, {}, 400,
      "'temperature' must be in"),
     ("top_p zero", {"model": NAME, "prompt": "hi", "top_p": 0}, {}, 400, "'top_p' must be in"),
-    ("n of 2", {"model": NAME, "prompt": "hi", "n": 2}, {}, 400, "'n' must be 1"),
+    ("n of 17", {"model": NAME, "prompt": "hi", "n": 17}, {}, 400, "'n' must be in 1..16"),
     ("stop a number", {"model": NAME, "prompt": "hi", "stop": 5}, {}, 400, "'stop' must be"),
     ("logprobs past 20", {"model": NAME, "prompt": "hi", "logprobs": 21}, {}, 400, "'logprobs' must be in 0..20"),
     ("top_logprobs without logprobs", {"model": NAME, "messages": CHAT, "top_logprobs": 2}, {"chat": True}, 400,
@@ -229,6 +229,27 @@ def test_json_object_and_penalties_through_the_server(client):
     r = client.completions.create(model=NAME, prompt="A phone number: ", max_tokens=20, temperature=0,
                                   extra_body={"larqlpy": {"regex": "[0-9]{3}-[0-9]{4}"}})
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", r.choices[0].text)
+
+
+def test_n_choices_from_one_prefill_streamed_or_not(client):
+    kw = {"model": NAME, "messages": CHAT, "n": 3, "temperature": 0.9, "seed": 4, "max_tokens": 12}
+    c = client.chat.completions.create(**kw, logprobs=True)
+    assert [ch.index for ch in c.choices] == [0, 1, 2]
+    assert len({ch.message.content for ch in c.choices}) > 1  # three seeds, three answers
+    # the prompt counted once, every choice's tokens counted
+    assert c.usage.completion_tokens == sum(len(ch.logprobs.content) for ch in c.choices)
+    one = client.chat.completions.create(**{**kw, "n": 1})
+    assert one.usage.prompt_tokens == c.usage.prompt_tokens  # (each choice's ids against its seed: test_fork.py)
+    texts = {}
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+        if chunk.usage is not None:
+            assert chunk.usage.prompt_tokens == c.usage.prompt_tokens
+            assert chunk.usage.completion_tokens == c.usage.completion_tokens
+    assert [texts[i] for i in range(3)] == [ch.message.content for ch in c.choices]
+    legacy = client.completions.create(model=NAME, prompt="Once upon a time", n=2, max_tokens=6, temperature=0)
+    assert len(legacy.choices) == 2 and legacy.choices[0].text == legacy.choices[1].text  # greedy: the same
 
 
 def test_routes_health_models_metrics(server):

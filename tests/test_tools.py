@@ -217,7 +217,7 @@ def test_a_forced_call_masks_all_but_a_valid_call(qwen):
 @pytest.mark.parametrize("choice, name", [("required", None), ({"type": "function", "function": {
     "name": "get_time"}}, "get_time")])
 def test_qwen_makes_a_forced_call_that_validates_sampled_or_greedy(qwen, choice, name):
-    for seed in (None, 0, 1, 2):
+    for seed in (None, 0):  # the server's test samples more (test_serve_tools.py)
         sampling = {"temperature": 1.0, "seed": seed} if seed is not None else {}
         r = execute(qwen, Request.from_dict({"messages": ASK, "tools": TOOLS, "tool_choice": choice,
                                              "max_tokens": 80, **sampling}))

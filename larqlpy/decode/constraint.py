@@ -16,8 +16,8 @@ import numpy as np
 
 from larqlpy.config import Grammar
 from larqlpy.errors import LarqlError
+from larqlpy.text.tools import JSON_LAYOUT
 
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _VOCABULARIES: dict[tuple, "Vocabulary"] = {}
 
 

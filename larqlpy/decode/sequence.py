@@ -188,7 +188,8 @@ class Sequence:
         reuse = self.source.take(self.prompt_ids, self.spec) if self.source is not None else Reuse()
         held, self.info = reuse.held, dict(reuse.info)
         self.state = held.state if held is not None else self._fresh()
-        self.held_from = self.state.position  # prompt tokens it did not prefill
+        # prompt tokens a state already held (a branch's prompt was prefilled for it: decode/fork.py)
+        self.held_from = 0 if "branch" in self.info else self.state.position
         if self.pending == 0:
             if held.logits is None:
                 raise LarqlError("the state already holds the whole prompt and no logits came with it")
@@ -268,8 +269,11 @@ class Sequence:
 
     def held(self) -> Held | None:
         """The state it leaves and the tokens that state stands for (None: no-cache keeps no state,
-        and a failed step, or one cut off inside the model -- Ctrl-C -- leaves it unknown)."""
+        a branch of `n` choices reads rows that are not its own, and a failed step, or one cut off
+        inside the model -- Ctrl-C -- leaves it unknown)."""
         if self.spec.replay or self.error is not None or self.state is None:
+            return None
+        if any(s.borrows() for s in self.state.layers):  # a branch: part of its rows are its prompt's, shared
             return None
         if len({s.end for s in self.state.layers}) > 1:  # some layers took the block, some did not
             return None

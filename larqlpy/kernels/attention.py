@@ -118,8 +118,9 @@ def _physical(where, s, i):  # pragma: no cover - jitted
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
 def _chunk(q, where, s, c, lo, hi, scale, softcap, m, total, acc):  # pragma: no cover - jitted
-    """Sequence s's readable rows [lo, hi) for every head: chunk c's running maximum, sum and weighted values."""
-    h, d = q.shape[1], q.shape[2]
+    """Piece s's readable rows [lo, hi) for every head of its query (row where[s, 9] of q): chunk c's
+    running maximum, sum and weighted values."""
+    h, d, qs = q.shape[1], q.shape[2], where[s, 9]
     n_kv, stride, kind = where[s, 4], where[s, 3], where[s, 8]
     rows = where[s, 6] if where[s, 6] > 0 else where[s, 5] + where[s, 2]  # the buffer's rows read from
     group = h // n_kv
@@ -144,7 +145,7 @@ def _chunk(q, where, s, c, lo, hi, scale, softcap, m, total, acc):  # pragma: no
                 r = idx[i]
                 dot = np.float32(0.0)
                 for j in range(d):
-                    dot += q[s, hh, j] * k[r, j]
+                    dot += q[qs, hh, j] * k[r, j]
                 dot *= scale
                 if softcap > 0:  # Gemma 2's attention softcapping
                     dot = softcap * np.tanh(dot / softcap)
@@ -223,8 +224,9 @@ def _merge(m, total, acc, a, b, out):  # pragma: no cover - jitted
 
 
 @njit(inline="always", cache=True, error_model="numpy")
-def _plan(where):  # pragma: no cover - jitted
-    """Sequence s owns chunks [first[s], first[s + 1]); owner[c] is chunk c's sequence."""
+def _plan(where, n_q):  # pragma: no cover - jitted
+    """Piece s owns chunks [first[s], first[s + 1]); owner[c] is chunk c's piece; query i's chunks
+    are [by_query[i], by_query[i + 1]) (a query's pieces come together, in order)."""
     n_seq = where.shape[0]
     first = np.empty(n_seq + 1, np.int64)
     first[0] = 0
@@ -233,7 +235,11 @@ def _plan(where):  # pragma: no cover - jitted
     owner = np.empty(first[n_seq], np.int64)
     for s in range(n_seq):
         owner[first[s]:first[s + 1]] = s
-    return first, owner
+    by_query = np.empty(n_q + 1, np.int64)
+    by_query[n_q] = first[n_seq]
+    for s in range(n_seq - 1, -1, -1):
+        by_query[where[s, 9]] = first[s]
+    return first, owner, by_query
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -245,20 +251,20 @@ def _item(q, where, first, owner, c, scale, softcap, m, total, acc):  # pragma: 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def _attend_rows(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover - jitted
-    """q (S, H, D) -> out (S, H, D); where (S, 9) int64 per sequence: K and V buffer addresses (row 0
-    of KV head 0), readable rows N, the elements between KV heads, KV heads, the buffer row of the
-    first readable one, the ring's rows (0: none), the column of knew, vnew to write as the last
-    readable row first (-1: the store wrote it), and the rows' element kind (F32, F16, BF16). Work
-    items are (sequence, chunk) pairs, so one long sequence spreads over the threads as well as many
-    short ones."""
+    """q (S, H, D) -> out (S, H, D); where (P, 10) int64 per piece of rows (a sequence's own rows, or
+    a prompt's rows its branches share): K and V buffer addresses (row 0 of KV head 0), readable rows
+    N, the elements between KV heads, KV heads, the buffer row of the first readable one, the ring's
+    rows (0: none), the column of knew, vnew to write as the last readable row first (-1: the store
+    wrote it), the rows' element kind (F32, F16, BF16), and the query it serves. Work items are
+    (piece, chunk) pairs, so one long sequence spreads over the threads as well as many short ones."""
     _write_new(knew, vnew, where)
-    first, owner = _plan(where)
+    first, owner, by_query = _plan(where, q.shape[0])
     nc, h, d = first[-1], q.shape[1], q.shape[2]
     m, total, acc = np.empty((nc, h), np.float32), np.empty((nc, h), np.float32), np.zeros((nc, h, d), np.float32)
     for c in prange(nc):
         _item(q, where, first, owner, c, scale, softcap, m, total, acc)
     for s in range(q.shape[0]):  # a few (H, D) sums: not worth waking the threads a second time
-        _merge(m, total, acc, first[s], first[s + 1], out[s])
+        _merge(m, total, acc, by_query[s], by_query[s + 1], out[s])
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -266,7 +272,7 @@ def _attend_chunk(q, knew, vnew, where, scale, softcap, out):  # pragma: no cove
     """A single chunk in all (one sequence, <= CHUNK rows): the same arithmetic, bit for bit, without
     waking the thread pool (which costs more than such a chunk takes)."""
     _write_new(knew, vnew, where)
-    first, owner = _plan(where)
+    first, owner, _ = _plan(where, 1)
     h, d = q.shape[1], q.shape[2]
     m, total, acc = np.empty((1, h), np.float32), np.empty((1, h), np.float32), np.zeros((1, h, d), np.float32)
     _item(q, where, first, owner, 0, scale, softcap, m, total, acc)
@@ -283,7 +289,8 @@ class Span(NamedTuple):
     float16 or bfloat16, both of one dtype) with contiguous rows, from buffer row `first`, wrapping
     at `ring` rows (0: no wrap). With `write` the step's own K, V row is not stored yet: the kernel
     writes it as the last of the n (its store reserved the row), so storing a decode step costs no
-    tensor operation of its own."""
+    tensor operation of its own. A query may read several spans in order (a branch: its prompt's
+    shared rows, then its own), joined as one sequence's chunks are."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -293,29 +300,31 @@ class Span(NamedTuple):
     write: bool = False
 
 
-def attend_rows(q: torch.Tensor, spans: list[Span], scale: float, softcap: float = 0.0,
+def attend_rows(q: torch.Tensor, spans: list[Span | tuple[Span, ...]], scale: float, softcap: float = 0.0,
                 new: tuple[torch.Tensor, torch.Tensor] | None = None, cols: list[int] | None = None) -> torch.Tensor:
-    """One decode query per sequence, q (S, H, D), each over its own rows (`spans`), all float32 on
-    the CPU -> (S, H, D); softcap > 0 caps the scaled scores as tanh(s / cap) * cap. `new`: the
-    step's K, V block (Hkv, T, D) and `cols` each sequence's column in it, for spans with `write`."""
+    """One decode query per sequence, q (S, H, D), each over its own rows (`spans`: a Span, or
+    several read in order), all float32 on the CPU -> (S, H, D); softcap > 0 caps the scaled scores
+    as tanh(s / cap) * cap. `new`: the step's K, V block (Hkv, T, D) and `cols` each sequence's
+    column in it, for spans with `write`."""
     n_seq, _, d = q.shape
     rows, held = [], []  # held: tensors copied here, alive until the kernel returns
-    for sp, col in zip(spans, cols or [-1] * n_seq):
-        k, v = sp.k, sp.v
-        if not (k.is_contiguous() or (k.stride(2) == 1 and k.stride(1) == d)) or v.stride() != k.stride() \
-                or v.dtype != k.dtype:
-            if sp.write or sp.ring:
-                raise ValueError("a span the kernel writes or wraps must be its store's own buffer")
-            k = k[:, sp.first:sp.first + sp.n].contiguous()
-            v = v[:, sp.first:sp.first + sp.n].to(k.dtype).contiguous()
-            held.append((k, v))
-            sp = Span(k, v, 0, sp.n)
-        rows.append((k.data_ptr(), v.data_ptr(), sp.n, k.stride(0), k.shape[0], sp.first, sp.ring,
-                     col if sp.write else -1, KINDS[k.dtype]))
+    for i, (pieces, col) in enumerate(zip(spans, cols or [-1] * n_seq)):
+        for sp in ((pieces,) if isinstance(pieces, Span) else pieces):
+            k, v = sp.k, sp.v
+            if not (k.is_contiguous() or (k.stride(2) == 1 and k.stride(1) == d)) or v.stride() != k.stride() \
+                    or v.dtype != k.dtype:
+                if sp.write or sp.ring:
+                    raise ValueError("a span the kernel writes or wraps must be its store's own buffer")
+                k = k[:, sp.first:sp.first + sp.n].contiguous()
+                v = v[:, sp.first:sp.first + sp.n].to(k.dtype).contiguous()
+                held.append((k, v))
+                sp = Span(k, v, 0, sp.n)
+            rows.append((k.data_ptr(), v.data_ptr(), sp.n, k.stride(0), k.shape[0], sp.first, sp.ring,
+                         col if sp.write else -1, KINDS[k.dtype], i))
     where = np.array(rows, np.int64)
     knew, vnew = (t.numpy() for t in new) if new is not None else (_NONE, _NONE)
     out = np.empty((n_seq, q.shape[1], d), np.float32)
-    kernel = _attend_chunk if n_seq == 1 and where[0, 2] <= CHUNK else _attend_rows
+    kernel = _attend_chunk if len(rows) == 1 and where[0, 2] <= CHUNK else _attend_rows
     kernel(q.contiguous().numpy(), knew, vnew, where, np.float32(scale), np.float32(softcap), out)
     return torch.from_numpy(out)
 

@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import secrets
+import time
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -28,7 +29,7 @@ from starlette.routing import Route
 from larqlpy.config import ServeConfig
 from larqlpy.errors import LarqlError
 from larqlpy.prefix_cache import PrefixCache
-from larqlpy.prepare import prepare
+from larqlpy.prepare import prepare_all
 from larqlpy.request import Request
 from larqlpy.server import protocol
 from larqlpy.server.engine import Handle, QueueFull, ServeEngine, ShuttingDown
@@ -88,95 +89,118 @@ async def generate(request: HttpRequest, chat: bool):
     if chat and not s.has_template:
         raise ApiError(400, f"the model '{s.name}' has no chat template: use /v1/completions")
     try:
-        seq = prepare(s.loaded, Request.from_openai(body, chat, s.cfg.max_tokens_limit, s.default), source=s.cache)
+        seqs = prepare_all(s.loaded, Request.from_openai(body, chat, s.cfg.max_tokens_limit, s.default),
+                           source=s.cache)
     except LarqlError as e:
         raise protocol.invalid(e) from None
+    handles = []
     try:
-        h = s.engine.submit(seq)
-    except QueueFull:
-        raise ApiError(429, "too many requests are waiting; retry later", kind="rate_limit_error") from None
-    except ShuttingDown:
+        for seq in seqs:
+            handles.append(s.engine.submit(seq))
+    except (QueueFull, ShuttingDown) as e:
+        for h in handles:
+            s.engine.cancel(h)
+        if isinstance(e, QueueFull):
+            raise ApiError(429, "too many requests are waiting; retry later", kind="rate_limit_error") from None
         raise ApiError(503, "the server is shutting down", kind="server_error") from None
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     if stream:
-        return EventSourceResponse(streamed(request, h, rid, chat, include_usage), ping=15, sep="\n")
-    return await whole(request, h, rid, chat)
+        return EventSourceResponse(streamed(request, handles, rid, chat, include_usage), ping=15, sep="\n")
+    return await whole(request, handles, rid, chat)
 
 
-async def events(request: HttpRequest, h: Handle) -> AsyncIterator[tuple[str, object]]:
-    """The request's events as they come: ("token", Token) ..., then ("done", seq) or ("error",
-    message). Ends early when the client goes away; then, or when its reader stops, the sequence is
-    cancelled."""
-    ended = False
+async def events(request: HttpRequest, handles: list[Handle]) -> AsyncIterator[tuple[int, str, object]]:
+    """The request's events as they come, with the choice they belong to: (i, "token", Token) ...,
+    then (i, "done", seq) or (i, "error", message) for each choice. Ends early when the client goes
+    away; then, or when its reader stops, the choices still going are cancelled."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(i: int, h: Handle) -> None:
+        kind = "token"
+        while kind == "token":
+            kind, value = await h.events.get()
+            merged.put_nowait((i, kind, value))
+
+    tasks = [asyncio.create_task(forward(i, h)) for i, h in enumerate(handles)]
+    going = set(range(len(handles)))
     try:
-        while not ended:
+        while going:
             try:
-                kind, value = await asyncio.wait_for(h.events.get(), timeout=0.5)
+                i, kind, value = await asyncio.wait_for(merged.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     return
                 continue
-            ended = kind != "token"
-            yield kind, value
+            if kind != "token":
+                going.discard(i)
+            yield i, kind, value
     finally:
-        if not ended:
-            served(request).engine.cancel(h)
+        for t in tasks:
+            t.cancel()
+        for i in going:
+            served(request).engine.cancel(handles[i])
 
 
 CUT = "the server shut down before this answer was complete"
 
 
-async def whole(request: HttpRequest, h: Handle, rid: str, chat: bool):
-    s = served(request)
-    async with aclosing(events(request, h)) as source:
-        async for kind, value in source:
+async def whole(request: HttpRequest, handles: list[Handle], rid: str, chat: bool):
+    s, done = served(request), 0
+    async with aclosing(events(request, handles)) as source:
+        async for _, kind, value in source:
             if kind == "error":
                 raise ApiError(500, value, kind="server_error")
             if kind == "cut":
                 raise ApiError(503, CUT, kind="server_error")
-            if kind == "done":
-                s.metrics.served(h.seq)
-                return JSONResponse(protocol.response(rid, chat, s.name, h.seq))
-    return Response(status_code=499)  # the client went away
+            done += kind == "done"
+    if done < len(handles):
+        return Response(status_code=499)  # the client went away
+    seqs = [h.seq for h in handles]
+    s.metrics.served(seqs)
+    return JSONResponse(protocol.response(rid, chat, s.name, seqs))
 
 
-async def streamed(request: HttpRequest, h: Handle, rid: str, chat: bool, include_usage: bool):
-    s, seq = served(request), h.seq
-    deltas = protocol.ChatDeltas(seq.request.tools)
-    async with aclosing(events(request, h)) as source:
-        if chat:
-            yield json.dumps(protocol.chunk(rid, chat, s.name, None, None, first=True))
-        pending, sent = [], 0  # log-probabilities of tokens whose text has not gone out yet; text sent
-        async for kind, value in source:
+async def streamed(request: HttpRequest, handles: list[Handle], rid: str, chat: bool, include_usage: bool):
+    s, seqs = served(request), [h.seq for h in handles]
+    deltas = [protocol.ChatDeltas(seq.request.tools) for seq in seqs]
+    pending = [[] for _ in seqs]  # log-probabilities of tokens whose text has not gone out yet
+    sent, ended, cut = [0] * len(seqs), 0, False  # text sent per choice
+    if chat:
+        for i in range(len(seqs)):
+            yield json.dumps(protocol.chunk(rid, chat, s.name, None, None, first=True, index=i))
+    async with aclosing(events(request, handles)) as source:
+        async for i, kind, value in source:
+            seq = seqs[i]
             if kind == "error":
                 yield json.dumps(ApiError(500, value, kind="server_error").body())
                 return
             if kind == "token":
-                pending.append((value.id, value.logprob))
-                for out in (deltas.feed(value.text) if chat else [value.text]) if value.text else []:
-                    yield json.dumps(protocol.chunk(rid, chat, s.name, out, None,
-                                                    lps=protocol.logprobs(seq, chat, pending, sent)))
-                    pending = []
-                sent += len(value.text)
-            if kind in ("done", "cut"):
-                break
-        else:
-            return  # the client went away
-    for out in deltas.close() if chat else []:
-        yield json.dumps(protocol.chunk(rid, chat, s.name, out, None))
-    finish = "tool_calls" if deltas.n else seq.finish_reason or "length"
-    last = protocol.chunk(rid, chat, s.name, None if chat else "", finish,
-                          lps=protocol.logprobs(seq, chat, pending, sent) if pending else None)
-    last["larqlpy"] = protocol.extra(seq)
-    yield json.dumps(last)
-    if kind == "cut":  # ended where it stood, its finish "length"; the error says why; then [DONE]
+                pending[i].append((value.id, value.logprob))
+                for out in (deltas[i].feed(value.text) if chat else [value.text]) if value.text else []:
+                    yield json.dumps(protocol.chunk(rid, chat, s.name, out, None, index=i,
+                                                    lps=protocol.logprobs(seq, chat, pending[i], sent[i])))
+                    pending[i] = []
+                sent[i] += len(value.text)
+                continue
+            cut, ended = cut or kind == "cut", ended + 1
+            for out in deltas[i].close() if chat else []:
+                yield json.dumps(protocol.chunk(rid, chat, s.name, out, None, index=i))
+            finish = "tool_calls" if deltas[i].n else seq.finish_reason or "length"
+            last = protocol.chunk(rid, chat, s.name, None if chat else "", finish, index=i,
+                                  lps=protocol.logprobs(seq, chat, pending[i], sent[i]) if pending[i] else None)
+            last["larqlpy"] = protocol.extra(seq)
+            yield json.dumps(last)
+    if ended < len(seqs):
+        return  # the client went away
+    if cut:  # ended where they stood, their finish "length"; the error says why; then [DONE]
         yield json.dumps(ApiError(503, CUT, kind="server_error").body())
         yield "[DONE]"
         return
     if include_usage:
-        yield json.dumps({"id": rid, "object": last["object"], "created": last["created"], "model": s.name,
-                          "choices": [], "usage": protocol.usage(seq)})
-    s.metrics.served(seq)
+        yield json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                          "created": int(time.time()), "model": s.name, "choices": [],
+                          "usage": protocol.usage(seqs)})
+    s.metrics.served(seqs)
     yield "[DONE]"
 
 

@@ -18,12 +18,12 @@ class Metrics:
         self.tokens = Counter("larqlpy_tokens", "tokens of answered requests", ["kind"], registry=self.registry)
         self.registry.register(_EngineCollector(engine))
 
-    def served(self, seq) -> None:
-        """A request answered in full."""
+    def served(self, seqs) -> None:
+        """A request answered in full (its choices' sequences: the prompt counted once)."""
         self.requests.labels("200").inc()
-        self.tokens.labels("prompt").inc(len(seq.prompt_ids))
-        self.tokens.labels("completion").inc(len(seq.output))
-        self.tokens.labels("cached").inc(seq.held_from)
+        self.tokens.labels("prompt").inc(len(seqs[0].prompt_ids))
+        self.tokens.labels("completion").inc(sum(len(s.output) for s in seqs))
+        self.tokens.labels("cached").inc(seqs[0].held_from)
 
     def failed(self, status: int) -> None:
         self.requests.labels(str(status)).inc()

@@ -78,10 +78,11 @@ def streaming(body: dict) -> tuple[bool, bool]:
 
 # -- responses --------------------------------------------------------------------------------------
 
-def usage(seq: Sequence) -> dict:
-    prompt, completion = len(seq.prompt_ids), len(seq.output)
+def usage(seqs: list[Sequence]) -> dict:
+    """A request's tokens: its prompt once, however many choices read it."""
+    prompt, completion = len(seqs[0].prompt_ids), sum(len(s.output) for s in seqs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached(seq)}}
+            "prompt_tokens_details": {"cached_tokens": cached(seqs[0])}}
 
 
 def cached(seq: Sequence) -> int:
@@ -113,32 +114,35 @@ def logprobs(seq: Sequence, chat: bool, tokens: list[tuple[int, Logprob]], offse
             "text_offset": offsets}
 
 
-def response(rid: str, chat: bool, model: str, seq: Sequence) -> dict:
+def response(rid: str, chat: bool, model: str, seqs: list[Sequence]) -> dict:
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice(chat, seq, i) for i, seq in enumerate(seqs)], "usage": usage(seqs),
+            "larqlpy": extra(seqs[0])}
+
+
+def choice(chat: bool, seq: Sequence, index: int) -> dict:
     finish = seq.finish_reason or "length"
     lps = logprobs(seq, chat, list(zip(seq.output, seq.logprobs)))
-    if chat:
-        reply = read_reply(seq.text, seq.request.tools)
-        message = {"role": "assistant", "content": reply.content}
-        if reply.calls:
-            message["tool_calls"], finish = list(reply.calls), "tool_calls"
-        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": lps}
-    else:
-        choice = {"index": 0, "text": seq.text, "finish_reason": finish, "logprobs": lps}
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(seq), "larqlpy": extra(seq)}
+    if not chat:
+        return {"index": index, "text": seq.text, "finish_reason": finish, "logprobs": lps}
+    reply = read_reply(seq.text, seq.request.tools)
+    message = {"role": "assistant", "content": reply.content}
+    if reply.calls:
+        message["tool_calls"], finish = list(reply.calls), "tool_calls"
+    return {"index": index, "message": message, "finish_reason": finish, "logprobs": lps}
 
 
 def chunk(rid: str, chat: bool, model: str, text: str | dict | None, finish: str | None, first: bool = False,
-          lps: dict | None = None) -> dict:
+          lps: dict | None = None, index: int = 0) -> dict:
     """A streamed chunk: `text` new text, or (chat) a whole delta -- ChatDeltas' tool calls."""
     if chat:
         delta: dict = {"role": "assistant", "content": ""} if first else \
             ({} if text is None else text if isinstance(text, dict) else {"content": text})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps}
+        one = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lps}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lps}
+        one = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": lps}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice]}
+            "model": model, "choices": [one]}
 
 
 class ChatDeltas:

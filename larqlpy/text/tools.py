@@ -25,12 +25,12 @@ from typing import Any
 from larqlpy.errors import LarqlError
 
 CHOICES = ("auto", "none", "required")
-CONVENTIONS = ("hermes", "llama3", "generic")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3: what may come before a call
-NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for a function's name
-# a JSON Schema held to json.dumps' own layout: a call the model makes re-renders as the same text
+# JSON held to one layout, json.dumps' own (grammars' JSON too: decode/constraint.py): a model cannot
+# spend tokens on blank space, and a call it makes re-renders in the next prompt as the same text
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for a function's name
 GENERIC_PROMPT = (
     "You may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"

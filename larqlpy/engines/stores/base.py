@@ -148,12 +148,25 @@ class LayerStore:
     def trim(self, end: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot be trimmed")
 
+    forks = False  # whether `fork` can make this store a branch of another
+
+    def borrows(self) -> bool:
+        """Whether some of its rows are another state's (a branch's shared prompt): such a state is
+        not kept past its request, its memory being partly another's."""
+        return False
+
+    def fork(self, other: "LayerStore") -> None:
+        """Become a branch of `other`, a fresh store's twin holding a prompt (n choices of one
+        prompt): as if this store had taken the same rows, sharing them where it can."""
+        raise NotImplementedError(f"{type(self).__name__} cannot fork")
+
     # -- what attention calls: Block.attend, the one dispatch point ----------------------------
-    def decode_rows(self, k: torch.Tensor, v: torch.Tensor) -> Span | None:
+    def decode_rows(self, k: torch.Tensor, v: torch.Tensor) -> Span | tuple[Span, ...] | None:
         """A decode step (one query, float32 on the CPU) in two halves, so that many sequences' steps
         are attended in one kernel call: store the step's k, v (Hkv, 1, D) and say where the float32
-        rows its query reads are (a `Span`: here the rows `read` gives; a store whose buffers the
-        kernel can read in place may instead reserve the step's row and let the kernel write it);
+        rows its query reads are (a `Span`, or spans read in order: here the rows `read` gives; a
+        store whose buffers the kernel can read in place may instead reserve the step's row and let
+        the kernel write it);
         the caller attends them, then calls `release()`. A store that attends in its own way (on
         codes) returns None and is called through `attend`."""
         self.append(k, v)

@@ -10,7 +10,7 @@ import torch
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.stores.kvdtype import torch_dtype
 from larqlpy.engines.stores.rows import Rows, RowSet, RowStore
-from larqlpy.kernels.attention import Span
+from larqlpy.kernels.attention import CHUNK, Span
 
 
 class ExactStore(RowStore):
@@ -29,12 +29,31 @@ class ExactStore(RowStore):
 
     def decode_rows(self, k, v):
         # the buffers as they are: the kernel writes the step's row into the slot claimed here (a ring
-        # of keep >= window rows never holds a readable row in that slot)
+        # of keep >= window rows never holds a readable row in that slot); a branch reads its
+        # prompt's shared rows first
         r, start = self.rows, self.geometry.read_start(self.end)
         r.claim_row()
         self.end = r.end
-        buf = r.buf
-        return Span(buf["k"], buf["v"], r.slot(start), self.end - start, r.keep or 0, True)
+        buf, lo = r.buf, max(start, r.offset)
+        own = Span(buf["k"], buf["v"], r.slot(lo), self.end - lo, r.keep or 0, True)
+        if start >= r.offset:
+            return own
+        return Span(r.prefix["k"], r.prefix["v"], start, r.offset - start), own
+
+    def borrows(self):
+        return self.rows.offset > 0
+
+    def fork(self, other):
+        """Growing rows are shared up to a whole chunk of the decode kernel (so a branch's chunks,
+        and its numbers, are those of a sequence that never forked), and on a sliding layer up to
+        where its window begins; the rest is copied. A ring is copied."""
+        if self.rows.keep is not None:
+            return super().fork(other)
+        upto = other.end // CHUNK * CHUNK
+        if self.geometry.window:
+            upto = min(upto, max(0, other.end - self.geometry.window))
+        self.rows.share(other.rows, upto)
+        self.end = other.end
 
     def read(self, start, dtype):
         r = self.rows.read(start, self.end)

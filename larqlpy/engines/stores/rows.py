@@ -8,6 +8,9 @@ Two shapes of storage:
 
 Fields are tensors of shape (Hkv, rows, *field_shape): K/V rows in the kv_dtype for the exact engines,
 norms and packed codes for the codec engines. Reads come back in position order.
+
+Growing storage may begin at `offset` > 0: the positions before it are another state's rows, shared
+read-only (`prefix`, views of its buffers) -- a branch of a prompt forked n ways (`share`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Rows:
         self.buf = {name: torch.zeros((n_kv, 0, *shape), dtype=dtype, device=device)
                     for name, (shape, dtype) in fields.items()}
         self.base = self.end = 0
+        self.offset, self.prefix = 0, None  # growing only: buffer row 0 is position `offset`; before it, `prefix`
         self.pending: dict[str, torch.Tensor] | None = None  # ring only: the current block's rows
         self._buf_bytes: int | None = None  # the buffers' allocation, counted again when they change
 
@@ -47,7 +51,7 @@ class Rows:
             assert self.pending is None, "append twice without commit"
             self.pending = values
         else:
-            n = self.end
+            n = self.end - self.offset
             self._reserve(n + t)
             for name, v in values.items():
                 self.buf[name][:, n:n + t] = v
@@ -57,9 +61,9 @@ class Rows:
         """Room for the row at position `end`, which the caller writes straight into the buffers (a
         decode kernel); the row counts as stored at once. Returns its buffer row."""
         assert self.pending is None, "claim beside a pending block"
-        cap = self.capacity
-        if self.end >= cap and (self.keep is None or cap < self.keep):  # full: grow (a ring up to keep)
-            self._reserve(self.end + 1)
+        cap, held = self.capacity, self.end - self.offset
+        if held >= cap and (self.keep is None or cap < self.keep):  # full: grow (a ring up to keep)
+            self._reserve(held + 1)
         slot = self.slot(self.end)
         self.end += 1
         if self.keep is not None:
@@ -67,8 +71,8 @@ class Rows:
         return slot
 
     def slot(self, position: int) -> int:
-        """The buffer row of a retained position."""
-        return position if self.keep is None else position % self.keep
+        """The buffer row of a retained position (at or past `offset`)."""
+        return position - self.offset if self.keep is None else position % self.keep
 
     def _reserve(self, rows: int, exact: bool = False) -> None:
         """Grow the buffers (doubling, or to exactly `rows` when the caller knows the final count) to
@@ -81,7 +85,7 @@ class Rows:
         cap = rows if exact else max(self.min_capacity, 2 * self.capacity, rows)
         if self.keep is not None:
             cap = min(cap, self.keep)
-        n = min(self.end - (self.pending_rows()), self.capacity)
+        n = min(self.end - self.offset - self.pending_rows(), self.capacity)
         for name, old in self.buf.items():
             new = torch.zeros((self.n_kv, cap, *old.shape[2:]), dtype=old.dtype, device=self.device)
             new[:, :n] = old[:, :n]
@@ -89,8 +93,9 @@ class Rows:
         self._buf_bytes = None
 
     def reserve(self, rows: int) -> None:
-        """Allocate room for `rows` rows now, exactly: later appends up to there never reallocate."""
-        self._reserve(rows, exact=True)
+        """Allocate room for the rows up to position `rows` now, exactly: later appends up to there
+        never reallocate."""
+        self._reserve(rows - self.offset, exact=True)
 
     def pending_rows(self) -> int:
         return next(iter(self.pending.values())).shape[1] if self.pending else 0
@@ -103,7 +108,12 @@ class Rows:
         if lo < self.base or hi > self.end:
             raise RuntimeError(f"rows [{lo}, {hi}) outside the retained [{self.base}, {self.end})")
         if self.keep is None:
-            return {name: b[:, lo:hi] for name, b in self.buf.items()}
+            a, z = max(lo, self.offset) - self.offset, max(hi, self.offset) - self.offset
+            if lo >= self.offset or hi <= lo:
+                return {name: b[:, a:z] for name, b in self.buf.items()}
+            shared = {name: p[:, lo:min(hi, self.offset)] for name, p in self.prefix.items()}
+            return {name: torch.cat([shared[name], b[:, a:z]], dim=1) if z > a else shared[name]
+                    for name, b in self.buf.items()}
         if lo >= hi:  # an empty range of a ring (no slices to join)
             return {name: b[:, :0] for name, b in self.buf.items()}
         stored_end = self._stored_end()
@@ -151,7 +161,7 @@ class Rows:
 
     def restore(self, base: int, end: int, pieces: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
         """Refill from saved rows: `pieces` are (first position, fields) covering [base, end)."""
-        self.pending = None
+        self.pending, self.offset, self.prefix = None, 0, None
         cap = max(self.min_capacity, end) if self.keep is None else min(self.keep, max(self.min_capacity, end))
         self.buf = {name: torch.zeros((self.n_kv, cap, *shape), dtype=dtype, device=self.device)
                     for name, (shape, dtype) in self.fields.items()}
@@ -162,8 +172,20 @@ class Rows:
 
     def trim(self, end: int) -> None:
         """Forget positions from `end` on (the caller checked the rows it still needs are here)."""
-        assert self.pending is None and self.base <= end <= self.end
+        assert self.pending is None and self.base <= end <= self.end and end >= self.offset
         self.end = end
+
+    def share(self, rows: "Rows", upto: int) -> None:
+        """Become a branch of `rows` (growing, at its end): positions below `upto` are read from its
+        buffers, shared; those from there to its end are copied into this one's own."""
+        assert self.keep is None and rows.keep is None and rows.pending is None and upto <= rows.end
+        self.prefix = {name: b[:, :upto - rows.offset] for name, b in rows.buf.items()} if rows.offset == 0 \
+            else rows.read(0, upto)  # a branch of a branch: its prefix joined once
+        self.offset, self.base, self.end = upto, 0, upto
+        tail = rows.read(upto, rows.end)
+        self._reserve(rows.end - upto, exact=True)
+        self.append(tail)
+        self.end = rows.end
 
     def nbytes(self) -> int:
         """Bytes of the allocations held: a token's metrics ask for them every step."""
@@ -243,8 +265,16 @@ class RowStore(LayerStore):
                                                         for k, a in arr.items()}) for m, arr in mine])
         self.end = end
 
+    forks = True
+
+    def fork(self, other):
+        """A copy, row for row, through the records a saved state holds (stores that can share
+        rows override this)."""
+        self.restore(other.end, other.export())
+
     def can_trim(self, end):
-        return end <= self.end and self.main.base <= self.geometry.read_start(end)
+        return end <= self.end and self.main.base <= self.geometry.read_start(end) and \
+            all(end >= s.rows.offset for s in self.row_sets().values())
 
     def trim(self, end):
         for s in self.row_sets().values():

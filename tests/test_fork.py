@@ -1,0 +1,112 @@
+"""`n` choices from one prompt (decode/fork.py): the prompt prefilled once and forked; growing exact
+rows shared (each branch stores only its own), other stores copied, cells/v1 and no-cache prefilling
+per branch; every branch's ids those of the same request run on its own seed beside the others."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from larqlpy.decode.fork import Branches
+from larqlpy.engines.stores.rows import Rows
+from larqlpy.errors import LarqlError
+from larqlpy.kernels.attention import CHUNK
+from larqlpy.request import Request
+from larqlpy.runner import execute, execute_many
+from test_structured import CITY
+
+ENGINES = [("canonical/v1", []), ("window/v1", []), ("codec/v1", ["bits=4"]), ("cells/v1", ["budget=8MiB"]),
+           (None, [])]  # None: --engine no-cache
+
+
+def base(long_text, engine, options, **kw) -> dict:
+    where = {"engine": "no-cache"} if engine is None else {"continuation": engine, "options": options}
+    return {"prompt": long_text[:700], "max_tokens": 4, "temperature": 0.8, **where, **kw}  # past one CHUNK
+
+
+@pytest.mark.parametrize("engine, options", ENGINES, ids=[e or "no-cache" for e, _ in ENGINES])
+def test_each_choice_is_the_request_on_its_own_seed(smol, long_text, engine, options):
+    raw = base(long_text, engine, options)
+    apart = dict(execute_many(smol, [(i, Request.from_dict({**raw, "seed": 7 + i})) for i in range(3)], parallel=3))
+    many = execute(smol, Request.from_dict({**raw, "seed": 7, "n": 3}))
+    assert [c["tokens"] for c in many["choices"]] == [apart[i]["tokens"] for i in range(3)]
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2] and many["tokens"] == many["choices"][0]["tokens"]
+    assert many["stats"]["completion_tokens"] == sum(len(c["tokens"]) for c in many["choices"])
+    if engine == "canonical/v1":
+        greedy = execute(smol, Request.from_dict({**raw, "temperature": 0, "n": 2}))
+        assert greedy["choices"][0]["tokens"] == greedy["choices"][1]["tokens"]
+
+
+def test_the_prompt_is_prefilled_once_and_its_rows_held_once(smol, long_text):
+    from larqlpy.prepare import prepare_all
+
+    seqs = prepare_all(smol, Request.from_dict(base(long_text, "canonical/v1", [], n=4)))
+    for s in seqs:
+        s.start()
+    source = seqs[0].source
+    assert isinstance(source, Branches) and source.taken == 4
+    prompt = len(seqs[0].prompt_ids)
+    parent = source.parent.state
+    for s in seqs:
+        assert s.ready and s.pending == 0 and s.held_from == 0  # nothing left to prefill; nothing was cached
+        for mine, theirs in zip(s.state.layers, parent.layers):
+            rows = mine.rows
+            assert rows.offset == prompt // CHUNK * CHUNK > 0
+            assert rows.prefix["k"].data_ptr() == theirs.rows.buf["k"].data_ptr()  # read in place, not copied
+            own = rows.buf["k"].shape[1]
+            assert own < CHUNK  # only the prompt's last partial chunk is the branch's own
+            for field in ("k", "v"):
+                assert torch.equal(rows.read(0, prompt)[field], theirs.rows.read(0, prompt)[field])
+        assert s.state.resident_bytes() < parent.resident_bytes() / 4
+    assert seqs[0].info["shared_prompt_kv_bytes"] == parent.resident_bytes()
+
+
+def test_a_branch_trims_saves_and_restores_like_any_state():
+    parent = Rows(2, {"k": ((4,), torch.float32)}, torch.device("cpu"))
+    parent.append({"k": torch.randn(2, 300, 4)})
+    child = Rows(2, {"k": ((4,), torch.float32)}, torch.device("cpu"))
+    child.share(parent, 256)
+    child.append({"k": torch.randn(2, 5, 4)})
+    assert child.end == 305 and torch.equal(child.read(0, 300)["k"], parent.read(0, 300)["k"])
+    assert torch.equal(child.read(250, 260)["k"], parent.read(250, 260)["k"])
+    whole = child.read(0, 305)["k"]
+    child.trim(280)
+    assert child.end == 280 and torch.equal(child.read(0, 280)["k"], whole[:, :280])
+    copy = Rows(2, {"k": ((4,), torch.float32)}, torch.device("cpu"))
+    copy.restore(0, 280, [(0, child.read(0, 280))])
+    assert copy.offset == 0 and torch.equal(copy.read(0, 280)["k"], whole[:, :280])
+
+
+def test_a_grammar_holds_in_every_choice(smol):
+    r = execute(smol, Request.from_dict({"messages": [{"role": "user", "content": "Name a city, in JSON."}],
+                                         "json_schema": CITY, "max_tokens": 40, "temperature": 1.0, "seed": 3,
+                                         "n": 3}))
+    for c in r["choices"]:
+        assert c["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(c["text"]), CITY)
+
+
+def test_batch_lines_and_the_api_give_every_choice(smol, smol_dir):
+    import larqlpy
+
+    lines = [(0, Request.from_dict({"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0.9, "seed": 1,
+                                    "n": 3})), (1, Request.from_dict({"prompt": "Hello", "max_tokens": 4}))]
+    got = dict(execute_many(smol, lines, parallel=8))
+    assert len(got[0]["choices"]) == 3 and "choices" not in got[1]
+    m = larqlpy.load(smol_dir, device="cpu")
+    reply = m.respond([{"role": "user", "content": "Say hi."}], n=2, max_tokens=8, temperature=0.9, seed=2)
+    assert [c["index"] for c in reply["choices"]] == [0, 1] and reply["content"] == reply["choices"][0]["content"]
+    with pytest.raises(LarqlError, match="ask `respond`"):
+        m.complete("hi", n=2)
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ({"n": 0}, "`n` must be in 1..16"), ({"n": 17}, "`n` must be in 1..16"), ({"n": "2"}, "`n` must be an integer"),
+    ({"n": 2, "save_state": "x.lqkv"}, "cannot `save_state` or `resume`"),
+])
+def test_bad_n_is_refused_in_one_line(raw, needle, tmp_path):
+    with pytest.raises(LarqlError, match=needle.replace("`", ".").replace("(", ".").replace(")", ".")):
+        Request.from_dict({"prompt": "hi", **raw}).spec()
