@@ -25,8 +25,9 @@ def prepare(loaded, req: Request, source: StateSource | None = None, key=None, s
     resumes a file reads it here); given one, the engine must keep a state. `spec`: an engine
     already chosen (a chat's), instead of the request's."""
     spec = req.spec() if spec is None else spec
-    req = with_tools(loaded, req)
-    ids = prompt_ids(loaded, req)
+    template = ChatTemplate.for_tokenizer(loaded.tokenizer, req.chat_template) if req.messages is not None else None
+    req = with_tools(loaded, req, template)
+    ids = prompt_ids(loaded, req, template)
     if req.resume is not None:
         source = FileSource(loaded, req.resume, req.reprefill)
         spec = source.spec(spec)
@@ -58,25 +59,24 @@ def prepare_all(loaded, req: Request, source: StateSource | None = None, key=Non
                                key=first.key, request=first.request, notes=first.notes) for i in range(1, req.n)]
 
 
-def with_tools(loaded, req: Request) -> Request:
-    """A request that offers tools, with its template's convention for them and, when it must call
-    one, the grammar of that call."""
+def with_tools(loaded, req: Request, template: ChatTemplate | None) -> Request:
+    """A request that offers tools (a chat's: `template` renders it), with its template's
+    convention for them and, when it must call one, the grammar of that call."""
     if req.tools is None:
         return req
-    use = dataclasses.replace(req.tools, convention=ChatTemplate.for_tokenizer(loaded.tokenizer,
-                                                                              req.chat_template).convention)
+    use = dataclasses.replace(req.tools, convention=template.convention)
     if use.forced:
         grammar = Grammar("grammar", call_grammar(use, tag_tokens(loaded.tokenizer.ids_of)))
         return dataclasses.replace(req, tools=use, gen=dataclasses.replace(req.gen, grammar=grammar))
     return dataclasses.replace(req, tools=use)
 
 
-def prompt_ids(loaded, req: Request) -> list[int] | None:
-    """The request's prompt as ids: its conversation rendered with the chat template (which writes
-    BOS itself), its ids, or its text; None for an empty prompt that continues a resumed state."""
+def prompt_ids(loaded, req: Request, template: ChatTemplate | None) -> list[int] | None:
+    """The request's prompt as ids: its conversation rendered with the chat template (`template`,
+    which writes BOS itself), its ids, or its text; None for an empty prompt that continues a
+    resumed state."""
     tok = loaded.tokenizer
     if req.messages is not None:
-        template = ChatTemplate.for_tokenizer(tok, req.chat_template)
         return tok.encode(template.render(list(req.messages), tools=req.tools), add_bos=False)
     if req.ids is not None:
         vocab = loaded.config.vocab_size

@@ -184,8 +184,7 @@ class Rows:
         self.offset, self.base, self.end = upto, 0, upto
         tail = rows.read(upto, rows.end)
         self._reserve(rows.end - upto, exact=True)
-        self.append(tail)
-        self.end = rows.end
+        self.append(tail)  # to rows.end
 
     def nbytes(self) -> int:
         """Bytes of the allocations held: a token's metrics ask for them every step."""
