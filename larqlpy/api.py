@@ -15,7 +15,7 @@ from larqlpy.prepare import prepare
 from larqlpy.request import Request, generation
 from larqlpy.runner import execute
 from larqlpy.weights.loader import LoadedModel
-from larqlpy.weights.loader import load as load_dir
+from larqlpy.weights.loader import load_with_draft
 
 
 def engine_spec(engine: str | None = None, continuation: str | None = None,
@@ -74,8 +74,10 @@ def _message(result: dict) -> dict:
 
 
 def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str | None = None,
-         kv_dtype: str | None = None) -> Model:
+         kv_dtype: str | None = None, draft: str | Path | None = None) -> Model:
     """path: a model directory or a .gguf file. weights: f32 | bf16 | int8 | int4 | native (weight-only
     quantization at load; see docs/weights.md); None: what the files hold (native for a .gguf).
-    kv_dtype: f32 | f16 | bf16, what exact K/V rows are kept in; None: f16, or f32 beside f32 weights."""
-    return Model(load_dir(path, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype))
+    kv_dtype: f32 | f16 | bf16, what exact K/V rows are kept in; None: f16, or f32 beside f32 weights.
+    draft: a smaller model of the same vocabulary that proposes `draft_tokens` ids a step
+    (speculative decoding, docs/speculative.md)."""
+    return Model(load_with_draft(path, draft, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype))

@@ -37,6 +37,8 @@ class SamplingConfig:
 
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar")
+MAX_PROPOSALS = 32  # speculative decoding: proposals verified in one pass at most
+DRAFT_TOKENS = 4  # ... and a draft model's proposals a step, unless told otherwise
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
@@ -67,6 +69,9 @@ class GenerationConfig:
     presence_penalty: float = 0.0  # OpenAI: minus this, per id generated at least once
     repetition_penalty: float = 1.0  # llama.cpp's: a positive logit / p, a negative one x p (1: off), for the ids
     repeat_last_n: int = 64  # among the history's last N (-1: all of it)
+    draft_tokens: int | None = None  # speculative decoding: ids the process's draft model proposes a step (None:
+    # the draft's default, DRAFT_TOKENS unless its process was told otherwise; 0: no speculation)
+    lookup: int = 0  # prompt lookup: up to N ids proposed from an earlier match of the history's tail (0: off)
 
     def __post_init__(self):
         self._check_shaping()
@@ -90,6 +95,9 @@ class GenerationConfig:
                 raise LarqlError(f"`{name}` must be in [-2, 2], got {getattr(self, name)}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise LarqlError(f"`repetition_penalty` must be a positive number, got {self.repetition_penalty}")
+        for name, most in (("draft_tokens", MAX_PROPOSALS), ("lookup", MAX_PROPOSALS)):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= most:
+                raise LarqlError(f"`{name}` must be in 0..{most}, got {getattr(self, name)}")
         if self.repeat_last_n < -1:
             raise LarqlError(f"`repeat_last_n` must be >= -1 (-1: the whole history), got {self.repeat_last_n}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias

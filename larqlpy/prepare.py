@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 from larqlpy.calibration import ensure as ensure_calibration
-from larqlpy.config import GenerationConfig, Grammar
+from larqlpy.config import DRAFT_TOKENS, GenerationConfig, Grammar
 from larqlpy.decode.fork import Branches, branch_settings
 from larqlpy.decode.sequence import Sequence, StateSource
+from larqlpy.decode.speculate import Draft, Lookup
 from larqlpy.errors import LarqlError
 from larqlpy.request import Request
 from larqlpy.session import FileSource
@@ -42,7 +43,24 @@ def prepare(loaded, req: Request, source: StateSource | None = None, key=None, s
     measured = ensure_calibration(loaded, spec) if spec is not None else None
     notes = [*notes, measured] if measured else notes
     return Sequence(loaded.model, ids, spec, gen, stop_ids=loaded.tokenizer.stop_ids, tokenizer=loaded.tokenizer,
-                    source=source, key=key if key is not None else req.id, request=req, notes=notes)
+                    source=source, key=key if key is not None else req.id, request=req, notes=notes,
+                    proposer=proposer(loaded, spec, gen))
+
+
+def proposer(loaded, spec, gen: GenerationConfig):
+    """Speculative decoding's proposer for one sequence: the process's draft model, or prompt
+    lookup, or none (no-cache keeps no state to roll back)."""
+    tokens = next(k for k in (gen.draft_tokens, loaded.draft_tokens, DRAFT_TOKENS) if k is not None)
+    drafting = loaded.draft is not None and tokens > 0
+    if drafting and gen.lookup:
+        raise LarqlError("`lookup` and a draft model are two ways to propose tokens: give `draft_tokens` 0 to "
+                         "look up instead")
+    if spec is None or spec.replay:
+        return None
+    if drafting:
+        return Draft(loaded.draft.model, spec, tokens, gen.prefill_chunk, gen.sampling.seed,
+                     loaded.config.vocab_size)
+    return Lookup(gen.lookup) if gen.lookup else None
 
 
 def prepare_all(loaded, req: Request, source: StateSource | None = None, key=None) -> list[Sequence]:
@@ -56,7 +74,9 @@ def prepare_all(loaded, req: Request, source: StateSource | None = None, key=Non
     first.source = branches
     return [first] + [Sequence(loaded.model, first.prompt_ids, first.spec, branch_settings(first.gen, i),
                                stop_ids=loaded.tokenizer.stop_ids, tokenizer=loaded.tokenizer, source=branches,
-                               key=first.key, request=first.request, notes=first.notes) for i in range(1, req.n)]
+                               key=first.key, request=first.request, notes=first.notes,
+                               proposer=proposer(loaded, first.spec, branch_settings(first.gen, i)))
+                      for i in range(1, req.n)]
 
 
 def with_tools(loaded, req: Request, template: ChatTemplate | None) -> Request:

@@ -14,8 +14,8 @@ from typing import Optional
 
 import typer
 
-from larqlpy.cli.common import (ALLOW_UNUSED, DEVICE, DTYPE, KV_DTYPE, MONITOR, MONITOR_PLOT, WEIGHTS, check_paths, err,
-                                model_home, monitored, size_flag, started)
+from larqlpy.cli.common import (ALLOW_UNUSED, DEVICE, DRAFT, DRAFT_TOKENS, DTYPE, KV_DTYPE, MONITOR, MONITOR_PLOT,
+                                WEIGHTS, check_paths, err, model_home, monitored, size_flag, speculation, started)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write, check_output, read_bytes
@@ -47,6 +47,8 @@ def batch(
     weights: Optional[str] = WEIGHTS,
     kv_dtype: Optional[str] = KV_DTYPE,
     allow_unused_tensors: bool = ALLOW_UNUSED,
+    draft: Optional[Path] = DRAFT,
+    draft_tokens: Optional[int] = DRAFT_TOKENS,
 ):
     """Run one request per input line; one result per output line, in input order.
 
@@ -58,12 +60,14 @@ def batch(
     budget, part = checked(model, infile, output, workers, ray_address, actors, actor_cpus, worker_model,
                            resume_output, kv_budget, shard, parallel, monitor, monitor_plot)
     check_kv_dtype(kv_dtype)
+    speculation(draft, draft_tokens, 0)
     items = read_lines(infile, part)
     from larqlpy.tools.batch_run import Setup, cores
 
     procs = actors if ray_address is not None else workers
     run = _Run(Setup(str(model), device, dtype, weights, kv_dtype, parallel, budget // procs if budget else None,
-                     max(1, cores() // workers) if workers > 1 else None, allow_unused_tensors),
+                     max(1, cores() // workers) if workers > 1 else None, allow_unused_tensors,
+                     str(draft) if draft else None, draft_tokens),
                workers, ray_address, actors, actor_cpus, worker_model)
     if resume_output:
         failed = run.resumed(output, items, quiet, monitor, monitor_plot)

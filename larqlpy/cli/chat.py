@@ -14,7 +14,8 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE,
+from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT,
+                                DRAFT_TOKENS, DTYPE, ENGINE, LOOKUP, speculation,
                                 KV_DTYPE, WEIGHTS, err, error_line, fmt_bytes, load_model)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.config import GenerationConfig, SamplingConfig
@@ -41,6 +42,9 @@ def chat(
     seed: Optional[int] = typer.Option(None, "--seed"),
     stop: List[str] = typer.Option([], "--stop", help="end a reply where this text appears (repeatable)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON line per turn instead of streamed text"),
+    draft: Optional[Path] = DRAFT,
+    draft_tokens: Optional[int] = DRAFT_TOKENS,
+    lookup: int = LOOKUP,
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: Optional[str] = WEIGHTS,
@@ -52,7 +56,8 @@ def chat(
 
     req = Request.from_dict(dict(prompt="", engine=engine, continuation=continuation, options=list(continuation_option),
                                  kv_budget=kv_budget, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, seed=seed, stop=list(stop), prefill_chunk=GenerationConfig.prefill_chunk))
+                                 top_p=top_p, seed=seed, stop=list(stop), prefill_chunk=GenerationConfig.prefill_chunk,
+                                 **speculation(draft, draft_tokens, lookup)))
     chosen = engine is not None or continuation is not None or continuation_option or kv_budget is not None
     spec = req.spec().stateful("hold a conversation") if chosen else None  # every refusal before the weights load
 
@@ -61,7 +66,7 @@ def chat(
 
     check_kv_dtype(kv_dtype)
     loaded = load_model(model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
-                        allow_unused_tensors=allow_unused_tensors)
+                        allow_unused_tensors=allow_unused_tensors, draft=draft)
     template = str(chat_template) if chat_template is not None else None
     ChatTemplate.for_tokenizer(loaded.tokenizer, template)  # a model without one is refused before the first turn
     session = ChatSession(loaded, spec, req.gen, template, system)

@@ -59,8 +59,15 @@ FLAGS = {
     "json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar", "logprobs": "--logprobs",
     "logit_bias": "--logit-bias", "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
     "repetition_penalty": "--repetition-penalty", "repeat_last_n": "--repeat-last-n", "tools": "--tools",
-    "tool_choice": "--tool-choice", "messages": "--chat",
+    "tool_choice": "--tool-choice", "messages": "--chat", "draft_tokens": "--draft-tokens", "lookup": "--lookup",
 }
+
+# Speculative decoding (docs/speculative.md)
+DRAFT = typer.Option(None, "--draft", help="a smaller model of the same vocabulary (directory or .gguf) that "
+                     "proposes tokens the model verifies in one pass; the output is the model's own")
+DRAFT_TOKENS = typer.Option(None, "--draft-tokens", help="with --draft: tokens proposed per step (default 4)")
+LOOKUP = typer.Option(0, "--lookup", help="prompt lookup: propose up to N tokens that followed an earlier "
+                      "occurrence of the text's last few tokens (0: off)")
 
 # What shapes the output beyond sampling: a grammar, log-probabilities, penalties and biases (`run`)
 JSON_SCHEMA = typer.Option(None, "--json-schema", help="the output is JSON valid under this JSON Schema FILE")
@@ -142,17 +149,33 @@ def started() -> None:
     gc.enable()
 
 
-def load_model(model: Path, **kw):
-    """`model.loader.load(model, **kw)` on the CPUs this process may use, and then start-up is over
-    (`started`)."""
+def load_model(model: Path, draft: Optional[Path] = None, draft_tokens: Optional[int] = None, **kw):
+    """`model.loader.load(model, **kw)` on the CPUs this process may use, with its `--draft` model
+    beside it, and then start-up is over (`started`)."""
     from larqlpy.kernels.threads import use_cores
-    from larqlpy.weights.loader import load
+    from larqlpy.weights.loader import load_with_draft
 
     use_cores()
     model_home(model)  # a GGUF's metadata, read once, says so
-    loaded = load(model, **kw)
+    if draft is not None:
+        model_home(draft)
+    loaded = load_with_draft(model, draft, draft_tokens, **kw)
     started()
     return loaded
+
+
+def speculation(draft: Optional[Path], draft_tokens: Optional[int], lookup: int) -> dict:
+    """The request's speculative decoding flags, checked before any weights load."""
+    if draft_tokens is not None and draft is None:
+        raise LarqlError("--draft-tokens needs --draft")
+    if draft is not None and lookup:
+        raise LarqlError("--draft and --lookup are two ways to propose tokens: give one")
+    if draft is not None and not draft.exists():
+        raise LarqlError(f"--draft {draft}: no such model")
+    from larqlpy.config import GenerationConfig
+
+    GenerationConfig(draft_tokens=draft_tokens, lookup=lookup)  # their ranges, as a request's
+    return {"lookup": lookup, **({"draft_tokens": draft_tokens} if draft_tokens is not None else {})}
 
 
 def model_home(model: Path) -> Path:

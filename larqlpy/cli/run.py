@@ -9,11 +9,12 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE,
-                                FREQUENCY_PENALTY, GRAMMAR, JSON_SCHEMA, KV_DTYPE, LOGIT_BIAS, LOGPROBS, MONITOR,
-                                MONITOR_PLOT, PRESENCE_PENALTY, REGEX, REPEAT_LAST_N, REPETITION_PENALTY, TOOL_CHOICE,
-                                TOOLS, WEIGHTS, check_paths, cli_text, err, fmt_bytes, load_model, model_home,
-                                monitored, read_prompt, shaping, tool_flags)
+from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT,
+                                DRAFT_TOKENS, DTYPE, ENGINE, FREQUENCY_PENALTY, GRAMMAR, JSON_SCHEMA, KV_DTYPE,
+                                LOGIT_BIAS, LOGPROBS, LOOKUP, MONITOR, MONITOR_PLOT, PRESENCE_PENALTY, REGEX,
+                                REPEAT_LAST_N, REPETITION_PENALTY, TOOL_CHOICE, TOOLS, WEIGHTS, check_paths, cli_text,
+                                err, fmt_bytes, load_model, model_home, monitored, read_prompt, shaping, speculation,
+                                tool_flags)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
@@ -58,6 +59,9 @@ def run(
     repeat_last_n: int = REPEAT_LAST_N,
     tools: Optional[Path] = TOOLS,
     tool_choice: Optional[str] = TOOL_CHOICE,
+    draft: Optional[Path] = DRAFT,
+    draft_tokens: Optional[int] = DRAFT_TOKENS,
+    lookup: int = LOOKUP,
     stats: bool = typer.Option(False, "--stats", help="print engine, speeds and KV bytes to stderr"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
     monitor: Optional[Path] = MONITOR,
@@ -77,11 +81,12 @@ def run(
         top_k=top_k, top_p=top_p, seed=seed, stop=list(stop),
         **shaping(json_schema, regex, grammar, logprobs, list(logit_bias), frequency_penalty=frequency_penalty,
                   presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
-                  repeat_last_n=repeat_last_n), **tool_flags(tools, tool_choice)))
+                  repeat_last_n=repeat_last_n), **tool_flags(tools, tool_choice),
+        **speculation(draft, draft_tokens, lookup)))
     check_paths(monitor, monitor_plot)
     check_kv_dtype(kv_dtype)
     show(generate(model, req, as_json, monitor, monitor_plot, device=device, dtype=dtype, weights=weights,
-                  kv_dtype=kv_dtype, allow_unused_tensors=allow_unused_tensors), as_json, stats)
+                  kv_dtype=kv_dtype, allow_unused_tensors=allow_unused_tensors, draft=draft), as_json, stats)
 
 
 def generate(model: Path, req, as_json: bool, monitor, monitor_plot, **load) -> dict:
@@ -148,6 +153,10 @@ def print_stats(result: dict) -> None:
               f"{m.get('prefill_tokens_per_s', 0):.1f} tok/s | decode {m.get('decode_tokens_per_s', 0):.1f} tok/s | "
               f"resident KV {fmt_bytes(m.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}{extra}",
               soft_wrap=True, markup=False)
+    if "target_steps" in m:
+        err.print(f"speculative: {m['accepted_tokens']} of {m['proposed_tokens']} proposed tokens accepted "
+                  f"({100 * m['acceptance_rate']:.1f}%) | {m['tokens_per_target_step']:.2f} tokens per target step "
+                  f"over {m['target_steps']} steps", soft_wrap=True, markup=False)
     if "transitions" in result:
         cells = ", ".join(f"{k} {v}" for k, v in sorted(result["cells"].items()))
         moves = ", ".join(f"{t['event']} {t['from']}->{t['to']} x{t['count']}" for t in result["transitions"])

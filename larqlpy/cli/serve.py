@@ -9,8 +9,8 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import (ALLOW_UNUSED, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, ENGINE, KV_DTYPE,
-                                WEIGHTS, err, load_model, model_home)
+from larqlpy.cli.common import (ALLOW_UNUSED, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT, DRAFT_TOKENS, DTYPE,
+                                ENGINE, KV_DTYPE, WEIGHTS, err, load_model, model_home, speculation)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.config import ServeConfig
 from larqlpy.errors import LarqlError
@@ -42,6 +42,8 @@ def serve(
                                          help="seconds in-flight requests get to finish at SIGTERM"),
     queue_size: int = typer.Option(ServeConfig.queue_size, "--queue-size", help="requests waiting "
                                    "beyond the live ones before 429"),
+    draft: Optional[Path] = DRAFT,
+    draft_tokens: Optional[int] = DRAFT_TOKENS,
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: Optional[str] = WEIGHTS,
@@ -65,6 +67,7 @@ def serve(
                       shutdown_grace_s=shutdown_grace)
     read_config(model_home(model))
     check_kv_dtype(kv_dtype)
+    speculation(draft, draft_tokens, 0)
     if state_dir is not None:
         state_dir.mkdir(exist_ok=True)
     if host not in LOOPBACK and api_key is None:
@@ -75,7 +78,7 @@ def serve(
 
     sock = listen(host, port)  # a busy port is refused before the weights load
     loaded = load_model(model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
-                        allow_unused_tensors=allow_unused_tensors)
+                        allow_unused_tensors=allow_unused_tensors, draft=draft, draft_tokens=draft_tokens)
     run_server(loaded, cfg, announce, sock)
 
 

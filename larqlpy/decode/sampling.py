@@ -23,6 +23,12 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
         return best
     if not shaped:
         refuse_non_finite(logits)
+    return draw(probabilities(logits, cfg).cpu(), gen)
+
+
+def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """What a sampled id is drawn from (temperature > 0): the softmax of the logits over the
+    temperature, cut to top-k and top-p (not renormalized: `draw` scales by the sum)."""
     logits = logits.float() / cfg.temperature
     if cfg.top_k:
         kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1])).values[-1]
@@ -33,7 +39,31 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
         keep = torch.cumsum(sorted_p, 0) - sorted_p < cfg.top_p  # always keeps the most likely token
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return draw(probs.cpu(), gen)
+    return probs
+
+
+def verify(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None, proposal: int,
+           q: torch.Tensor | None, shaped: bool = False) -> int:
+    """The id to take where a speculator proposed `proposal`, drawn from `q` (V,) -- None: proposed
+    for sure (prompt lookup) -- so that what comes out is distributed as `sample` would give it
+    (Leviathan et al. 2023, Chen et al. 2023): the proposal is kept with probability min(1, p/q),
+    else an id is drawn from max(p - q, 0). Greedy: the argmax, whatever was proposed."""
+    if cfg.temperature == 0.0:
+        return sample(logits, cfg, gen, shaped)
+    if not shaped:
+        refuse_non_finite(logits)
+    p = probabilities(logits, cfg).cpu().double()
+    p = p / p.sum()
+    p_x = float(p[proposal])
+    q_x = 1.0 if q is None else float(q[proposal])
+    if q_x > 0 and float(torch.rand(1, generator=gen, dtype=torch.float64)) * q_x < p_x:
+        return proposal
+    rest = p.clone()
+    if q is None:
+        rest[proposal] = 0.0
+    else:
+        rest = (rest - q.cpu().double()).clamp_(min=0.0)
+    return draw(rest if float(rest.sum()) > 0 else p, gen)
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:

@@ -19,7 +19,7 @@ import torch
 from larqlpy.config import GenerationConfig
 from larqlpy.decode.constraint import Constraint, Vocabulary, compile_grammar
 from larqlpy.decode.logits import Logprob, Shaper, logprob
-from larqlpy.decode.sampling import refuse_non_finite, sample
+from larqlpy.decode.sampling import refuse_non_finite, sample, verify
 from larqlpy.decode.stops import Piece, StopStrings
 from larqlpy.engines import EngineSpec, build_provider
 from larqlpy.engines.stores.base import EngineState
@@ -38,6 +38,9 @@ class Metrics:
     resident_kv_bytes: int = 0
     resident_kv_by_kind: dict[str, int] = field(default_factory=dict)
     position: int = 0
+    proposed_tokens: int = 0  # speculative decoding: ids proposed, those the target kept, target passes
+    accepted_tokens: int = 0
+    target_steps: int = 0
 
     @property
     def prefill_tps(self) -> float:
@@ -49,12 +52,27 @@ class Metrics:
         steps = max(self.decode_tokens - 1, 0)
         return steps / self.decode_seconds if self.decode_seconds else 0.0
 
+    @property
+    def acceptance(self) -> float:
+        """The share of proposed ids the target kept."""
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Ids decoded per forward pass of the target (1 without speculation)."""
+        return max(self.decode_tokens - 1, 0) / self.target_steps if self.target_steps else 0.0
+
     def as_dict(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "prefilled_tokens": self.prefilled_tokens,
-                "prefill_seconds": round(self.prefill_seconds, 6), "prefill_tokens_per_s": round(self.prefill_tps, 3),
-                "decode_tokens": self.decode_tokens, "decode_seconds": round(self.decode_seconds, 6),
-                "decode_tokens_per_s": round(self.decode_tps, 3), "resident_kv_bytes": self.resident_kv_bytes,
-                "resident_kv_by_kind": dict(self.resident_kv_by_kind), "position": self.position}
+        out = {"prompt_tokens": self.prompt_tokens, "prefilled_tokens": self.prefilled_tokens,
+               "prefill_seconds": round(self.prefill_seconds, 6), "prefill_tokens_per_s": round(self.prefill_tps, 3),
+               "decode_tokens": self.decode_tokens, "decode_seconds": round(self.decode_seconds, 6),
+               "decode_tokens_per_s": round(self.decode_tps, 3), "resident_kv_bytes": self.resident_kv_bytes,
+               "resident_kv_by_kind": dict(self.resident_kv_by_kind), "position": self.position}
+        if self.target_steps:
+            out.update(proposed_tokens=self.proposed_tokens, accepted_tokens=self.accepted_tokens,
+                       acceptance_rate=round(self.acceptance, 4), target_steps=self.target_steps,
+                       tokens_per_target_step=round(self.tokens_per_step, 4))
+        return out
 
 
 @dataclass(frozen=True)
@@ -113,10 +131,21 @@ class Given:
         return Reuse(held)
 
 
+class Proposer(Protocol):
+    """Speculative decoding's source of proposals (decode/speculate.py)."""
+
+    tokens: int  # the most ids it proposes at once
+
+    def propose(self, history: list[int], k: int, sampling, constraint) -> tuple[list[int], list | None]: ...
+
+    def settle(self, history: list[int]) -> None: ...
+
+
 class Sequence:
     def __init__(self, model, prompt_ids: list[int], spec: EngineSpec = EngineSpec(),
                  gen: GenerationConfig = GenerationConfig(), *, stop_ids=(), tokenizer=None,
-                 source: StateSource | None = None, key: Any = None, request: Any = None, notes=()):
+                 source: StateSource | None = None, key: Any = None, request: Any = None, notes=(),
+                 proposer: Proposer | None = None):
         if not prompt_ids:
             raise LarqlError("empty prompt: nothing to condition on")
         if (gen.stop or gen.grammar is not None) and tokenizer is None:
@@ -147,6 +176,9 @@ class Sequence:
         self.info: dict = {}  # what the source said of the state it gave
         self.t0 = self.t_decode = self.t_end = None  # started, first token, finished
         self.prefill_seconds = 0.0
+        self.proposer = proposer if not spec.replay else None  # no-cache keeps no state to roll back
+        self.proposal: tuple[list[int], list | None] | None = None  # what the running block verifies
+        self.proposed = self.accepted = self.target_steps = 0
 
     # -- what a driver asks --------------------------------------------------------------------
     @property
@@ -168,6 +200,8 @@ class Sequence:
         or the one new token; 0 while it waits to sample or has finished."""
         if self.finished or self.ready:
             return 0
+        if self.proposer is not None and self.decoding:
+            return 1 + self.proposer.tokens  # at most: the proposals are made with the block
         c = self.gen.prefill_chunk
         return min(c, self.state.max_chunk or c, self.pending)
 
@@ -190,6 +224,8 @@ class Sequence:
         self.state = held.state if held is not None else self._fresh()
         # prompt tokens a state already held (a branch's prompt was prefilled for it: decode/fork.py)
         self.held_from = 0 if "branch" in self.info else self.state.position
+        if self.proposer is not None:
+            self.state.keep_rollback(self.proposer.tokens)
         if self.pending == 0:
             if held.logits is None:
                 raise LarqlError("the state already holds the whole prompt and no logits came with it")
@@ -201,7 +237,10 @@ class Sequence:
             self.state.reserve(self.peak_positions)
 
     def block(self) -> tuple[torch.Tensor, EngineState, str]:
-        """Its next rows for the model: (ids, state, which logits to return)."""
+        """Its next rows for the model: (ids, state, which logits to return). A decode step with a
+        proposer: its newest id and the proposals after it, every row's logits, attended as steps."""
+        if self.proposer is not None and self.decoding:
+            return self._speculate()
         n, lo = self.rows(), self.state.position
         self.logits = None  # the state moves past its newest position
         return torch.tensor(self.history[lo:lo + n], dtype=torch.long), self.state, \
@@ -211,18 +250,50 @@ class Sequence:
         """What its block produced (None: a prefill chunk before the last); the tokens let out."""
         if logits is None:
             return []
+        if self.proposal is not None:
+            return self._verify(logits)
         self.logits, self.ready = logits[-1], True
         return self.sample()
 
-    def sample(self) -> list[Token]:
-        """The next id from the waiting logits, into the history; the tokens let out."""
+    def _speculate(self) -> tuple[torch.Tensor, EngineState, str]:
+        # proposals never run past max_tokens: the last one's logits give the token after it
+        room = self.gen.max_tokens - len(self.generated) - 1
+        ids, qs = self.proposer.propose(self.history, min(self.proposer.tokens, max(room, 0)),
+                                        self.gen.sampling, self.shaper.constraint) if room > 0 else ([], None)
+        self.proposal = (ids, qs)
+        self.logits = None
+        return torch.tensor(self.history[-1:] + ids, dtype=torch.long), self.state, "steps" if ids else "last"
+
+    def _verify(self, logits: torch.Tensor) -> list[Token]:
+        """Each row's logits in turn, as plain decode would take them, while the target's choice is
+        the proposal; then every state is cut back to the history kept."""
+        (ids, qs), self.proposal = self.proposal, None
+        self.target_steps += 1
+        self.proposed += len(ids)
+        out: list[Token] = []
+        for j in range(len(ids) + 1):
+            self.logits, self.ready = logits[j], True
+            guess = (ids[j], qs[j] if qs is not None else None) if j < len(ids) else None
+            out += self.sample(guess)
+            if self.finished or guess is None or self.generated[-1] != guess[0]:
+                break
+            self.accepted += 1
+        keep = len(self.history) - 1  # the state holds all but the newest id, as after any step
+        if self.state.position > keep:
+            self.state.trim(keep)
+        self.proposer.settle(self.history)
+        return out
+
+    def sample(self, guess: tuple[int, Any] | None = None) -> list[Token]:
+        """The next id from the waiting logits, into the history; the tokens let out. `guess`: a
+        speculative proposal (id, its draft distribution or None) this choice verifies."""
         logits, self.ready = self.logits, False
         if self.t_decode is None:
             self.t_decode = time.perf_counter()
             self.prefill_seconds = self.t_decode - self.t0
         if len(self.generated) >= self.gen.max_tokens:  # max_tokens 0: the prompt only
             return self._release([], "length")
-        tok, lp = self._choose(logits)
+        tok, lp = self._choose(logits, guess)
         self.generated.append(tok)
         self.history.append(tok)
         if tok in self.stop_ids:  # its text is none, and what waited goes out before it
@@ -243,14 +314,15 @@ class Sequence:
             self.state = self._fresh()
         return tokens
 
-    def _choose(self, logits: torch.Tensor) -> tuple[int, Logprob | None]:
+    def _choose(self, logits: torch.Tensor, guess: tuple[int, Any] | None = None) -> tuple[int, Logprob | None]:
         """The next id from the model's logits, shaped by the request's settings, and its
         log-probability where asked."""
         shaped = self.shaper.active
         if shaped:
             refuse_non_finite(logits)
             logits = self.shaper(logits, self.history)
-        tok = sample(logits, self.gen.sampling, self.rng, shaped)
+        tok = sample(logits, self.gen.sampling, self.rng, shaped) if guess is None else \
+            verify(logits, self.gen.sampling, self.rng, guess[0], guess[1], shaped)
         lp = logprob(logits, self.gen.sampling.temperature, tok, self.gen.logprobs) \
             if self.gen.logprobs is not None else None
         self.shaper.accept(tok)
@@ -265,7 +337,8 @@ class Sequence:
         by_kind = s.resident_by_kind()  # one pass over the stores: the total is its sum
         decode = (self.t_end or time.perf_counter()) - self.t_decode if self.t_decode is not None else 0.0
         return Metrics(len(self.prompt_ids), len(self.prompt_ids) - self.held_from, self.prefill_seconds,
-                       len(self.generated), decode, sum(by_kind.values()), by_kind, s.position)
+                       len(self.generated), decode, sum(by_kind.values()), by_kind, s.position,
+                       self.proposed, self.accepted, self.target_steps)
 
     def held(self) -> Held | None:
         """The state it leaves and the tokens that state stands for (None: no-cache keeps no state,

@@ -80,7 +80,7 @@ class Block(nn.Module):
         return rms_norm(x, weight, self.eps, self.offset)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stores: list,
-                sizes: list[int]) -> torch.Tensor:
+                sizes: list[int], stepped: Sequence[bool] = ()) -> torch.Tensor:
         c, t = self.cfg, x.shape[0]
         h = self.norm(x, self.input_layernorm)  # (T, E)
         q, k, v = linears(h, self.q_proj, self.k_proj, self.v_proj)
@@ -90,7 +90,7 @@ class Block(nn.Module):
         q = norm_rope(q, self.n_heads, self.q_norm if c.qk_norm else None, self.eps, self.offset, cos, sin)
         k = norm_rope(k, self.n_kv, self.k_norm if c.qk_norm else None, self.eps, self.offset, cos, sin)
         v = v.view(t, self.n_kv, self.head_dim).transpose(0, 1)
-        a = attend_block(q, k, v, stores, sizes, self.attn)  # (H, T, D): the one call into the engines
+        a = attend_block(q, k, v, stores, sizes, self.attn, stepped)  # (H, T, D): the one call into the engines
         a = linear(a.transpose(0, 1).reshape(t, -1), self.o_proj)
         if c.o_bias:
             a = a + self.o_proj_bias
@@ -143,11 +143,14 @@ class Decoder(nn.Module):
 
     @torch.inference_mode()
     def forward_many(self, blocks: Sequence[tuple[torch.Tensor, EngineState, str]]) -> list[torch.Tensor | None]:
-        """Blocks of several sequences in one pass: [(ids (T_i,), its state, "last" | "all" | "none")]
-        -> each block's logits ((1 or T_i, V) float32, or None for "none"). Each block runs at its
-        state's next positions; the LM head runs once, on the rows whose logits are wanted."""
+        """Blocks of several sequences in one pass: [(ids (T_i,), its state, "last" | "all" | "none" |
+        "steps")] -> each block's logits ((1 or T_i, V) float32, or None for "none"). Each block runs
+        at its state's next positions; the LM head runs once, on the rows whose logits are wanted.
+        "steps": every row's logits, and its rows attended as successive decode steps (a verification
+        of speculative proposals: each row's numbers are those a decode step of it gives)."""
         sizes = [b[0].shape[0] for b in blocks]
         states = [b[1] for b in blocks]
+        stepped = [b[2] == "steps" for b in blocks] if any(b[2] == "steps" for b in blocks) else ()
         tokens = blocks[0][0] if len(blocks) == 1 else torch.cat([b[0] for b in blocks])
         x = embedding(tokens.to(self.device), self.embed_tokens).to(self.dtype)
         if self.cfg.embed_scale:
@@ -158,12 +161,12 @@ class Decoder(nn.Module):
             tables[kind] = parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
         for i, block in enumerate(self.layers):
             stores = [s.layers[i] for s in states]
-            x = block(x, *tables[stores[0].geometry.kind], stores, sizes)
+            x = block(x, *tables[stores[0].geometry.kind], stores, sizes, stepped)
         for s in states:
             s.end_block()
         rows, lo = [], 0  # (first row, count) of each block's wanted rows in x
         for (_, _, want), n in zip(blocks, sizes):
-            rows.append((lo, n) if want == "all" else (lo + n - 1, 1) if want == "last" else (lo, 0))
+            rows.append((lo, n) if want in ("all", "steps") else (lo + n - 1, 1) if want == "last" else (lo, 0))
             lo += n
         keep = [r for r in rows if r[1]]
         if not keep:

@@ -16,6 +16,9 @@ class Metrics:
         self.requests = Counter("larqlpy_requests", "requests answered, by HTTP status", ["status"],
                                 registry=self.registry)
         self.tokens = Counter("larqlpy_tokens", "tokens of answered requests", ["kind"], registry=self.registry)
+        self.speculative = Counter("larqlpy_speculative_tokens", "speculative decoding: tokens proposed, tokens "
+                                   "the model accepted, and its verifying passes (steps)", ["kind"],
+                                   registry=self.registry)
         self.registry.register(_EngineCollector(engine))
 
     def served(self, seqs) -> None:
@@ -24,6 +27,8 @@ class Metrics:
         self.tokens.labels("prompt").inc(len(seqs[0].prompt_ids))
         self.tokens.labels("completion").inc(sum(len(s.output) for s in seqs))
         self.tokens.labels("cached").inc(seqs[0].held_from)
+        for kind, attr in (("proposed", "proposed"), ("accepted", "accepted"), ("steps", "target_steps")):
+            self.speculative.labels(kind).inc(sum(getattr(s, attr) for s in seqs))
 
     def failed(self, status: int) -> None:
         self.requests.labels(str(status)).inc()

@@ -92,8 +92,14 @@ def cached(seq: Sequence) -> int:
 
 def extra(seq: Sequence) -> dict:
     """larqlpy's own fields beside OpenAI's."""
-    return {"engine": seq.spec.describe(), "cached_tokens": cached(seq),
-            "continuation_refused": seq.info.get("refused"), "tokens": list(seq.output), "notes": seq.notes}
+    out = {"engine": seq.spec.describe(), "cached_tokens": cached(seq),
+           "continuation_refused": seq.info.get("refused"), "tokens": list(seq.output), "notes": seq.notes}
+    if seq.target_steps:  # speculative decoding
+        m = seq.metrics()
+        out["speculative"] = {"proposed_tokens": m.proposed_tokens, "accepted_tokens": m.accepted_tokens,
+                              "acceptance_rate": round(m.acceptance, 4), "target_steps": m.target_steps,
+                              "tokens_per_target_step": round(m.tokens_per_step, 4)}
+    return out
 
 
 def logprobs(seq: Sequence, chat: bool, tokens: list[tuple[int, Logprob]], offset: int = 0) -> dict | None:

@@ -13,7 +13,7 @@ from larqlpy.batch_lines import Item, line_records
 from larqlpy.config import default_parallel
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.threads import cores, use_cores
-from larqlpy.weights.loader import load as load_model
+from larqlpy.weights.loader import load_with_draft
 
 Show = Callable[[int, int, int], None]
 
@@ -31,11 +31,14 @@ class Setup:
     kv_budget: int | None = None  # per process
     threads: int | None = None  # torch and numba threads; None: all this process may use
     allow_unused_tensors: bool = False
+    draft: str | None = None  # a draft model for speculative decoding
+    draft_tokens: int | None = None  # its proposals a step, for lines that do not say
 
     def load(self):
         use_cores(self.threads)  # worker processes share the cores this one may use
-        return load_model(self.model, device=self.device, dtype=self.dtype, weights=self.weights,
-                          kv_dtype=self.kv_dtype, allow_unused_tensors=self.allow_unused_tensors)
+        return load_with_draft(self.model, self.draft, self.draft_tokens, device=self.device, dtype=self.dtype,
+                               weights=self.weights, kv_dtype=self.kv_dtype,
+                               allow_unused_tensors=self.allow_unused_tensors)
 
     def slots(self, loaded, cores: int) -> int:
         return self.parallel or default_parallel(cores, 1, loaded.device.type)

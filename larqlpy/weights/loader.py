@@ -44,6 +44,8 @@ class LoadedModel:
     weights_digest: str | None = None  # of every byte the weights were read from (the fingerprint samples them)
     home: Path | None = None  # where config, tokenizer, calibration and caches live: path, or a GGUF's metadata cache
     files_digest: str | None = None  # of every byte of the checkpoint's own files: what a key calibration must match
+    draft: "LoadedModel | None" = None  # a smaller model of the same vocabulary, proposing ids (decode/speculate.py)
+    draft_tokens: int | None = None  # its proposals a step, for requests that do not say (None: the default)
 
     def held_weights(self) -> list:
         """Every weight as the model holds it: float tensors, packed matrices (not nn.Parameters), and
@@ -245,6 +247,44 @@ def _install_packed(model: Decoder, packed: dict[str, PackedWeight], dev: torch.
             lo += rows
             done.add(f"{owner}.{n}" if owner else n)
     return done
+
+
+def load_with_draft(path: str | Path, draft: str | Path | None = None, draft_tokens: int | None = None,
+                    **kw) -> LoadedModel:
+    """`load(path, **kw)`, and with `draft` a draft model beside it: on the same device, its exact
+    K/V rows in the target's dtype, its weights what its own files hold; `draft_tokens`: its
+    proposals a step for requests that do not say."""
+    loaded = load(path, **kw)
+    if draft is None:
+        return loaded
+    loaded.draft_tokens = draft_tokens  # checked where it came in, as a request's `draft_tokens`
+    return attach_draft(loaded, load(draft, device=str(loaded.device.type), dtype=kw.get("dtype", "float32"),
+                                     kv_dtype=loaded.kv_dtype))
+
+
+def attach_draft(loaded: LoadedModel, draft: LoadedModel) -> LoadedModel:
+    """`loaded` with `draft` as its draft model: refused unless the two tokenizers give every id the
+    same token (a proposal is an id, verified as the target's)."""
+    a, b = vocabulary(loaded.tokenizer), vocabulary(draft.tokenizer)
+    if a != b:
+        differ = next((t for t in sorted(a.keys() ^ b.keys())), None) or \
+            next(t for t in sorted(a) if a[t] != b.get(t))
+        raise LarqlError(f"the draft model {draft.path.name} has another vocabulary than {loaded.path.name} "
+                         f"({len(b):,} tokens against {len(a):,}; {differ!r} differs): a draft must share the "
+                         "target's tokenizer")
+    if draft.model.device != loaded.model.device:
+        raise LarqlError("the draft model must run on the target's `device`")
+    loaded.draft = draft
+    return loaded
+
+
+def vocabulary(tokenizer) -> dict[str, int]:
+    """Every token of a tokenizer and its id, added tokens included (a helper process's too)."""
+    raw = json.loads(tokenizer.to_json())
+    vocab = raw["model"]["vocab"]
+    vocab = dict(vocab) if isinstance(vocab, dict) else {piece: i for i, (piece, _) in enumerate(vocab)}  # Unigram
+    vocab.update({t["content"]: t["id"] for t in raw.get("added_tokens", [])})
+    return vocab
 
 
 def resolve_device(device: str) -> torch.device:

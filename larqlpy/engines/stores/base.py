@@ -148,6 +148,11 @@ class LayerStore:
     def trim(self, end: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot be trimmed")
 
+    def keep_rollback(self, n: int) -> None:
+        """From now on keep what a trim back `n` positions needs (speculative decoding rolls back the
+        proposals it rejects), still retaining, after the trim, what a store that never took them
+        would. Stores that keep every row need nothing."""
+
     forks = False  # whether `fork` can make this store a branch of another
 
     def borrows(self) -> bool:
@@ -194,12 +199,16 @@ class LayerStore:
 
 
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: Sequence[LayerStore], sizes: list[int],
-                 p: AttentionParams) -> torch.Tensor:
+                 p: AttentionParams, stepped: Sequence[bool] = ()) -> torch.Tensor:
     """One layer of one block: each sequence's rows (q (H, T, D), k, v (Hkv, T, D), `sizes` rows
     each, laid end to end) to its own store -- the model's one call into the engines per layer.
     Decode steps whose store says where its rows are (`decode_rows`) are attended together in one
     kernel call, and released; every other block, and every store that attends on its own terms,
-    through `store.attend`."""
+    through `store.attend`. A `stepped` sequence's rows are attended one after another, each as a
+    decode step of its own (speculative decoding verifies proposals with the numbers plain decode
+    would give them)."""
+    if any(stepped):
+        return _stepwise(q, k, v, stores, sizes, p, stepped)
     decode = takes(q)
     one = len(stores) == 1
     ks, vs = ((k,), (v,)) if one else (k.split(sizes, dim=1), v.split(sizes, dim=1))  # views, one call each
@@ -223,6 +232,28 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: Sequ
             return got
         for j, (at, _, _, _) in enumerate(steps):
             outs[at] = got[:, j:j + 1]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _stepwise(q, k, v, stores, sizes, p, stepped) -> torch.Tensor:
+    """attend_block with the `stepped` sequences' rows taken one decode step at a time, after the
+    others' block (each sequence's output in its own place)."""
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    plain = [i for i, s in enumerate(stepped) if not s]
+    outs: list = [None] * len(sizes)
+    if plain:
+        cols = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in plain])
+        got = attend_block(q[:, cols], k[:, cols], v[:, cols], [stores[i] for i in plain],
+                           [sizes[i] for i in plain], p)
+        at = 0
+        for i in plain:
+            outs[i], at = got[:, at:at + sizes[i]], at + sizes[i]
+    for i in (i for i, s in enumerate(stepped) if s):
+        outs[i] = torch.cat([attend_block(q[:, r:r + 1].contiguous(), k[:, r:r + 1].contiguous(),
+                                          v[:, r:r + 1].contiguous(), [stores[i]], [1], p)
+                             for r in range(bounds[i], bounds[i + 1])], dim=1)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
@@ -266,6 +297,9 @@ class Shared:
     def unshrink(self) -> None:
         """The pressure is over (the state is in use again): back to the engine's own settings."""
 
+    def keep_rollback(self, n: int) -> None:
+        """The state may be trimmed back `n` positions (`EngineState.keep_rollback`)."""
+
 
 class Scratch(Shared):
     """One decode buffer for a whole engine state, reused by every layer (grows to the largest) and
@@ -306,6 +340,21 @@ class EngineState:
     def reserve(self, positions: int) -> None:
         for s in self.layers:
             s.reserve(positions)
+
+    def keep_rollback(self, n: int) -> None:
+        """Let every layer be trimmed back `n` positions (`LayerStore.keep_rollback`)."""
+        for s in self.layers:
+            s.keep_rollback(n)
+        for part in self.shared:
+            part.keep_rollback(n)
+
+    def can_trim(self, end: int) -> bool:
+        return all(s.can_trim(end) for s in self.layers)
+
+    def trim(self, end: int) -> None:
+        """Forget positions from `end` on, in every layer (`can_trim` said it can)."""
+        for s in self.layers:
+            s.trim(end)
 
     def shrink(self, target: int) -> bool:
         return any([part.shrink(target) for part in self.shared])

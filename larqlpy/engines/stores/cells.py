@@ -126,7 +126,7 @@ class CellStore(LayerStore):
     # -- lifecycle -----------------------------------------------------------------------------
     def release(self):
         if self.geometry.window is not None:  # keep the last `window` rows, like window/v1
-            horizon = self.end - self.geometry.window
+            horizon = self.end - self.geometry.window - self.manager.rollback
             while self.first_live < len(self.cells) and self.cells[self.first_live].end <= horizon \
                     and self.cells[self.first_live].n == self.manager.cell_size:
                 self.evict(self.cells[self.first_live])
@@ -254,6 +254,7 @@ class CellManager(Shared):
     def __init__(self, rules: Rules, budget: int | None, device: torch.device, spill_dir: str | None = None):
         self.rules, self.budget, self.device = rules, budget, device
         self.own_budget = budget  # the engine's own setting, returned to after outside pressure
+        self.rollback = 0  # positions a trim may go back (speculative decoding)
         self.cell_size = rules.cell_size
         self.scratch = Scratch(device)
         self.spill = SpillFile(spill_dir)
@@ -278,7 +279,8 @@ class CellManager(Shared):
         excess = self.resident() - self.budget
         if excess <= 0:
             return
-        protect_from = max(0, self.stores[0].end - self.rules.policy.keep_active_recent)
+        # cells a rollback may cut back into stay ACTIVE (a coded cell is not cut)
+        protect_from = max(0, self.stores[0].end - max(self.rules.policy.keep_active_recent, self.rollback + 1))
         candidates = sorted(((c.start, s.geometry.index, s, c) for s in self.stores
                              for c in s.cells[s.first_live:-1]  # never the newest cell
                              if c.state in (State.ACTIVE, State.QUANTIZED) and c.end <= protect_from),
@@ -309,6 +311,9 @@ class CellManager(Shared):
 
     def unshrink(self) -> None:
         self.budget = self.own_budget
+
+    def keep_rollback(self, n: int) -> None:
+        self.rollback = n
 
     def nbytes(self) -> int:  # the scratch, reported beside the cells
         return self.scratch.nbytes()

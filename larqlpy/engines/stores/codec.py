@@ -151,13 +151,6 @@ class CodecStore(RowStore):
             sets["sink"] = RowSet(self.sinks, "ACTIVE", self.geometry.kv_dtype, first_positions=self.sink)
         return sets
 
-    def can_trim(self, end):
-        # the recent rings' rows below the old end are gone: only the newest position can be redone
-        for ring in (self.exact_keys, self.recent):
-            if ring is not None and ring.base > max(0, end - ring.keep):
-                return False
-        return super().can_trim(end)
-
 
 def layer_codec(provider, g: LayerGeometry, device: torch.device) -> KVCodec:
     """The K/V codec pair `provider` (engines/codec.py) stores layer `g`'s rows with."""

@@ -35,7 +35,7 @@ class ExactStore(RowStore):
         r.claim_row()
         self.end = r.end
         buf, lo = r.buf, max(start, r.offset)
-        own = Span(buf["k"], buf["v"], r.slot(lo), self.end - lo, r.keep or 0, True)
+        own = Span(buf["k"], buf["v"], r.slot(lo), self.end - lo, r.ring or 0, True)
         if start >= r.offset:
             return own
         return Span(r.prefix["k"], r.prefix["v"], start, r.offset - start), own

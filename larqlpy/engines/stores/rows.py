@@ -4,7 +4,9 @@ and `RowStore`, the layer store whose persistence is a set of named `Rows`.
 Two shapes of storage:
 - growing (keep=None): every row from position 0, in buffers that double when full;
 - ring (keep=N): only the newest N rows, in buffers of exactly N rows. A block's rows wait in
-  `pending` while its queries read them, then `commit()` folds the newest N into the ring.
+  `pending` while its queries read them, then `commit()` folds the newest N into the ring. A ring
+  with `slack` S holds S rows more than it retains (N + S physical rows), so that it can be trimmed
+  back S positions (speculative decoding rolls back rejected tokens) to exactly the N it would hold.
 
 Fields are tensors of shape (Hkv, rows, *field_shape): K/V rows in the kv_dtype for the exact engines,
 norms and packed codes for the codec engines. Reads come back in position order.
@@ -39,7 +41,28 @@ class Rows:
         self.base = self.end = 0
         self.offset, self.prefix = 0, None  # growing only: buffer row 0 is position `offset`; before it, `prefix`
         self.pending: dict[str, torch.Tensor] | None = None  # ring only: the current block's rows
+        self.slack = 0  # ring only: rows held past `keep`, so that a trim can go back this far
+        self.floor = 0  # ring only: the oldest position whose slot no newer row has taken
         self._buf_bytes: int | None = None  # the buffers' allocation, counted again when they change
+
+    @property
+    def ring(self) -> int | None:
+        """A ring's physical size: the rows it retains and its slack (None: growing)."""
+        return None if self.keep is None else self.keep + self.slack
+
+    def set_slack(self, slack: int) -> None:
+        """Hold `slack` rows past `keep` from now on (a ring that has wrapped is laid out again)."""
+        if self.keep is None or slack == self.slack:
+            return
+        assert self.pending is None
+        if self.end > min(self.capacity, self.ring) or slack < self.slack:  # wrapped: rows move to new slots
+            base = max(self.base, self.end - self.keep - slack)
+            held = self.read(base, self.end) if self.end > base else None
+            self.slack = slack
+            self.restore(base, self.end, [(base, held)] if held is not None else [])
+            self.base = max(base, self.end - self.keep)
+        else:
+            self.slack = slack
 
     @property
     def capacity(self) -> int:
@@ -62,29 +85,30 @@ class Rows:
         decode kernel); the row counts as stored at once. Returns its buffer row."""
         assert self.pending is None, "claim beside a pending block"
         cap, held = self.capacity, self.end - self.offset
-        if held >= cap and (self.keep is None or cap < self.keep):  # full: grow (a ring up to keep)
+        if held >= cap and (self.keep is None or cap < self.ring):  # full: grow (a ring up to its size)
             self._reserve(held + 1)
         slot = self.slot(self.end)
         self.end += 1
         if self.keep is not None:
             self.base = max(0, self.end - self.keep)
+            self.floor = max(self.floor, self.end - self.ring)
         return slot
 
     def slot(self, position: int) -> int:
         """The buffer row of a retained position (at or past `offset`)."""
-        return position - self.offset if self.keep is None else position % self.keep
+        return position - self.offset if self.keep is None else position % self.ring
 
     def _reserve(self, rows: int, exact: bool = False) -> None:
         """Grow the buffers (doubling, or to exactly `rows` when the caller knows the final count) to
         hold `rows` rows; a ring grows this way up to `keep`, so a short sequence costs what it holds,
         and wraps only once it is full."""
         if self.keep is not None:
-            rows = min(rows, self.keep)
+            rows = min(rows, self.ring)
         if rows <= self.capacity:
             return
         cap = rows if exact else max(self.min_capacity, 2 * self.capacity, rows)
         if self.keep is not None:
-            cap = min(cap, self.keep)
+            cap = min(cap, self.ring)
         n = min(self.end - self.offset - self.pending_rows(), self.capacity)
         for name, old in self.buf.items():
             new = torch.zeros((self.n_kv, cap, *old.shape[2:]), dtype=old.dtype, device=self.device)
@@ -128,24 +152,25 @@ class Rows:
     def _ring_slices(self, lo: int, hi: int, b: torch.Tensor) -> list[torch.Tensor]:
         if lo >= hi:
             return []
-        a, z = lo % self.keep, (hi - 1) % self.keep + 1
+        a, z = lo % self.ring, (hi - 1) % self.ring + 1
         return [b[:, a:z]] if a < z else [b[:, a:], b[:, :z]]
 
     def commit(self) -> None:
-        """Ring: write the block's newest `keep` rows into the ring; older ones are gone."""
+        """Ring: write the block's newest rows into the ring (its size's worth); older ones are gone."""
         if self.pending is None:
             return
         self._reserve(self.end)
         values, self.pending = self.pending, None
         t = next(iter(values.values())).shape[1]
-        n = min(t, self.keep)
-        a = (self.end - n) % self.keep
-        head = min(n, self.keep - a)
+        n = min(t, self.ring)
+        a = (self.end - n) % self.ring
+        head = min(n, self.ring - a)
         for name, v in values.items():
             rows = v[:, t - n:]
             self.buf[name][:, a:a + head] = rows[:, :head]
             self.buf[name][:, :n - head] = rows[:, head:]  # the wrapped part (empty when it fits)
         self.base = max(0, self.end - self.keep)
+        self.floor = max(self.floor, self.end - self.ring)
 
     def _write(self, lo: int, values: dict[str, torch.Tensor]) -> None:
         t = next(iter(values.values())).shape[1]
@@ -153,8 +178,8 @@ class Rows:
             for name, v in values.items():
                 self.buf[name][:, lo:lo + t] = v
             return
-        a = lo % self.keep
-        head = min(t, self.keep - a)
+        a = lo % self.ring
+        head = min(t, self.ring - a)
         for name, v in values.items():
             self.buf[name][:, a:a + head] = v[:, :head]
             self.buf[name][:, :t - head] = v[:, head:]
@@ -162,18 +187,26 @@ class Rows:
     def restore(self, base: int, end: int, pieces: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
         """Refill from saved rows: `pieces` are (first position, fields) covering [base, end)."""
         self.pending, self.offset, self.prefix = None, 0, None
-        cap = max(self.min_capacity, end) if self.keep is None else min(self.keep, max(self.min_capacity, end))
+        cap = max(self.min_capacity, end) if self.keep is None else min(self.ring, max(self.min_capacity, end))
         self.buf = {name: torch.zeros((self.n_kv, cap, *shape), dtype=dtype, device=self.device)
                     for name, (shape, dtype) in self.fields.items()}
         self._buf_bytes = None
         for lo, values in pieces:
             self._write(lo, {k: v.to(self.device) for k, v in values.items()})
-        self.base, self.end = base, end
+        self.base, self.end, self.floor = base, end, base
 
     def trim(self, end: int) -> None:
-        """Forget positions from `end` on (the caller checked the rows it still needs are here)."""
-        assert self.pending is None and self.base <= end <= self.end and end >= self.offset
+        """Forget positions from `end` on (the caller checked the rows it still needs are here); a
+        ring retains its newest `keep` again, from its slack."""
+        assert self.pending is None and self.oldest() <= end <= self.end and end >= self.offset
         self.end = end
+        if self.keep is not None:  # back to `keep` rows as far as the slack still holds them
+            self.base = max(0, self.floor, end - self.keep)
+
+    def oldest(self) -> int:
+        """The oldest position still stored: `base`, or in a ring with slack as far back as no newer
+        row has taken its slot."""
+        return self.base if self.keep is None else min(self.base, self.floor)
 
     def share(self, rows: "Rows", upto: int) -> None:
         """Become a branch of `rows` (growing, at its end): positions below `upto` are read from its
@@ -272,10 +305,22 @@ class RowStore(LayerStore):
         self.restore(other.end, other.export())
 
     def can_trim(self, end):
-        return end <= self.end and self.main.base <= self.geometry.read_start(end) and \
-            all(end >= s.rows.offset for s in self.row_sets().values())
+        """The main rows still hold what a query at `end` reads (a ring back from its slack), and
+        every other ring (a recent tier, exact keys) all it retains when its layer ends at `end`."""
+        if end > self.end or self.main.oldest() > self.geometry.read_start(end):
+            return False
+        for name, s in self.row_sets().items():
+            stop, rows = s.end_at(end), s.rows
+            if stop < rows.offset or (name != "main" and rows.keep is not None and
+                                      rows.oldest() > max(0, stop - rows.keep)):
+                return False
+        return True
 
     def trim(self, end):
         for s in self.row_sets().values():
-            s.rows.trim(max(s.rows.base, end) if s.rows.keep is not None else s.end_at(end))
+            s.rows.trim(s.end_at(end))
         self.end = end
+
+    def keep_rollback(self, n):
+        for s in self.row_sets().values():
+            s.rows.set_slack(n)

@@ -1,0 +1,107 @@
+"""Speculative decoding (issue 32), measured side by side in one run, greedy throughout:
+
+- the target alone, the target with the draft proposing `--draft-tokens` a step, and llama.cpp's
+  plain decode of the target's GGUF, on code prompts (chat-rendered);
+- the target alone against prompt lookup on an edit task: the prompt a 300-line Python file and the
+  request to rename one function, the answer a lightly changed copy;
+- whether every speculative run gave plain decode's ids.
+
+Decode tok/s are each run's own (tokens after the first over the time after it; drafting included);
+the runners take turns within each prompt. Prints the CPU; asserts nothing.
+
+    python bench/speculative.py --target models/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --draft models/gguf/qwen2.5-coder-0.5b-instruct.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import statistics
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from decode import LlamaCpp  # noqa: E402
+from stream import cpu_name  # noqa: E402
+
+from larqlpy.prepare import prepare  # noqa: E402
+from larqlpy.request import Request  # noqa: E402
+from larqlpy.runner import execute  # noqa: E402
+from larqlpy.weights.loader import attach_draft, load  # noqa: E402
+
+CODE_PROMPTS = [
+    "Write a Python function is_prime(n) that checks whether n is a prime number, with a docstring.",
+    "Write quicksort in Python as a function that returns a new sorted list.",
+    "Write a Python class Stack with push, pop, peek and __len__, each with a docstring.",
+    "Write a Python function that reads a CSV file and returns the sum of its second column.",
+]
+
+
+def edit_prompt(lines: int = 300) -> str:
+    source = "".join(inspect.getsource(textwrap).splitlines(keepends=True)[:lines])
+    return ("Rename the function `dedent` to `remove_indent` everywhere in this file. Reply with the whole "
+            "changed file and nothing else.\n\n```python\n" + source + "```")
+
+
+def run(loaded, content: str, tokens: int, **extra) -> dict:
+    req = {"messages": [{"role": "user", "content": content}], "max_tokens": tokens, "stop_at_eos": False,
+           "continuation": "canonical/v1", **extra}
+    return execute(loaded, Request.from_dict(req))
+
+
+def tps(record: dict) -> float:
+    return record["stats"]["decode_tokens_per_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--draft", type=Path, required=True)
+    ap.add_argument("--draft-tokens", type=int, nargs="+", default=[4, 6])
+    ap.add_argument("--lookup", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per code answer")
+    ap.add_argument("--edit-tokens", type=int, default=256, help="tokens of the edited file measured")
+    args = ap.parse_args()
+    print(f"CPU: {cpu_name()}, 2 threads")
+    target = attach_draft(load(args.target, device="cpu"), load(args.draft, device="cpu"))
+    llama = LlamaCpp(args.target, 8192)
+    rows: dict[str, list[float]] = {}
+    same = []
+    for content in CODE_PROMPTS:
+        plain = run(target, content, args.tokens, draft_tokens=0)
+        rows.setdefault("target alone", []).append(tps(plain))
+        for k in args.draft_tokens:
+            r = run(target, content, args.tokens, draft_tokens=k)
+            rows.setdefault(f"draft k={k}", []).append(tps(r))
+            rows.setdefault(f"draft k={k} acceptance", []).append(r["stats"]["acceptance_rate"])
+            rows.setdefault(f"draft k={k} tokens/step", []).append(r["stats"]["tokens_per_target_step"])
+            same.append(r["tokens"] == plain["tokens"])
+        ids = prepare(target, Request.from_dict({"messages": [{"role": "user", "content": content}]})).prompt_ids
+        rows.setdefault("llama.cpp alone", []).append((args.tokens - 1) / llama.decode(ids, args.tokens - 1))
+        print(f"  {content[:50]!r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rows.items()), flush=True)
+    print("\ncode prompts (median over prompts):")
+    for name, values in rows.items():
+        print(f"  {name:28s} {statistics.median(values):8.2f}")
+    base, cpp = statistics.median(rows["target alone"]), statistics.median(rows["llama.cpp alone"])
+    for k in args.draft_tokens:
+        spec = statistics.median(rows[f"draft k={k}"])
+        print(f"  draft k={k}: {spec / base:.2f}x the target alone (aim >= 1.6x), {spec / cpp:.2f}x llama.cpp "
+              f"alone (aim >= 1.3x)")
+
+    edit = edit_prompt()
+    plain = run(target, edit, args.edit_tokens, draft_tokens=0)
+    looked = run(target, edit, args.edit_tokens, draft_tokens=0, lookup=args.lookup)
+    same.append(looked["tokens"] == plain["tokens"])
+    print(f"\nedit task ({plain['prompt_tokens']} prompt tokens, {args.edit_tokens} generated): alone "
+          f"{tps(plain):.2f} tok/s, lookup={args.lookup} {tps(looked):.2f} tok/s = {tps(looked) / tps(plain):.2f}x "
+          f"(aim >= 2x); acceptance {looked['stats']['acceptance_rate']:.2f}, "
+          f"{looked['stats']['tokens_per_target_step']:.2f} tokens per target step")
+    print(f"greedy ids identical to plain decode: {sum(same)} of {len(same)} runs")
+
+
+if __name__ == "__main__":
+    main()

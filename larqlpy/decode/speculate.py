@@ -1,0 +1,132 @@
+"""Speculative decoding: proposals of the next few ids, which the sequence verifies in one forward
+pass of the target over them (decode/sequence.py `Sequence._verify`), keeping the longest run the
+target agrees with and rolling every state back past the rest.
+
+Two proposers, one protocol (`propose(history, k, sampling, constraint)` -> (ids, q), `settle(history)`):
+- `Lookup`: the continuation of the longest recent n-gram of the history seen earlier in it
+  (prompt lookup decoding); certain proposals (q None);
+- `Draft`: a smaller model of the same vocabulary, decoding k ids ahead on its own state, which is
+  trimmed back to what the target kept. Sampled proposals carry the draft's distribution q, so that
+  the target's rejection step keeps the output distributed as the target's alone.
+
+A grammar's mask applies to the proposals (ids it would refuse are never proposed) and again to the
+verification: the constraint steps through the proposals and is rolled back after.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from larqlpy.config import SamplingConfig
+from larqlpy.decode.sampling import probabilities
+from larqlpy.decode.stream import prefill
+from larqlpy.engines import EngineSpec, build_provider
+from larqlpy.errors import LarqlError
+
+MAX_NGRAM = 4  # the longest suffix prompt lookup tries to find again
+
+
+class Lookup:
+    """Prompt lookup: the ids that followed the most recent earlier occurrence of the history's
+    longest suffix of up to MAX_NGRAM ids (none when even its last id never occurred before)."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+        self.model = None  # no model of its own
+
+    def propose(self, history: list[int], k: int, sampling: SamplingConfig, constraint=None
+                ) -> tuple[list[int], list | None]:
+        k = min(k, self.tokens)
+        n_hist = len(history)
+        for n in range(min(MAX_NGRAM, n_hist - 1), 0, -1):
+            tail = history[n_hist - n:]
+            for start in range(n_hist - n - 1, -1, -1):  # the most recent earlier occurrence
+                if history[start:start + n] == tail:
+                    found = history[start + n:start + n + k]
+                    return allowed_prefix(found, constraint), None
+        return [], None
+
+    def settle(self, history: list[int]) -> None:
+        pass
+
+
+def allowed_prefix(ids: list[int], constraint) -> list[int]:
+    """The longest prefix of `ids` a grammar allows (all of them when there is none)."""
+    if constraint is None:
+        return ids
+    took = 0
+    for tok in ids:
+        if constraint.done or not constraint.allowed()[tok]:
+            break
+        constraint.accept(tok)
+        took += 1
+    constraint.rollback(took)
+    return ids[:took]
+
+
+class Draft:
+    """A draft model's proposals for one sequence, on its own engine state (the target's engine),
+    kept in step with the target's history: it holds a prefix of it and is trimmed back to the
+    prefix they share after each verification."""
+
+    def __init__(self, model, spec: EngineSpec, tokens: int, chunk: int, seed: int | None, vocab: int):
+        self.model, self.tokens, self.chunk, self.vocab = model, tokens, chunk, vocab  # vocab: the target's
+        self.state = build_provider(spec).new_state(model.geometries(), model.device)
+        self.state.keep_rollback(tokens)
+        self.held: list[int] = []  # the ids the draft's state holds
+        self.rng = torch.Generator().manual_seed(seed + 0x5eed) if seed is not None else None
+
+    def propose(self, history: list[int], k: int, sampling: SamplingConfig, constraint=None
+                ) -> tuple[list[int], list | None]:
+        k = min(k, self.tokens)
+        logits = prefill(self.model, self.state, history[len(self.held):], self.chunk)[-1]
+        self.held = list(history)
+        ids, qs = [], []
+        for i in range(k):
+            tok, q = self._choose(logits, sampling, constraint)
+            if tok is None:
+                break
+            ids.append(tok)
+            qs.append(q)
+            if constraint is not None:
+                constraint.accept(tok)
+            if i + 1 < k:
+                logits = self.model.forward(torch.tensor([tok]), self.state)[-1]
+                self.held.append(tok)
+        if constraint is not None:
+            constraint.rollback(len(ids))
+        return ids, (qs if sampling.temperature > 0 else None)
+
+    def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, constraint):
+        if logits.shape[0] != self.vocab:  # the same tokens, padded to another row count
+            logits = torch.cat([logits[:self.vocab].float(),
+                                torch.full((max(0, self.vocab - logits.shape[0]),), float("-inf"))])
+        logits = logits.float()
+        if constraint is not None:
+            if constraint.done:
+                return None, None
+            mask = torch.from_numpy(constraint.allowed())
+            n = min(mask.shape[0], logits.shape[0])
+            logits = logits.clone()
+            logits[:n].masked_fill_(~mask[:n], float("-inf"))
+            logits[n:] = float("-inf")
+        if sampling.temperature == 0.0:
+            return int(torch.argmax(logits)), None
+        q = probabilities(logits, sampling).double()
+        q = q / q.sum()
+        cdf = torch.cumsum(q, 0)
+        u = torch.rand(1, generator=self.rng, dtype=torch.float64)
+        return min(int(torch.searchsorted(cdf, u, right=True)), q.shape[0] - 1), q
+
+    def settle(self, history: list[int]) -> None:
+        """The target kept `history`: the draft forgets what it ran past their common prefix."""
+        same = 0
+        for a, b in zip(self.held, history):
+            if a != b:
+                break
+            same += 1
+        if same < len(self.held):
+            if not self.state.can_trim(same):
+                raise LarqlError("the draft's state cannot go back to the target's history")
+            self.state.trim(same)
+            self.held = self.held[:same]
