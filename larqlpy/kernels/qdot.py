@@ -24,7 +24,7 @@ from numba.extending import overload
 
 from larqlpy.kernels import jitcache, simd
 from larqlpy.kernels.jitcache import FASTMATH
-from larqlpy.kernels.simd import BLOCK, DOTS, ROWS as TILE
+from larqlpy.kernels.simd import BLOCK, DOTS, PAIR, ROWS as TILE
 
 def as_float(v):  # pragma: no cover - replaced by the overload inside jitted code
     raise NotImplementedError
@@ -129,13 +129,13 @@ def _int_kernel(isa: str, bits: int):
     is its own function. Not a closure: numba keys a cached closure on a pickle of what it closes
     over, and a pickled intrinsic differs in every process, so such a kernel would compile afresh in
     each one. A function of its own name and globals is cached under that name like any other.
-    VNNI takes BLOCK activation rows per intrinsic call, AVX2 one; a 4-, 5- or 6-bit group is half
+    VNNI takes BLOCK activation rows per intrinsic call, AVX2 PAIR; a 4-, 5- or 6-bit group is half
     as many code words (of 4 + bits - 4 bytes a row) for as many activations; groups of 16 inputs
     have their own intrinsics."""
     def dot(quads, rows):
         return DOTS.get((isa, bits, quads, rows), DOTS[(isa, bits, 8, rows)])
 
-    step = BLOCK if isa == "vnni512" else 1
+    step = BLOCK if isa == "vnni512" else PAIR
     bound = dict(STEP=step, X_PER=1 if bits == 8 else 2, FULL=8 if bits == 8 else 4, SPAN=4 + simd.PLANES[bits],
                  ONE=dot(8, 1), ONE_HALF=dot(4, 1), MANY=dot(8, step), MANY_HALF=dot(4, step))
     name = f"_int{bits}_{isa.replace('-', '_')}"
