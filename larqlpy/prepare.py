@@ -72,11 +72,14 @@ def prepare_all(loaded, req: Request, source: StateSource | None = None, key=Non
     first = prepare(loaded, req, key=key)
     branches = Branches(loaded.model, first.spec, req.n, first.gen.prefill_chunk)
     first.source = branches
-    return [first] + [Sequence(loaded.model, first.prompt_ids, first.spec, branch_settings(first.gen, i),
-                               stop_ids=loaded.tokenizer.stop_ids, tokenizer=loaded.tokenizer, source=branches,
-                               key=first.key, request=first.request, notes=first.notes,
-                               proposer=proposer(loaded, first.spec, branch_settings(first.gen, i)))
-                      for i in range(1, req.n)]
+    return [first] + [branch(loaded, first, branch_settings(first.gen, i)) for i in range(1, req.n)]
+
+
+def branch(loaded, first: Sequence, gen: GenerationConfig) -> Sequence:
+    """Another choice of `first`'s prompt, on settings `gen` (its seed), from the same branches."""
+    return Sequence(loaded.model, first.prompt_ids, first.spec, gen, stop_ids=loaded.tokenizer.stop_ids,
+                    tokenizer=loaded.tokenizer, source=first.source, key=first.key, request=first.request,
+                    notes=first.notes, proposer=proposer(loaded, first.spec, gen))
 
 
 def with_tools(loaded, req: Request, template: ChatTemplate | None) -> Request:

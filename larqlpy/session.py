@@ -77,9 +77,8 @@ def align(held: Held, ids: list[int]) -> Held | None:
     if common == processed and (len(ids) > processed or (len(ids) == processed and held.logits is not None)):
         return Held(list(ids), state, held.logits)
     target = min(common, len(ids) - 1)
-    if all(s.can_trim(target) for s in state.layers):
-        for s in state.layers:
-            s.trim(target)
+    if state.can_trim(target):
+        state.trim(target)
         return Held(list(ids), state, None)
     return None
 

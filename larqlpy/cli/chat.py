@@ -15,8 +15,8 @@ from typing import List, Optional
 import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT,
-                                DRAFT_TOKENS, DTYPE, ENGINE, LOOKUP, speculation,
-                                KV_DTYPE, WEIGHTS, err, error_line, fmt_bytes, load_model)
+                                DRAFT_TOKENS, DTYPE, ENGINE, KV_DTYPE, LOOKUP, WEIGHTS, err, error_line, fmt_bytes,
+                                load_model, speculation)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.config import GenerationConfig, SamplingConfig
 from larqlpy.errors import LarqlError

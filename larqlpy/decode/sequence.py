@@ -384,9 +384,8 @@ class Sequence:
             return
         keep = len(self.prompt_ids) + n
         target = len(self.prompt_ids) + max(n - 1, 0)  # all but the newest kept id, as after any token
-        if not all(s.can_trim(target) for s in self.state.layers):
+        if not self.state.can_trim(target):
             return
-        for s in self.state.layers:
-            s.trim(target)
+        self.state.trim(target)
         self.history = self.history[:keep]
         self.logits = logits

@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 
 from larqlpy.config import SamplingConfig
-from larqlpy.decode.sampling import probabilities
+from larqlpy.decode.sampling import draw, probabilities
 from larqlpy.decode.stream import prefill
 from larqlpy.engines import EngineSpec, build_provider
 from larqlpy.errors import LarqlError
+from larqlpy.state.format import common_prefix
 
 MAX_NGRAM = 4  # the longest suffix prompt lookup tries to find again
 
@@ -32,7 +33,6 @@ class Lookup:
 
     def __init__(self, tokens: int):
         self.tokens = tokens
-        self.model = None  # no model of its own
 
     def propose(self, history: list[int], k: int, sampling: SamplingConfig, constraint=None
                 ) -> tuple[list[int], list | None]:
@@ -114,17 +114,11 @@ class Draft:
             return int(torch.argmax(logits)), None
         q = probabilities(logits, sampling).double()
         q = q / q.sum()
-        cdf = torch.cumsum(q, 0)
-        u = torch.rand(1, generator=self.rng, dtype=torch.float64)
-        return min(int(torch.searchsorted(cdf, u, right=True)), q.shape[0] - 1), q
+        return draw(q, self.rng), q
 
     def settle(self, history: list[int]) -> None:
         """The target kept `history`: the draft forgets what it ran past their common prefix."""
-        same = 0
-        for a, b in zip(self.held, history):
-            if a != b:
-                break
-            same += 1
+        same = common_prefix(self.held, history)
         if same < len(self.held):
             if not self.state.can_trim(same):
                 raise LarqlError("the draft's state cannot go back to the target's history")

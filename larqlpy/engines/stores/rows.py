@@ -204,9 +204,9 @@ class Rows:
             self.base = max(0, self.floor, end - self.keep)
 
     def oldest(self) -> int:
-        """The oldest position still stored: `base`, or in a ring with slack as far back as no newer
-        row has taken its slot."""
-        return self.base if self.keep is None else min(self.base, self.floor)
+        """The oldest position still stored: `base`, or in a ring as far back as no newer row has
+        taken its slot (its slack, before `base`)."""
+        return self.base if self.keep is None else self.floor
 
     def share(self, rows: "Rows", upto: int) -> None:
         """Become a branch of `rows` (growing, at its end): positions below `upto` are read from its
