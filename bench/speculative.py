@@ -1,7 +1,8 @@
 """Speculative decoding (issue 32), measured side by side in one run, greedy throughout:
 
-- the target alone, the target with the draft proposing `--draft-tokens` a step, and llama.cpp's
-  plain decode of the target's GGUF, on code prompts (chat-rendered);
+- the target alone, the target with the draft proposing up to `--draft-tokens` a step (stopping
+  early below each `--draft-p-min`), and llama.cpp's plain decode of the target's GGUF, on code
+  prompts (chat-rendered);
 - the target alone against prompt lookup on an edit task: the prompt a 300-line Python file and the
   request to rename one function, the answer a lightly changed copy;
 - whether every speculative run gave plain decode's ids.
@@ -62,6 +63,8 @@ def main() -> None:
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--draft", type=Path, required=True)
     ap.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--draft-p-min", type=float, nargs="+", default=[0.75, 0.0],
+                    help="the draft's confidence floors measured (0.75: the default; 0: always K)")
     ap.add_argument("--lookup", type=int, nargs="+", default=[5, 10])
     ap.add_argument("--tokens", type=int, default=128, help="tokens per code answer")
     ap.add_argument("--edit-tokens", type=int, default=256, help="tokens of the edited file measured")
@@ -74,23 +77,23 @@ def main() -> None:
     for content in CODE_PROMPTS:
         plain = run(target, content, args.tokens, draft_tokens=0)
         rows.setdefault("target alone", []).append(tps(plain))
-        for k in args.draft_tokens:
-            r = run(target, content, args.tokens, draft_tokens=k)
-            rows.setdefault(f"draft k={k}", []).append(tps(r))
-            rows.setdefault(f"draft k={k} acceptance", []).append(r["stats"]["acceptance_rate"])
-            rows.setdefault(f"draft k={k} tokens/step", []).append(r["stats"]["tokens_per_target_step"])
+        for k, p in ((k, p) for k in args.draft_tokens for p in args.draft_p_min):
+            r = run(target, content, args.tokens, draft_tokens=k, draft_p_min=p)
+            rows.setdefault(f"draft k={k} p_min={p}", []).append(tps(r))
+            rows.setdefault(f"draft k={k} p_min={p} acceptance", []).append(r["stats"]["acceptance_rate"])
+            rows.setdefault(f"draft k={k} p_min={p} tokens/step", []).append(r["stats"]["tokens_per_target_step"])
             same.append(r["tokens"] == plain["tokens"])
         ids = prepare(target, Request.from_dict({"messages": [{"role": "user", "content": content}]})).prompt_ids
         rows.setdefault("llama.cpp alone", []).append((args.tokens - 1) / llama.decode(ids, args.tokens - 1))
         print(f"  {content[:50]!r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rows.items()), flush=True)
     print("\ncode prompts (median over prompts):")
     for name, values in rows.items():
-        print(f"  {name:28s} {statistics.median(values):8.2f}")
+        print(f"  {name:40s} {statistics.median(values):8.2f}")
     base, cpp = statistics.median(rows["target alone"]), statistics.median(rows["llama.cpp alone"])
-    for k in args.draft_tokens:
-        spec = statistics.median(rows[f"draft k={k}"])
-        print(f"  draft k={k}: {spec / base:.2f}x the target alone (aim >= 1.6x), {spec / cpp:.2f}x llama.cpp "
-              f"alone (aim >= 1.3x)")
+    for k, p in ((k, p) for k in args.draft_tokens for p in args.draft_p_min):
+        spec = statistics.median(rows[f"draft k={k} p_min={p}"])
+        print(f"  draft k={k} p_min={p}: {spec / base:.2f}x the target alone (aim >= 1.6x), "
+              f"{spec / cpp:.2f}x llama.cpp alone (aim >= 1.3x)")
 
     edit = edit_prompt()
     plain = run(target, edit, args.edit_tokens, draft_tokens=0)

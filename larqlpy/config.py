@@ -39,6 +39,7 @@ class SamplingConfig:
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "grammar")
 MAX_PROPOSALS = 32  # speculative decoding: proposals verified in one pass at most
 DRAFT_TOKENS = 4  # ... and a draft model's proposals a step, unless told otherwise
+DRAFT_P_MIN = 0.75  # a draft stops proposing at a token it gives less (llama.cpp's default too)
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
@@ -72,6 +73,7 @@ class GenerationConfig:
     draft_tokens: int | None = None  # speculative decoding: ids the process's draft model proposes a step (None:
     # the draft's default, DRAFT_TOKENS unless its process was told otherwise; 0: no speculation)
     lookup: int = 0  # prompt lookup: up to N ids proposed from an earlier match of the history's tail (0: off)
+    draft_p_min: float = DRAFT_P_MIN  # the draft proposes while it gives its choice at least this (0: always K)
 
     def __post_init__(self):
         self._check_shaping()
@@ -98,6 +100,8 @@ class GenerationConfig:
         for name, most in (("draft_tokens", MAX_PROPOSALS), ("lookup", MAX_PROPOSALS)):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= most:
                 raise LarqlError(f"`{name}` must be in 0..{most}, got {getattr(self, name)}")
+        if not 0.0 <= self.draft_p_min <= 1.0:
+            raise LarqlError(f"`draft_p_min` must be in [0, 1], got {self.draft_p_min}")
         if self.repeat_last_n < -1:
             raise LarqlError(f"`repeat_last_n` must be >= -1 (-1: the whole history), got {self.repeat_last_n}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias

@@ -59,7 +59,7 @@ def proposer(loaded, spec, gen: GenerationConfig):
         return None
     if drafting:
         return Draft(loaded.draft.model, spec, tokens, gen.prefill_chunk, gen.sampling.seed,
-                     loaded.config.vocab_size)
+                     loaded.config.vocab_size, gen.draft_p_min)
     return Lookup(gen.lookup) if gen.lookup else None
 
 

@@ -28,7 +28,8 @@ UNSUPPORTED = ("best_of", "echo", "suffix", "functions", "function_call", "audio
 MAX_STOPS = 4  # OpenAI's limit on `stop`
 MAX_CHOICES = 16  # `n`: each choice is a live sequence of its own
 # the body's "larqlpy" object: the engine, and the settings OpenAI's API has no field for
-EXTENSION_SHAPING = ("regex", "grammar", "repetition_penalty", "repeat_last_n", "draft_tokens", "lookup")
+EXTENSION_SHAPING = ("regex", "grammar", "repetition_penalty", "repeat_last_n", "draft_tokens", "lookup",
+                     "draft_p_min")
 EXTENSION = ("continuation", "options", "engine", "prefill_chunk", *EXTENSION_SHAPING)
 GRAMMAR_FIELDS = ("json_schema", "regex", "grammar", "response_format")  # the flat spelling: one at most
 SHAPING = ("frequency_penalty", "presence_penalty", "repetition_penalty")
@@ -154,7 +155,7 @@ def generation(raw: dict[str, Any]) -> GenerationConfig:
     """Generation settings in the flat spelling (flags, a batch line, the Python API), each checked."""
     for key in ("max_tokens", "top_k", "seed", "prefill_chunk", "logprobs", "repeat_last_n", "draft_tokens", "lookup"):
         _integer(raw, key)
-    for key in ("temperature", "top_p", *SHAPING):
+    for key in ("temperature", "top_p", "draft_p_min", *SHAPING):
         _number(raw, key)
     stop = raw.get("stop")
     if stop is not None:

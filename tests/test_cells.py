@@ -150,9 +150,9 @@ def test_every_default_rule_fires(tiny):
     assert rules.allowed  # the packaged file is unchanged by any of this
 
 
-def test_budget_holds_over_2000_positions_of_the_270m(real, long_text):
-    budget = 6 * 2**20
-    ids = real.tokenizer.encode(long_text)[:2000]
+def test_budget_holds_over_1000_positions_of_the_270m(real, long_text):
+    budget = 6 * 2**20  # a sixth of what canonical/v1 would hold: past the window, cells are evicted
+    ids = real.tokenizer.encode(long_text)[:1000]
     cell = 64 * 2 * 256 * 4
     worst = []
 
@@ -162,7 +162,7 @@ def test_budget_holds_over_2000_positions_of_the_270m(real, long_text):
         assert cells <= budget + 18 * cell, cells
 
     _, state = run_blocks(real, cells_spec("budget=6MiB"), ids, 64, check)
-    assert state.position == 2000
+    assert state.position == 1000
     report = state.report()
     assert report["cells"]["PERSISTED"] > 0 and report["cells"]["EVICTED"] > 0
     moves = {(t["event"], t["from"], t["to"]) for t in report["transitions"]}

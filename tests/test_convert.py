@@ -20,6 +20,7 @@ def gguf_path():
     return assemble()
 
 
+@pytest.mark.heavy  # the 270M dequantized by transformers; CI keeps test_native's against gguf-py
 def test_weights_and_tokenizer_equal_transformers_gguf_loader(real_dir, gguf_path):
     """An independent dequantization (transformers reads the GGUF itself) gives the same tensors."""
     from tokenizers import Tokenizer

@@ -59,7 +59,9 @@ def prompt(real, long_text):
     return real.tokenizer.encode(long_text)[:700]  # past the 512-token window
 
 
-@pytest.mark.parametrize("chunks", [[700], [300, 250, 150], [512, 1, 187]])
+# CI keeps one blocking on the 270M, and the tiny models' below
+@pytest.mark.parametrize("chunks", [[700], pytest.param([300, 250, 150], marks=pytest.mark.heavy),
+                                    pytest.param([512, 1, 187], marks=pytest.mark.heavy)])
 def test_window_is_bit_identical_to_canonical_on_270m(real, prompt, chunks):
     ref = run_steps(real, CANONICAL, prompt, chunks, 16, horizon_checker(lambda g: None))
     got = run_steps(real, WINDOW, prompt, chunks, 16, horizon_checker(lambda g: g.window))
@@ -85,7 +87,7 @@ def test_window_resident_bytes_are_bounded_on_270m(real, prompt):
 
 
 def test_no_cache_replay_matches_canonical_on_270m(real, prompt):
-    cfg = GenerationConfig(max_tokens=12, stop_at_eos=False)
+    cfg = GenerationConfig(max_tokens=6, stop_at_eos=False)
     ids = prompt[:600]
     ref = list(stream_generate(real.model, ids, CANONICAL, cfg))
     for spec in (parse_engine_spec(engine="no-cache"), parse_engine_spec("no-cache", "window/v1")):

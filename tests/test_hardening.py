@@ -246,7 +246,7 @@ def test_a_client_gone_during_a_long_prefill_frees_its_slot_at_once(smol_dir):
     """Its sequence is dropped between prefill chunks, not after the prompt: the state it leaves
     holds only part of the prompt (what a later request with the same prompt finds cached)."""
     words = (Path(__file__).resolve().parent.parent / "larqlpy" / "data" / "long.txt").read_text().split() * 3
-    prompt = " ".join(words[:5000])
+    prompt = " ".join(words[:3000])
     with Server(smol_dir, "--weights", "int8") as s:
         body = {"model": NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0}
         with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
@@ -258,7 +258,7 @@ def test_a_client_gone_during_a_long_prefill_frees_its_slot_at_once(smol_dir):
             time.sleep(0.05)
         again = s.post("/v1/completions", {**body, "max_tokens": 1}).json()
     prompt_tokens, cached = again["usage"]["prompt_tokens"], again["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert prompt_tokens > 4000 and 0 < cached < prompt_tokens - 1024, (cached, prompt_tokens)
+    assert prompt_tokens > 2000 and 0 < cached < prompt_tokens - 1024, (cached, prompt_tokens)
 
 
 # a busy machine ---------------------------------------------------------------------------------

@@ -62,10 +62,12 @@ def test_tokenizer_equals_transformers(qwen, hf_tokenizer, long_text):
         assert tok.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True), text
 
 
+@pytest.mark.heavy  # transformers dequantizes the 0.5B in a minute; CI keeps Gemma's and SmolLM2's comparisons
 def test_greedy_ids_equal_transformers_on_plain_prompts(qwen, hf_model):
     assert_prompts_match(qwen, hf_model, ("def fibonacci(n):", "The capital of France is", "# quicksort in C\n"), 24)
 
 
+@pytest.mark.heavy
 def test_chat_answers_equal_transformers(qwen, hf_model, hf_tokenizer):
     answer = qwen.tokenizer.decode(assert_chats_match(qwen, hf_model, hf_tokenizer, CONVERSATIONS, 20))
     assert answer.strip(), answer

@@ -16,14 +16,17 @@ import pytest
 import torch
 
 from conftest import QWEN_DIR, smol_gguf
+from larqlpy.budget import KVBudget
 from larqlpy.config import SamplingConfig
 from larqlpy.decode.sampling import probabilities, verify
+from larqlpy.decode.scheduler import Scheduler
 from larqlpy.decode.speculate import Lookup
 from larqlpy.decode.stream import prefill
 from larqlpy.engines import new_state
 from larqlpy.engines.presets import SPREAD, option_texts
 from larqlpy.engines.registry import parse_engine_spec
 from larqlpy.errors import LarqlError
+from larqlpy.prepare import prepare
 from larqlpy.request import Request
 from larqlpy.runner import execute, execute_many
 from larqlpy.weights.loader import attach_draft, load
@@ -121,7 +124,7 @@ def test_a_tiny_random_pair_disagrees_often_and_still_gives_plain_decode(tiny_pa
             base = {"prompt": "the cat sat on the mat and the", "max_tokens": 30, "continuation": engine,
                     "options": options}
             plain = execute(target, Request.from_dict({**base, "draft_tokens": 0}))
-            drafted = execute(target, Request.from_dict({**base, "draft_tokens": 6}))
+            drafted = execute(target, Request.from_dict({**base, "draft_tokens": 6, "draft_p_min": 0}))
             assert drafted["tokens"] == plain["tokens"]
             assert drafted["stats"]["accepted_tokens"] < drafted["stats"]["proposed_tokens"]  # rollbacks happened
     finally:
@@ -141,6 +144,18 @@ def test_batched_sequences_each_speculate_on_their_own_and_compose_with_stops_an
         assert got[i]["tokens"] == alone[i]["tokens"] and got[i]["text"] == alone[i]["text"], i
     assert "factorial" not in got[4]["text"] and got[4]["finish_reason"] == "stop"
     json.loads(got[5]["text"])
+
+
+def test_a_draft_stops_proposing_where_it_is_unsure_and_the_output_is_unchanged(smol_pair):
+    """Adaptive K: the draft proposes while its likeliest id has at least `draft_p_min` (0: always K)."""
+    base = {"prompt": CODE, "max_tokens": 40, "stop_at_eos": False}
+    plain = execute(smol_pair, Request.from_dict({**base, "draft_tokens": 0}))
+    runs = {p: execute(smol_pair, Request.from_dict({**base, "draft_tokens": 6, "draft_p_min": p})) for p in (0, 0.9)}
+    assert all(r["tokens"] == plain["tokens"] for r in runs.values())
+    every, sure = runs[0]["stats"], runs[0.9]["stats"]
+    assert sure["proposed_tokens"] < every["proposed_tokens"] and sure["acceptance_rate"] >= every["acceptance_rate"]
+    with pytest.raises(LarqlError, match=r"`draft_p_min` must be in \[0, 1\], got 1.5"):
+        Request.from_dict({**base, "draft_p_min": 1.5})
 
 
 def test_sampling_with_a_draft_keeps_the_targets_distribution():
@@ -176,7 +191,8 @@ def test_sampled_generations_with_a_draft_follow_the_targets_distribution(tiny_p
         for k in (0, 3):
             seen = []
             reqs = [(i, Request.from_dict({"prompt": "the cat", "max_tokens": 2, "temperature": 1.0, "seed": 1000 + i,
-                                           "draft_tokens": k, "stop_at_eos": False})) for i in range(1500)]
+                                           "draft_tokens": k, "draft_p_min": 0, "stop_at_eos": False}))
+                    for i in range(1500)]
             for _, r in execute_many(target, reqs, parallel=16):
                 seen.append(r["tokens"][1])
             runs[k] = seen
@@ -216,6 +232,7 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny_pair, smol_pair):
 @pytest.mark.parametrize("args, message", [
     (["--draft", "models/smollm2-135m-instruct"], "another vocabulary"),
     (["--draft-tokens", "3"], "--draft-tokens needs --draft"),
+    (["--draft-p-min", "0.5"], "--draft-p-min needs --draft"),
     (["--draft", "models/gemma-3-270m", "--lookup", "4"], "two ways to propose"),
     (["--lookup", "99"], "--lookup must be in 0..32"),
 ])
@@ -271,3 +288,23 @@ def test_qwen_as_its_own_draft_and_by_lookup_gives_plain_decode():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("engine", ["canonical/v1", "window/v1"])
+def test_a_budget_counts_the_drafts_state_and_the_rows_a_verification_takes(tiny_pair, engine):
+    """A sequence's reservation covers what speculation holds: its own rows, the K a verification
+    takes past them, and the draft's state, at every step (window 8 rings wrap and keep K of slack)."""
+    target, draft = tiny_pair
+    attach_draft(target, draft)
+    try:
+        req = {"prompt": CODE, "max_tokens": 24, "stop_at_eos": False,
+               "continuation": engine}
+        plain = prepare(target, Request.from_dict({**req, "draft_tokens": 0}))
+        seq = prepare(target, Request.from_dict({**req, "draft_tokens": 3, "draft_p_min": 0}))
+        assert seq.peak_bytes > plain.peak_bytes + seq.proposer.state_bytes(seq.peak_positions) - 1
+        for _ in Scheduler(target.model, parallel=1, budget=KVBudget(seq.peak_bytes)).run([seq]):
+            assert seq.error is None
+            assert seq.state.resident_bytes() + seq.proposer.state.resident_bytes() <= seq.peak_bytes
+        assert seq.finish_reason == "length" and seq.proposed > 0
+    finally:
+        target.draft = None

@@ -60,12 +60,15 @@ FLAGS = {
     "logit_bias": "--logit-bias", "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
     "repetition_penalty": "--repetition-penalty", "repeat_last_n": "--repeat-last-n", "tools": "--tools",
     "tool_choice": "--tool-choice", "messages": "--chat", "draft_tokens": "--draft-tokens", "lookup": "--lookup",
+    "draft_p_min": "--draft-p-min",
 }
 
 # Speculative decoding (docs/speculative.md)
 DRAFT = typer.Option(None, "--draft", help="a smaller model of the same vocabulary (directory or .gguf) that "
                      "proposes tokens the model verifies in one pass; the output is the model's own")
 DRAFT_TOKENS = typer.Option(None, "--draft-tokens", help="with --draft: tokens proposed per step (default 4)")
+DRAFT_P_MIN = typer.Option(None, "--draft-p-min", help="with --draft: stop proposing at a token the draft gives "
+                           "less than this probability (default 0.75; 0: always --draft-tokens)")
 LOOKUP = typer.Option(0, "--lookup", help="prompt lookup: propose up to N tokens that followed an earlier "
                       "occurrence of the text's last few tokens (0: off)")
 
@@ -164,18 +167,21 @@ def load_model(model: Path, draft: Optional[Path] = None, draft_tokens: Optional
     return loaded
 
 
-def speculation(draft: Optional[Path], draft_tokens: Optional[int], lookup: int) -> dict:
+def speculation(draft: Optional[Path], draft_tokens: Optional[int], lookup: int,
+                draft_p_min: Optional[float] = None) -> dict:
     """The request's speculative decoding flags, checked before any weights load."""
-    if draft_tokens is not None and draft is None:
-        raise LarqlError("--draft-tokens needs --draft")
+    for flag, value in (("--draft-tokens", draft_tokens), ("--draft-p-min", draft_p_min)):
+        if value is not None and draft is None:
+            raise LarqlError(f"{flag} needs --draft")
     if draft is not None and lookup:
         raise LarqlError("--draft and --lookup are two ways to propose tokens: give one")
     if draft is not None and not draft.exists():
         raise LarqlError(f"--draft {draft}: no such model")
     from larqlpy.config import GenerationConfig
 
-    GenerationConfig(draft_tokens=draft_tokens, lookup=lookup)  # their ranges, as a request's
-    return {"lookup": lookup, **({"draft_tokens": draft_tokens} if draft_tokens is not None else {})}
+    given = {k: v for k, v in (("draft_tokens", draft_tokens), ("draft_p_min", draft_p_min)) if v is not None}
+    GenerationConfig(lookup=lookup, **given)  # their ranges, as a request's
+    return {"lookup": lookup, **given}
 
 
 def model_home(model: Path) -> Path:

@@ -136,6 +136,10 @@ class Proposer(Protocol):
 
     tokens: int  # the most ids it proposes at once
 
+    def state_bytes(self, positions: int) -> int: ...
+
+    def reserve(self, positions: int) -> None: ...
+
     def propose(self, history: list[int], k: int, sampling, constraint) -> tuple[list[int], list | None]: ...
 
     def settle(self, history: list[int]) -> None: ...
@@ -211,8 +215,13 @@ class Sequence:
 
     @cached_property
     def peak_bytes(self) -> int:
-        """The KV it may grow to: its engine's accounting at prompt + max_tokens positions."""
-        return self.provider.state_bytes(self.model.geometries(), self.peak_positions)
+        """The KV it may grow to: its engine's accounting at prompt + max_tokens positions, with the
+        rows a verification may take past them and a draft model's state."""
+        if self.proposer is None:
+            return self.provider.state_bytes(self.model.geometries(), self.peak_positions)
+        k = self.proposer.tokens
+        return self.provider.state_bytes(self.model.geometries(), self.peak_positions, k) \
+            + self.proposer.state_bytes(self.peak_positions)
 
     def start(self) -> None:
         """Its first state: from its source (a prefix it already holds), or a fresh one."""
@@ -233,8 +242,11 @@ class Sequence:
 
     def reserve(self) -> None:
         """Allocate now what its state will hold at its last position (a batch reserves on admission)."""
-        if not self.spec.replay:  # a replayed state is thrown away every step
-            self.state.reserve(self.peak_positions)
+        if self.spec.replay:  # a replayed state is thrown away every step
+            return
+        self.state.reserve(self.peak_positions + (self.proposer.tokens if self.proposer is not None else 0))
+        if self.proposer is not None:
+            self.proposer.reserve(self.peak_positions)
 
     def block(self) -> tuple[torch.Tensor, EngineState, str]:
         """Its next rows for the model: (ids, state, which logits to return). A decode step with a

@@ -49,6 +49,12 @@ class Lookup:
     def settle(self, history: list[int]) -> None:
         pass
 
+    def state_bytes(self, positions: int) -> int:
+        return 0  # it reads the history
+
+    def reserve(self, positions: int) -> None:
+        pass
+
 
 def allowed_prefix(ids: list[int], constraint) -> list[int]:
     """The longest prefix of `ids` a grammar allows (all of them when there is none)."""
@@ -69,9 +75,12 @@ class Draft:
     kept in step with the target's history: it holds a prefix of it and is trimmed back to the
     prefix they share after each verification."""
 
-    def __init__(self, model, spec: EngineSpec, tokens: int, chunk: int, seed: int | None, vocab: int):
+    def __init__(self, model, spec: EngineSpec, tokens: int, chunk: int, seed: int | None, vocab: int,
+                 p_min: float = 0.0):
         self.model, self.tokens, self.chunk, self.vocab = model, tokens, chunk, vocab  # vocab: the target's
-        self.state = build_provider(spec).new_state(model.geometries(), model.device)
+        self.p_min = p_min  # stop proposing at a choice the draft gives less than this (adaptive K)
+        self.provider = build_provider(spec)
+        self.state = self.provider.new_state(model.geometries(), model.device)
         self.state.keep_rollback(tokens)
         self.held: list[int] = []  # the ids the draft's state holds
         self.rng = torch.Generator().manual_seed(seed + 0x5eed) if seed is not None else None
@@ -98,6 +107,9 @@ class Draft:
         return ids, (qs if sampling.temperature > 0 else None)
 
     def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, constraint):
+        """(id, the distribution it was drawn from; None under greedy), or (None, None) to stop: the
+        grammar is done, or the draft's likeliest id has less than p_min (a rule on the draft's
+        distribution alone, never on the id drawn, so each proposal is still a draw from q)."""
         if logits.shape[0] != self.vocab:  # the same tokens, padded to another row count
             logits = torch.cat([logits[:self.vocab].float(),
                                 torch.full((max(0, self.vocab - logits.shape[0]),), float("-inf"))])
@@ -111,10 +123,22 @@ class Draft:
             logits[:n].masked_fill_(~mask[:n], float("-inf"))
             logits[n:] = float("-inf")
         if sampling.temperature == 0.0:
-            return int(torch.argmax(logits)), None
+            tok = int(torch.argmax(logits))
+            if self.p_min > 0 and float(torch.softmax(logits, dim=-1)[tok]) < self.p_min:
+                return None, None
+            return tok, None
         q = probabilities(logits, sampling).double()
         q = q / q.sum()
+        if float(q.max()) < self.p_min:
+            return None, None
         return draw(q, self.rng), q
+
+    def state_bytes(self, positions: int) -> int:
+        """What its state may grow to, as a budget counts it (it runs `tokens` past the target)."""
+        return self.provider.state_bytes(self.model.geometries(), positions, self.tokens)
+
+    def reserve(self, positions: int) -> None:
+        self.state.reserve(positions + self.tokens)
 
     def settle(self, history: list[int]) -> None:
         """The target kept `history`: the draft forgets what it ran past their common prefix."""

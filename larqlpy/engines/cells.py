@@ -68,9 +68,9 @@ class Cells(Provider):
     def cell_bytes(self, g: LayerGeometry) -> int:
         return self.rules.cell_size * g.row_bytes
 
-    def state_bytes(self, geometries, positions):
+    def state_bytes(self, geometries, positions, slack=0):
         """Its own budget bounds what it holds (with a cell per layer of slack while a block lands)."""
-        rows = super().state_bytes(geometries, positions)
+        rows = super().state_bytes(geometries, positions, slack)
         budget = self.options.get("budget")
         return rows if budget is None else min(rows, budget + sum(self.cell_bytes(g) for g in geometries))
 

@@ -84,9 +84,11 @@ class Provider:
         """Bytes one layer's store holds after `positions` positions."""
         return self.retained_rows(geometry, positions) * self.row_bytes(geometry)
 
-    def state_bytes(self, geometries: Sequence[LayerGeometry], positions: int) -> int:
-        """Bytes a whole state holds after `positions` positions: what a budget reserves for it."""
-        return sum(self.layer_bytes(g, positions) for g in geometries)
+    def state_bytes(self, geometries: Sequence[LayerGeometry], positions: int, slack: int = 0) -> int:
+        """Bytes a whole state holds after `positions` positions: what a budget reserves for it.
+        `slack`: rows each layer also holds to go back that far (speculative decoding's proposals,
+        `EngineState.keep_rollback`), counted at a stored row's size."""
+        return sum(self.layer_bytes(g, positions) + min(slack, positions) * self.row_bytes(g) for g in geometries)
 
     # -- stores ------------------------------------------------------------------------------
     def make_store(self, geometry: LayerGeometry, device: "torch.device") -> "LayerStore":
