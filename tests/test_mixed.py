@@ -190,6 +190,7 @@ def test_cells_rules_apply_per_layer_widths(tmp_path):
                 assert c.data["k_code"].shape[-1] == 16 * kb // 8 and c.data["v_code"].shape[-1] == 16 * vb // 8
 
 
+@pytest.mark.heavy  # a quality aim over a long text, as the calibration's
 def test_recommended_configuration_keeps_quality_on_270m(real, long_text):
     """The recommended default, teacher-forced on real text after a 400-token prompt (96 decode steps):
     below llama.cpp's q4_0 KV (KL 0.06) and well below plain 4-bit codec/v1 (measured: 0.047 vs 0.170).

@@ -66,7 +66,8 @@ def native_matrices(loaded):
     return out
 
 
-@pytest.mark.parametrize("which", ["gemma", "smol"])
+# the 270M's is heavy: CI keeps SmolLM2's, and test_gguf_file's block types against gguf-py's probes
+@pytest.mark.parametrize("which", [pytest.param("gemma", marks=pytest.mark.heavy), "smol"])
 def test_native_reproduces_the_ggufs_dequantized_values_tensor_by_tensor(which, real_dir, smol_dir, gemma_gguf):
     """Every matrix of both reference models, as packed for `weights` native, against gguf-py's own
     dequantization of the GGUF tensor (q/k rows permuted back as the converter does)."""

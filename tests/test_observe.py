@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
 EXE = [sys.executable, "-m", "larqlpy.cli.main"]
 
@@ -146,6 +148,7 @@ def test_shipped_question_set():
     assert 20 <= len(qs) <= 50 and len({q["id"] for q in qs}) == len(qs)
 
 
+@pytest.mark.heavy  # the 270M to 4,096 positions twice; CI keeps the ladder's tiny-model tests
 def test_ladder_confirms_capacity_by_running(real_dir):
     def run(identity):
         r = subprocess.run([*EXE, "bench", "ladder", str(real_dir), "--budget", "96MiB", "--max-positions", "4096",

@@ -137,13 +137,13 @@ def test_a_grammar_masks_all_but_what_may_come_next(smol):
 # -- on the real models, through every entry point ---------------------------------------------------
 
 def test_sampled_outputs_always_validate_against_a_nested_schema(smol):
-    reqs = [(i, ask(json_schema=PERSON, temperature=1.0, seed=i)) for i in range(16)]
+    reqs = [(i, ask(json_schema=PERSON, temperature=1.0, seed=i)) for i in range(8)]
     outs = dict(execute_many(smol, reqs, parallel=8))
-    texts = [outs[i]["text"] for i in range(16)]
+    texts = [outs[i]["text"] for i in range(8)]
     for t in texts:
         jsonschema.validate(json.loads(t), PERSON)
-    assert len(set(texts)) > 8  # sampled, not one answer sixteen times
-    assert all(outs[i]["finish_reason"] == "stop" for i in range(16))
+    assert len(set(texts)) > 4  # sampled, not one answer eight times
+    assert all(outs[i]["finish_reason"] == "stop" for i in range(8))
 
 
 def test_a_constrained_row_in_a_batch_masks_only_itself(smol):
