@@ -213,15 +213,17 @@ class Sequence:
     def peak_positions(self) -> int:
         return len(self.prompt_ids) + self.gen.max_tokens
 
+    @property
+    def rollback(self) -> int:
+        """Positions a verification may take past its history and trim back (0: no proposer)."""
+        return self.proposer.tokens if self.proposer is not None else 0
+
     @cached_property
     def peak_bytes(self) -> int:
         """The KV it may grow to: its engine's accounting at prompt + max_tokens positions, with the
         rows a verification may take past them and a draft model's state."""
-        if self.proposer is None:
-            return self.provider.state_bytes(self.model.geometries(), self.peak_positions)
-        k = self.proposer.tokens
-        return self.provider.state_bytes(self.model.geometries(), self.peak_positions, k) \
-            + self.proposer.state_bytes(self.peak_positions)
+        own = self.provider.state_bytes(self.model.geometries(), self.peak_positions, self.rollback)
+        return own + (self.proposer.state_bytes(self.peak_positions) if self.proposer is not None else 0)
 
     def start(self) -> None:
         """Its first state: from its source (a prefix it already holds), or a fresh one."""
@@ -233,8 +235,8 @@ class Sequence:
         self.state = held.state if held is not None else self._fresh()
         # prompt tokens a state already held (a branch's prompt was prefilled for it: decode/fork.py)
         self.held_from = 0 if "branch" in self.info else self.state.position
-        if self.proposer is not None:
-            self.state.keep_rollback(self.proposer.tokens)
+        if self.rollback:
+            self.state.keep_rollback(self.rollback)
         if self.pending == 0:
             if held.logits is None:
                 raise LarqlError("the state already holds the whole prompt and no logits came with it")
@@ -244,7 +246,7 @@ class Sequence:
         """Allocate now what its state will hold at its last position (a batch reserves on admission)."""
         if self.spec.replay:  # a replayed state is thrown away every step
             return
-        self.state.reserve(self.peak_positions + (self.proposer.tokens if self.proposer is not None else 0))
+        self.state.reserve(self.peak_positions + self.rollback)
         if self.proposer is not None:
             self.proposer.reserve(self.peak_positions)
 
