@@ -5,6 +5,7 @@ requests that each hold the whole prompt.
 
     python bench/choices.py --model models/smollm2-135m-instruct
     python bench/choices.py --model models/gguf/qwen2.5-coder-0.5b-instruct.gguf
+    python bench/choices.py --model ... --engine codec/v1 --options bits=4 calib=on recent=16 sink=1
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ def prompt_ids(loaded, n: int) -> list[int]:
     return loaded.tokenizer.encode(text)[:n]
 
 
-def run(loaded, ids: list[int], n: int, tokens: int, engine: str) -> tuple[float, int, int]:
+def run(loaded, ids: list[int], n: int, tokens: int, engine: str, options: list[str]) -> tuple[float, int, int]:
     """Wall seconds, the KV the choices hold at the end (their own rows plus the prompt's shared
     state, once) and the tokens made."""
     req = Request.from_dict({"prompt": "", "n": n, "max_tokens": tokens, "temperature": 0.8, "seed": 1,
-                             "stop_at_eos": False, "continuation": engine}).with_ids(ids)
+                             "stop_at_eos": False, "continuation": engine, "options": options}).with_ids(ids)
     t0 = time.perf_counter()
     seqs = prepare_all(loaded, req)
     for _ in Scheduler(loaded.model, n).run(seqs):
@@ -56,17 +57,19 @@ def main() -> None:
     ap.add_argument("--choices", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engine", default="canonical/v1")
+    ap.add_argument("--options", nargs="*", default=[], help="the engine's options, key=value")
     args = ap.parse_args()
     loaded = load(args.model, device="cpu", weights=args.weights)
     ids = prompt_ids(loaded, args.prompt)
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; model {args.model} ({loaded.weights}), "
-          f"{len(ids)}-token prompt, {args.tokens} tokens a choice, temperature 0.8, {args.engine}")
-    run(loaded, ids, 1, 4, args.engine)  # warm: kernels compiled, buffers touched
+          f"{len(ids)}-token prompt, {args.tokens} tokens a choice, temperature 0.8, {args.engine} "
+          f"{' '.join(args.options)}")
+    run(loaded, ids, 1, 4, args.engine, args.options)  # warm: kernels compiled, buffers touched
     walls: dict[int, list[float]] = {1: [], args.choices: []}
     kv = {}
     for r in range(args.repeats):
         for n in ((1, args.choices) if r % 2 == 0 else (args.choices, 1)):
-            wall, kv[n], _ = run(loaded, ids, n, args.tokens, args.engine)
+            wall, kv[n], _ = run(loaded, ids, n, args.tokens, args.engine, args.options)
             walls[n].append(wall)
     one, many = statistics.median(walls[1]), statistics.median(walls[args.choices])
     print(f"| n | wall s (median of {args.repeats}) | KV held at the end |\n|---|---|---|")

@@ -1,6 +1,7 @@
 """`n` choices from one prompt (decode/fork.py): the prompt prefilled once and forked; growing exact
-rows shared (each branch stores only its own), other stores copied, cells/v1 and no-cache prefilling
-per branch; every branch's ids those of the same request run on its own seed beside the others."""
+rows and codes shared (each branch stores only its own, and decodes the bits of a sequence that
+never forked), rings copied, cells/v1 and no-cache prefilling per branch; every branch's ids those
+of the same request run on its own seed beside the others."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ import pytest
 import torch
 
 from larqlpy.decode.fork import Branches
+from larqlpy.decode.stream import prefill
+from larqlpy.engines import new_state
+from larqlpy.engines.presets import SPREAD, option_texts
+from larqlpy.engines.registry import parse_engine_spec
 from larqlpy.engines.stores.rows import Rows
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.attention import CHUNK
 from larqlpy.request import Request
 from larqlpy.runner import execute, execute_many
+from larqlpy.weights.loader import load
 from test_structured import CITY
+from tiny import make_tiny
 
 ENGINES = [("canonical/v1", []), ("window/v1", []), ("codec/v1", ["bits=4"]), ("cells/v1", ["budget=8MiB"]),
            (None, [])]  # None: --engine no-cache
@@ -62,6 +69,52 @@ def test_the_prompt_is_prefilled_once_and_its_rows_held_once(smol, long_text):
                 assert torch.equal(rows.read(0, prompt)[field], theirs.rows.read(0, prompt)[field])
         assert s.state.resident_bytes() < parent.resident_bytes() / 4
     assert seqs[0].info["shared_prompt_kv_bytes"] == parent.resident_bytes()
+
+
+FORKING = [p for p in SPREAD if not p[0].startswith("cells")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Gemma 3 (window 8: sliding layers are rings that wrap; every third layer global)."""
+    root = tmp_path_factory.mktemp("fork")
+    make_tiny(root, seed=0)
+    return load(root, device="cpu", weights="int8", key_calibration=False).model
+
+
+@pytest.mark.parametrize("preset", FORKING, ids=lambda p: p[0] + ":" + ",".join(option_texts(p)))
+def test_a_branch_decodes_the_bits_of_a_sequence_that_never_forked(tiny, preset):
+    spec = parse_engine_spec(None, preset[0], option_texts(preset))
+    ids = [10 + i % 37 for i in range(300)]
+    parent, plain, child = (new_state(spec, tiny.geometries(), tiny.device) for _ in range(3))
+    prefill(tiny, parent, ids, 64)
+    prefill(tiny, plain, ids, 64)
+    for mine, theirs in zip(child.layers, parent.layers):
+        mine.fork(theirs)
+    for t in range(40, 60):  # decode steps on the branch (its own rows past the shared ones) and alone
+        a, b = (tiny.forward(torch.tensor([t]), s)[-1] for s in (child, plain))
+        assert torch.equal(a, b), f"step {t}"
+    for mine, theirs, g in zip(child.layers, parent.layers, tiny.geometries()):
+        rows = mine.main
+        if rows.keep is None:  # a growing layer shares its prompt's rows (exact: up to a whole chunk)
+            assert rows.offset >= 300 // CHUNK * CHUNK > 0 and mine.borrows()
+            field = next(iter(rows.buf))
+            assert rows.prefix[field].data_ptr() == theirs.main.buf[field].data_ptr()
+            assert rows.end - rows.offset < CHUNK + 20 and mine.resident_bytes() < theirs.resident_bytes()
+        else:
+            assert rows.offset == 0 and g.window  # a sliding layer's ring is copied
+
+
+def test_a_codec_branch_holds_only_its_own_codes(smol, long_text):
+    from larqlpy.prepare import prepare_all
+
+    seqs = prepare_all(smol, Request.from_dict(base(long_text, "codec/v1", ["bits=4"], n=4)))
+    for s in seqs:
+        s.start()
+    parent = seqs[0].source.parent.state
+    for s in seqs:
+        assert all(mine.main.prefix is not None for mine in s.state.layers)
+        assert s.state.resident_bytes() < parent.resident_bytes() / 4
 
 
 def test_a_branch_trims_saves_and_restores_like_any_state():

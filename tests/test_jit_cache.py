@@ -23,10 +23,11 @@ for n, d, g, bits in [(40, 32, 2, 2), (300, 64, 4, 4)]:
     p, norms = rng.random((g, n), dtype=np.float32), rng.random(n, dtype=np.float32)
     codes = rng.integers(0, 256, (n, d * bits // 8), dtype=np.uint8)
     acc = np.empty((g, d), np.float32)
-    tq.accumulate(p, norms, codes, c, bits, acc)
+    a, b = (norms[:n // 3], codes[:n // 3]), (norms[n // 3:], codes[n // 3:])  # two pieces, as a branch reads
+    tq.accumulate(p, *a, *b, c, bits, acc)
     out[f"accumulate {n}x{d} {bits}"] = hashlib.sha256(acc.tobytes()).hexdigest()
     sc = np.empty((g, n), np.float32)
-    tq.scores(rng.standard_normal((g, d), dtype=np.float32), norms, codes, c, bits, sc)
+    tq.scores(rng.standard_normal((g, d), dtype=np.float32), *a, *b, c, bits, sc)
     out[f"scores {n}x{d} {bits}"] = hashlib.sha256(sc.tobytes()).hexdigest()
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.float16, torch.bfloat16):

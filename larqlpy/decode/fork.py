@@ -1,8 +1,8 @@
 """n choices from one prompt (OpenAI's `n`): the prompt is prefilled once, and each branch takes a
-fork of that state. A store that can share its rows (`LayerStore.fork`: growing exact rows) keeps
-the prompt's rows once, read by every branch, and each branch stores only its own new rows; stores
-that cannot share copy them (`forks`), and an engine whose stores cannot fork at all (cells/v1,
-no-cache) prefills the prompt once per branch."""
+fork of that state. A store that can share its rows (`LayerStore.fork`: growing exact rows and
+codes) keeps the prompt's rows once, read by every branch, and each branch stores only its own new
+rows; rings are copied, and an engine whose stores cannot fork at all (cells/v1, no-cache)
+prefills the prompt once per branch."""
 
 from __future__ import annotations
 

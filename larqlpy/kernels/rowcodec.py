@@ -45,6 +45,7 @@ class TurboQuantCodec(RowCodec):
         self.torch = TorchCodec(d, bits, device)
         self.signs = tq.signs(d)
         self.centroids, self.boundaries = tq.codebook(bits)
+        self._none = (np.empty(0, np.float32), np.empty((0, self.fields["code"][0][0]), np.uint8))  # no second piece
 
     def encode(self, x):
         x = x.reshape(-1, self.d).float().contiguous()
@@ -73,22 +74,29 @@ class TurboQuantCodec(RowCodec):
         tq.rotate(np.ascontiguousarray(q.float().numpy()), self.signs, out)
         return out
 
-    def scores(self, qr: np.ndarray, f: dict[str, torch.Tensor]) -> torch.Tensor:
-        n = f["norm"].shape[0]
-        out = torch.empty(qr.shape[0], n, dtype=torch.float32)
-        tq.scores(qr, np.ascontiguousarray(f["norm"].numpy()), np.ascontiguousarray(f["code"].numpy()),
-                  self.centroids, self.bits, out.numpy())
+    def scores(self, qr: np.ndarray, pieces: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """(G, n) scores against the rows of `pieces` (one or two field sets read as one run: a
+        branch's shared prompt rows, then its own)."""
+        a, b = self._pieces(pieces)
+        out = torch.empty(qr.shape[0], a[0].shape[0] + b[0].shape[0], dtype=torch.float32)
+        tq.scores(qr, *a, *b, self.centroids, self.bits, out.numpy())
         return out
 
-    def weighted_sum(self, p: torch.Tensor, f: dict[str, torch.Tensor]) -> torch.Tensor:
-        """sum_j p_j * decode(row_j) for each of G weight vectors, without decoding a row."""
+    def weighted_sum(self, p: torch.Tensor, pieces: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """sum_j p_j * decode(row_j) over the rows of `pieces`, for each of G weight vectors,
+        without decoding a row."""
         acc = np.empty((p.shape[0], self.d), np.float32)
-        tq.accumulate(np.ascontiguousarray(p.numpy()), np.ascontiguousarray(f["norm"].numpy()),
-                      np.ascontiguousarray(f["code"].numpy()), self.centroids, self.bits, acc)
+        a, b = self._pieces(pieces)
+        tq.accumulate(np.ascontiguousarray(p.numpy()), *a, *b, self.centroids, self.bits, acc)
         out = np.empty_like(acc)
         tq.unrotate(acc, self.signs, out)
         return torch.from_numpy(out)
 
+    def _pieces(self, pieces) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        arrays = [(np.ascontiguousarray(f["norm"].numpy()), np.ascontiguousarray(f["code"].numpy()))
+                  for f in pieces]
+        assert 1 <= len(arrays) <= 2
+        return arrays[0], arrays[1] if len(arrays) == 2 else self._none
 
 class Int4GroupCodec(RowCodec):
     def __init__(self, d: int, group: int, device: torch.device):

@@ -147,16 +147,26 @@ def decode(norms, codes, sgn, centroids, bits, out):  # pragma: no cover - jitte
                 out[r, i] = v[i] * sgn[i] * scale
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _row(r, norms_a, codes_a, norms_b, codes_b, centroids, bits, v):  # pragma: no cover - jitted
+    """Row r of the two pieces read as one run (a: rows [0, na), b: the rest) -> v; its norm/d."""
+    na = norms_a.shape[0]
+    if r < na:
+        _unpack_values(codes_a[r], centroids, bits, v)
+        return norms_a[r] / np.float32(v.shape[0])
+    _unpack_values(codes_b[r - na], centroids, bits, v)
+    return norms_b[r - na] / np.float32(v.shape[0])
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def scores(qr, norms, codes, centroids, bits, out):  # pragma: no cover - jitted
-    """qr (G, d) rotated queries; rows' codes -> out (G, n) = norm/d * (qr . centroids[idx])."""
+def scores(qr, norms_a, codes_a, norms_b, codes_b, centroids, bits, out):  # pragma: no cover - jitted
+    """qr (G, d) rotated queries; the rows of pieces a then b -> out (G, n) = norm/d * (qr . centroids[idx])."""
     g_count, d = qr.shape
-    n = norms.shape[0]
+    n = norms_a.shape[0] + norms_b.shape[0]
     for c in prange((n + CHUNK - 1) // CHUNK):
         v = np.empty(d, np.float32)
         for r in range(c * CHUNK, min(n, (c + 1) * CHUNK)):
-            _unpack_values(codes[r], centroids, bits, v)
-            scale = norms[r] / np.float32(d)
+            scale = _row(r, norms_a, codes_a, norms_b, codes_b, centroids, bits, v)
             for g in range(g_count):
                 acc = np.float32(0.0)
                 for i in range(d):
@@ -165,8 +175,10 @@ def scores(qr, norms, codes, centroids, bits, out):  # pragma: no cover - jitted
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def accumulate(p, norms, codes, centroids, bits, out):  # pragma: no cover - jitted
-    """p (G, n) attention weights -> out (G, d) = sum_j p_j norm_j/d centroids[idx_j] (rotated domain)."""
+def accumulate(p, norms_a, codes_a, norms_b, codes_b, centroids, bits, out):  # pragma: no cover - jitted
+    """p (G, n) attention weights over the rows of pieces a then b -> out (G, d) = sum_j p_j norm_j/d
+    centroids[idx_j] (rotated domain). The rows are cut into chunks by their count alone, so where
+    the run is split between pieces never changes the sums."""
     g_count, n = p.shape
     d = out.shape[1]
     chunks = 16
@@ -175,8 +187,7 @@ def accumulate(p, norms, codes, centroids, bits, out):  # pragma: no cover - jit
     for c in prange(chunks):
         v = np.empty(d, np.float32)
         for r in range(c * step, min(n, (c + 1) * step)):
-            _unpack_values(codes[r], centroids, bits, v)
-            scale = norms[r] / np.float32(d)
+            scale = _row(r, norms_a, codes_a, norms_b, codes_b, centroids, bits, v)
             for g in range(g_count):
                 w = p[g, r] * scale
                 for i in range(d):

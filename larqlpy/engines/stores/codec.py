@@ -77,10 +77,11 @@ class CodecStore(RowStore):
         mid = self._recent_from(start)
         for codec, rows, lo, hi in ((self.codec, self.rows, start, mid),
                                     (self.recent_codec, self.recent, mid, self.end)):
-            if lo < hi:
-                r = rows.read(lo, hi)
+            for r in rows.pieces(lo, hi) if lo < hi else ():
+                n = next(iter(r.values())).shape[1]
                 for i, t in enumerate("kv"):
-                    codec.decode(r, t, buf[i][:, lo - start:hi - start], lo)
+                    codec.decode(r, t, buf[i][:, lo - start:lo + n - start], lo)
+                lo += n
         lo = self._exact_from(start)
         if lo < self.end:
             buf[0][:, lo - start:] = self.exact_keys.read(lo, self.end)["k"]
@@ -101,8 +102,8 @@ class CodecStore(RowStore):
         start = self.geometry.read_start(q_start)
         mid = self._recent_from(start)
         lo = min(mid, self._exact_from(start))  # K rows from here on come from the tier or are exact
-        r = self.rows.read(start, mid)
-        t = self.recent.read(mid, self.end) if mid < self.end else None
+        r = self.rows.pieces(start, mid)
+        t = [self.recent.read(mid, self.end)] if mid < self.end else None
         exact = self.exact_keys.read(lo, self.end)["k"].float() \
             if self.exact_keys is not None and lo < self.end else None
         ns = self._sink_end(start) - start
@@ -135,6 +136,16 @@ class CodecStore(RowStore):
             out[h * group:(h + 1) * group, 0] = o if sinks is None else o + head @ sinks["v"][h]
         self.release()
         return out.to(q.dtype)
+
+    def fork(self, other):
+        """Growing codes are shared whole: attention reads the prompt's codes and the branch's own as
+        one run of rows (`Rows.pieces`), so a branch's numbers are those of a sequence that never
+        forked. A ring (a sliding layer's window), the recent tier, exact keys and sinks are copied."""
+        if self.rows.keep is not None:
+            return super().fork(other)
+        self.rows.share(other.rows, other.rows.end)
+        rest = [name for name in self.row_sets() if name != "main"]
+        self.restore(other.end, other.export(rest), rest)
 
     def release(self):
         for rows in (self.rows, self.exact_keys, self.recent):

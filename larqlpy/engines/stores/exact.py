@@ -40,9 +40,6 @@ class ExactStore(RowStore):
             return own
         return Span(r.prefix["k"], r.prefix["v"], start, r.offset - start), own
 
-    def borrows(self):
-        return self.rows.offset > 0
-
     def fork(self, other):
         """Growing rows are shared up to a whole chunk of the decode kernel (so a branch's chunks,
         and its numbers, are those of a sequence that never forked), and on a sliding layer up to

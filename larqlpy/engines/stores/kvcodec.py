@@ -5,7 +5,7 @@ cells) both store rows through this one class.
 Fields are named `k_<field>` and `v_<field>` (a TurboQuant row: `k_norm`, `k_code`, ...), shaped
 (Hkv, N, *field_shape). On the CPU a TurboQuant pair can also attend on its codes: rotate each
 head's queries once (`query`), score against the codes (`scores`), and sum values without decoding
-a row (`weighted_sum`).
+a row (`weighted_sum`), over rows given as pieces (a branch's shared prompt rows, then its own).
 """
 
 from __future__ import annotations
@@ -89,19 +89,27 @@ class KVCodec:
             q, bias = self.calibration.query(q, head)
         return self.k.rotate(q), bias
 
-    def scores(self, query, fields: dict[str, torch.Tensor], head: int, hi: int | None = None,
+    def scores(self, query, pieces: list[dict[str, torch.Tensor]], head: int, hi: int | None = None,
                turning: torch.Tensor | None = None) -> torch.Tensor:
-        """(G, N) scores of the prepared queries against the first `hi` rows' K codes of `head`;
-        `turning`: these rows' slice of the calibration's turning_bias for these queries."""
+        """(G, N) scores of the prepared queries against `head`'s K codes in the first `hi` rows of
+        `pieces` (one or two field sets read as one run: `Rows.pieces`); `turning`: these rows'
+        slice of the calibration's turning_bias for these queries."""
         qr, bias = query
-        s = self.k.scores(qr, self._head(fields, "k", head, hi))
+        s = self.k.scores(qr, self._head(pieces, "k", head, hi))
         if bias is not None:
             s.add_(bias[:, None])
         return s if turning is None else s.add_(turning)
 
-    def weighted_sum(self, p: torch.Tensor, fields: dict[str, torch.Tensor], head: int) -> torch.Tensor:
-        """sum_j p_j * v_j (G, D) over `head`'s V codes, without decoding a row."""
-        return self.v.weighted_sum(p, self._head(fields, "v", head))
+    def weighted_sum(self, p: torch.Tensor, pieces: list[dict[str, torch.Tensor]], head: int) -> torch.Tensor:
+        """sum_j p_j * v_j (G, D) over `head`'s V codes in `pieces`, without decoding a row."""
+        return self.v.weighted_sum(p, self._head(pieces, "v", head))
 
-    def _head(self, fields, t: str, head: int, hi: int | None = None) -> dict[str, torch.Tensor]:
-        return {name: fields[f"{t}_{name}"][head, :hi] for name in self.codecs[t].fields}
+    def _head(self, pieces, t: str, head: int, hi: int | None = None) -> list[dict[str, torch.Tensor]]:
+        out, left = [], hi
+        for fields in pieces:
+            f = {name: fields[f"{t}_{name}"][head] for name in self.codecs[t].fields}
+            if left is not None:
+                f = {name: x[:left] for name, x in f.items()}
+                left -= next(iter(f.values())).shape[0]
+            out.append(f)
+        return out

@@ -129,15 +129,11 @@ class Rows:
 
     def read(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
         """Fields for positions [lo, hi), in order: views for growing storage, copies for a ring."""
-        if lo < self.base or hi > self.end:
-            raise RuntimeError(f"rows [{lo}, {hi}) outside the retained [{self.base}, {self.end})")
         if self.keep is None:
-            a, z = max(lo, self.offset) - self.offset, max(hi, self.offset) - self.offset
-            if lo >= self.offset or hi <= lo:
-                return {name: b[:, a:z] for name, b in self.buf.items()}
-            shared = {name: p[:, lo:min(hi, self.offset)] for name, p in self.prefix.items()}
-            return {name: torch.cat([shared[name], b[:, a:z]], dim=1) if z > a else shared[name]
-                    for name, b in self.buf.items()}
+            parts = self.pieces(lo, hi)
+            return parts[0] if len(parts) == 1 else {name: torch.cat([p[name] for p in parts], dim=1)
+                                                     for name in self.buf}
+        self._check(lo, hi)
         if lo >= hi:  # an empty range of a ring (no slices to join)
             return {name: b[:, :0] for name, b in self.buf.items()}
         stored_end = self._stored_end()
@@ -148,6 +144,23 @@ class Rows:
                 pieces.append(self.pending[name][:, max(0, lo - stored_end):hi - stored_end])
             out[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
         return out
+
+    def pieces(self, lo: int, hi: int) -> list[dict[str, torch.Tensor]]:
+        """Fields for positions [lo, hi) in order, as pieces never joined: a branch's shared prompt
+        rows and its own, views both; otherwise one piece (a ring's as `read` gives it)."""
+        if self.keep is not None:
+            return [self.read(lo, hi)]
+        self._check(lo, hi)
+        a, z = max(lo, self.offset) - self.offset, max(hi, self.offset) - self.offset
+        own = {name: b[:, a:z] for name, b in self.buf.items()}
+        if lo >= self.offset or hi <= lo:
+            return [own]
+        shared = {name: p[:, lo:min(hi, self.offset)] for name, p in self.prefix.items()}
+        return [shared, own] if z > a else [shared]
+
+    def _check(self, lo: int, hi: int) -> None:
+        if lo < self.base or hi > self.end:
+            raise RuntimeError(f"rows [{lo}, {hi}) outside the retained [{self.base}, {self.end})")
 
     def _ring_slices(self, lo: int, hi: int, b: torch.Tensor) -> list[torch.Tensor]:
         if lo >= hi:
@@ -264,9 +277,15 @@ class RowStore(LayerStore):
         for s in self.row_sets().values():
             s.rows.reserve(s.end_at(positions))
 
-    def export(self):
+    def borrows(self):
+        return any(s.rows.offset > 0 for s in self.row_sets().values())
+
+    def export(self, names: list[str] | None = None):
+        """The records of every row set, or of those `names`."""
         out = []
         for name, s in self.row_sets().items():
+            if names is not None and name not in names:
+                continue
             rows = s.rows
             for lo in range(rows.base - rows.base % CELL_POSITIONS, rows.end, CELL_POSITIONS):
                 a, b = max(lo, rows.base), min(lo + CELL_POSITIONS, rows.end)
@@ -276,8 +295,11 @@ class RowStore(LayerStore):
                                 {k: to_numpy(v.contiguous().cpu()) for k, v in vals.items()}))
         return out
 
-    def restore(self, end, records):
+    def restore(self, end, records, names: list[str] | None = None):
+        """Refill every row set, or only those `names` (the others are already in place)."""
         for name, s in self.row_sets().items():
+            if names is not None and name not in names:
+                continue
             rows, set_stop = s.rows, s.end_at(end)
             mine = sorted((r for r in records if r[0]["set"] == name), key=lambda r: r[0]["start"])
             pos = mine[0][0]["start"] if mine else (set_stop if rows.keep is not None else 0)
