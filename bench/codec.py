@@ -63,7 +63,7 @@ def decode_speed(model_dir: Path, contexts: list[int], steps: int) -> None:
              ("codec/v1 bits=4 (on codes)", parse_engine_spec(continuation="codec/v1", options=["bits=4"]), True),
              ("codec/v1 bits=4 (scratch)", parse_engine_spec(continuation="codec/v1", options=["bits=4"]), False),
              ("recommended (on codes)", preset_spec(RECOMMENDED), True)]
-    print(f"decode after a long prefill, {steps} steps, 270M float32")
+    print(f"decode after a long prefill, {steps} steps, {model_dir.name} ({loaded.weights} weights)")
     for n in contexts:
         results = {}
         for name, spec, fused in specs:
@@ -91,8 +91,10 @@ def main() -> None:
     ap.add_argument("--model", default=str(ROOT / "models" / "gemma-3-270m"))
     ap.add_argument("--contexts", default="4096,8192")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--no-kernels", action="store_true", help="only the decode lines")
     args = ap.parse_args()
-    kernels()
+    if not args.no_kernels:
+        kernels()
     decode_speed(Path(args.model), [int(c) for c in args.contexts.split(",")], args.steps)
 
 

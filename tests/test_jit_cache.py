@@ -20,14 +20,14 @@ rng = np.random.default_rng(0)
 out = {}
 for n, d, g, bits in [(40, 32, 2, 2), (300, 64, 4, 4)]:
     c, _ = tq.codebook(bits)
-    p, norms = rng.random((g, n), dtype=np.float32), rng.random(n, dtype=np.float32)
-    codes = rng.integers(0, 256, (n, d * bits // 8), dtype=np.uint8)
-    acc = np.empty((g, d), np.float32)
-    a, b = (norms[:n // 3], codes[:n // 3]), (norms[n // 3:], codes[n // 3:])  # two pieces, as a branch reads
-    tq.accumulate(p, *a, *b, c, bits, acc)
+    p, norms = rng.random((2, g, n), dtype=np.float32), rng.random((2, n + 5), dtype=np.float32)
+    codes = rng.integers(0, 256, (2, n + 5, d * bits // 8), dtype=np.uint8)
+    a, b = (norms, codes, 5, n // 3), (norms, codes, 5 + n // 3, n - n // 3)  # two pieces, as a branch reads
+    acc = np.empty((2, g, d), np.float32)
+    tq.accumulate(p, a, b, c, bits, acc)
     out[f"accumulate {n}x{d} {bits}"] = hashlib.sha256(acc.tobytes()).hexdigest()
-    sc = np.empty((g, n), np.float32)
-    tq.scores(rng.standard_normal((g, d), dtype=np.float32), *a, *b, c, bits, sc)
+    sc = np.empty((2, g, n), np.float32)
+    tq.scores(rng.standard_normal((2, g, d), dtype=np.float32), a, b, c, bits, sc)
     out[f"scores {n}x{d} {bits}"] = hashlib.sha256(sc.tobytes()).hexdigest()
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.float16, torch.bfloat16):

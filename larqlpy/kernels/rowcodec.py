@@ -17,6 +17,9 @@ from larqlpy.kernels import turboquant as tq
 from larqlpy.kernels.turboquant_torch import TorchCodec
 
 
+Span = tuple[dict[str, torch.Tensor], int, int]  # whole (Hkv, capacity, ...) buffers, first row, rows
+
+
 class RowCodec:
     fields: dict[str, tuple[tuple[int, ...], torch.dtype]]
     fused = False  # can score queries and accumulate values on the stored form
@@ -45,7 +48,6 @@ class TurboQuantCodec(RowCodec):
         self.torch = TorchCodec(d, bits, device)
         self.signs = tq.signs(d)
         self.centroids, self.boundaries = tq.codebook(bits)
-        self._none = (np.empty(0, np.float32), np.empty((0, self.fields["code"][0][0]), np.uint8))  # no second piece
 
     def encode(self, x):
         x = x.reshape(-1, self.d).float().contiguous()
@@ -74,29 +76,29 @@ class TurboQuantCodec(RowCodec):
         tq.rotate(np.ascontiguousarray(q.float().numpy()), self.signs, out)
         return out
 
-    def scores(self, qr: np.ndarray, pieces: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """(G, n) scores against the rows of `pieces` (one or two field sets read as one run: a
-        branch's shared prompt rows, then its own)."""
-        a, b = self._pieces(pieces)
-        out = torch.empty(qr.shape[0], a[0].shape[0] + b[0].shape[0], dtype=torch.float32)
-        tq.scores(qr, *a, *b, self.centroids, self.bits, out.numpy())
+    def scores(self, qr: np.ndarray, spans: list[Span]) -> torch.Tensor:
+        """Per KV head: (Hkv, G, d) rotated queries -> (Hkv, G, n) scores against the rows of
+        `spans` (one or two read as one run: a branch's shared prompt rows, then its own)."""
+        a, b = self._spans(spans)
+        out = torch.empty(qr.shape[0], qr.shape[1], a[3] + b[3], dtype=torch.float32)
+        tq.scores(qr, a, b, self.centroids, self.bits, out.numpy())
         return out
 
-    def weighted_sum(self, p: torch.Tensor, pieces: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """sum_j p_j * decode(row_j) over the rows of `pieces`, for each of G weight vectors,
-        without decoding a row."""
-        acc = np.empty((p.shape[0], self.d), np.float32)
-        a, b = self._pieces(pieces)
-        tq.accumulate(np.ascontiguousarray(p.numpy()), *a, *b, self.centroids, self.bits, acc)
-        out = np.empty_like(acc)
-        tq.unrotate(acc, self.signs, out)
-        return torch.from_numpy(out)
+    def weighted_sum(self, p: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        """Per KV head: (Hkv, G, n) weights -> (Hkv, G, d), sum_j p_j * decode(row_j) over the rows of
+        `spans`, without decoding a row."""
+        hkv, g, _ = p.shape
+        acc = np.empty((hkv, g, self.d), np.float32)
+        a, b = self._spans(spans)
+        tq.accumulate(np.ascontiguousarray(p.numpy()), a, b, self.centroids, self.bits, acc)
+        out = np.empty((hkv * g, self.d), np.float32)
+        tq.unrotate(acc.reshape(hkv * g, self.d), self.signs, out)
+        return torch.from_numpy(out).view(hkv, g, self.d)
 
-    def _pieces(self, pieces) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
-        arrays = [(np.ascontiguousarray(f["norm"].numpy()), np.ascontiguousarray(f["code"].numpy()))
-                  for f in pieces]
-        assert 1 <= len(arrays) <= 2
-        return arrays[0], arrays[1] if len(arrays) == 2 else self._none
+    def _spans(self, spans: list[Span]) -> tuple[tuple, tuple]:
+        pieces = [(f["norm"].numpy(), f["code"].numpy(), first, n) for f, first, n in spans]
+        assert 1 <= len(pieces) <= 2 and all(x.flags.c_contiguous for p in pieces for x in p[:2])
+        return pieces[0], pieces[1] if len(pieces) == 2 else (*pieces[0][:2], 0, 0)
 
 class Int4GroupCodec(RowCodec):
     def __init__(self, d: int, group: int, device: torch.device):

@@ -148,56 +148,61 @@ def decode(norms, codes, sgn, centroids, bits, out):  # pragma: no cover - jitte
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _row(r, norms_a, codes_a, norms_b, codes_b, centroids, bits, v):  # pragma: no cover - jitted
-    """Row r of the two pieces read as one run (a: rows [0, na), b: the rest) -> v; its norm/d."""
-    na = norms_a.shape[0]
-    if r < na:
-        _unpack_values(codes_a[r], centroids, bits, v)
-        return norms_a[r] / np.float32(v.shape[0])
-    _unpack_values(codes_b[r - na], centroids, bits, v)
-    return norms_b[r - na] / np.float32(v.shape[0])
+def _row(h, r, a, b, centroids, bits, v):  # pragma: no cover - jitted
+    """Row r of KV head h in the run of two pieces a then b -> v; returns its norm/d. A piece is
+    (norms (Hkv, cap), codes (Hkv, cap, bytes), first buffer row, rows): whole buffers, read in place."""
+    if r < a[3]:
+        _unpack_values(a[1][h, a[2] + r], centroids, bits, v)
+        return a[0][h, a[2] + r] / np.float32(v.shape[0])
+    _unpack_values(b[1][h, b[2] + r - a[3]], centroids, bits, v)
+    return b[0][h, b[2] + r - a[3]] / np.float32(v.shape[0])
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def scores(qr, norms_a, codes_a, norms_b, codes_b, centroids, bits, out):  # pragma: no cover - jitted
-    """qr (G, d) rotated queries; the rows of pieces a then b -> out (G, n) = norm/d * (qr . centroids[idx])."""
-    g_count, d = qr.shape
-    n = norms_a.shape[0] + norms_b.shape[0]
-    for c in prange((n + CHUNK - 1) // CHUNK):
+def scores(qr, a, b, centroids, bits, out):  # pragma: no cover - jitted
+    """Per KV head h: qr[h] (G, d) rotated queries against the rows of pieces a then b (see `_row`)
+    -> out[h] (G, n) = norm/d * (qr . centroids[idx])."""
+    hkv, g_count, d = qr.shape
+    n = a[3] + b[3]
+    chunks = (n + CHUNK - 1) // CHUNK
+    for job in prange(hkv * chunks):
+        h, c = job // chunks, job % chunks
         v = np.empty(d, np.float32)
         for r in range(c * CHUNK, min(n, (c + 1) * CHUNK)):
-            scale = _row(r, norms_a, codes_a, norms_b, codes_b, centroids, bits, v)
+            scale = _row(h, r, a, b, centroids, bits, v)
             for g in range(g_count):
                 acc = np.float32(0.0)
                 for i in range(d):
-                    acc += qr[g, i] * v[i]
-                out[g, r] = acc * scale
+                    acc += qr[h, g, i] * v[i]
+                out[h, g, r] = acc * scale
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def accumulate(p, norms_a, codes_a, norms_b, codes_b, centroids, bits, out):  # pragma: no cover - jitted
-    """p (G, n) attention weights over the rows of pieces a then b -> out (G, d) = sum_j p_j norm_j/d
-    centroids[idx_j] (rotated domain). The rows are cut into chunks by their count alone, so where
-    the run is split between pieces never changes the sums."""
-    g_count, n = p.shape
-    d = out.shape[1]
+def accumulate(p, a, b, centroids, bits, out):  # pragma: no cover - jitted
+    """Per KV head h: p[h] (G, n) attention weights over the rows of pieces a then b -> out[h] (G, d)
+    = sum_j p_j norm_j/d centroids[idx_j] (rotated domain). A head's rows are cut into chunks by
+    their count alone, so where the run is split between pieces never changes the sums."""
+    hkv, g_count, n = p.shape
+    d = out.shape[2]
     chunks = 16
-    part = np.zeros((chunks, g_count, d), np.float32)
+    part = np.zeros((hkv, chunks, g_count, d), np.float32)
     step = (n + chunks - 1) // chunks
-    for c in prange(chunks):
+    for job in prange(hkv * chunks):
+        h, c = job // chunks, job % chunks
         v = np.empty(d, np.float32)
         for r in range(c * step, min(n, (c + 1) * step)):
-            scale = _row(r, norms_a, codes_a, norms_b, codes_b, centroids, bits, v)
+            scale = _row(h, r, a, b, centroids, bits, v)
             for g in range(g_count):
-                w = p[g, r] * scale
+                w = p[h, g, r] * scale
                 for i in range(d):
-                    part[c, g, i] += w * v[i]
-    for g in range(g_count):
-        for i in range(d):
-            acc = np.float32(0.0)
-            for c in range(chunks):
-                acc += part[c, g, i]
-            out[g, i] = acc
+                    part[h, c, g, i] += w * v[i]
+    for h in range(hkv):
+        for g in range(g_count):
+            for i in range(d):
+                acc = np.float32(0.0)
+                for c in range(chunks):
+                    acc += part[h, c, g, i]
+                out[h, g, i] = acc
 
 
 @njit(cache=True, error_model="numpy")

@@ -107,9 +107,10 @@ class KeyCalibration:
         given; it may be y)."""
         return torch.div(y, self.scale[:, None], out=out).add_(self.means(first, y.shape[1]))
 
-    def query(self, q: torch.Tensor, head: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries (G, D) of one KV head -> (q / scale, q . mean): the fixed part of q . m_p."""
-        return q / self.scale[head], q @ self.mean[head]
+    def query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries (Hkv, G, D), grouped by KV head -> (q / scale, q . mean (Hkv, G)): the fixed part
+        of q . m_p."""
+        return q / self.scale[:, None], (q @ self.mean[:, :, None])[..., 0]
 
     def turning_bias(self, q: torch.Tensor, first: int, n: int) -> torch.Tensor | None:
         """The turning part of q . m_p for every query head, q (H, D), at positions first..first+n-1:

@@ -102,40 +102,37 @@ class CodecStore(RowStore):
         start = self.geometry.read_start(q_start)
         mid = self._recent_from(start)
         lo = min(mid, self._exact_from(start))  # K rows from here on come from the tier or are exact
-        r = self.rows.pieces(start, mid)
-        t = [self.recent.read(mid, self.end)] if mid < self.end else None
-        exact = self.exact_keys.read(lo, self.end)["k"].float() \
-            if self.exact_keys is not None and lo < self.end else None
+        hkv, (n_heads, _, d) = self.geometry.n_kv_heads, q.shape
+        qg = q[:, 0].float().view(hkv, n_heads // hkv, d)
+        prepared = self.codec.query(qg)  # one rotation serves the main codes and the tier
+        main = self.rows.spans(start, mid)
+        parts = [self.codec.scores(prepared, main, lo - start)]
+        tier = self.recent.spans(mid, self.end) if mid < self.end else None
+        if tier is not None:
+            parts.append(self.recent_codec.scores(prepared, tier))
+        if self.exact_keys is not None and lo < self.end:
+            parts.append(qg @ self.exact_keys.read(lo, self.end)["k"].float().transpose(1, 2))
+        s = (torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]).view(n_heads, -1)
+        cal = self.codec.calibration
+        turning = None if cal is None else cal.turning_bias(qg.view(n_heads, d), start, self.end - start)
+        if turning is not None:  # the codes hold keys less their mean; exact keys are whole
+            s[:, :lo - start] += turning[:, :lo - start]
+            s[:, mid - start:] += turning[:, mid - start:]
         ns = self._sink_end(start) - start
         sinks = {t: r.float() for t, r in self.sinks.read(start, start + ns).items()} if ns else None
-        hkv = self.geometry.n_kv_heads
-        group = q.shape[0] // hkv
-        out = torch.empty(q.shape[0], 1, q.shape[2], dtype=torch.float32)
-        cal = self.codec.calibration
-        turning = None if cal is None else cal.turning_bias(q[:, 0].float(), start, self.end - start)
-        for h in range(hkv):
-            qh = q[h * group:(h + 1) * group, 0].float()
-            tb = (None, None) if turning is None else (turning[h * group:(h + 1) * group, :lo - start],
-                                                       turning[h * group:(h + 1) * group, mid - start:])
-            prepared = self.codec.query(qh, h)  # one rotation per head serves the main codes and the tier
-            parts = [self.codec.scores(prepared, r, h, lo - start, turning=tb[0])]
-            if t is not None:
-                parts.append(self.recent_codec.scores(prepared, t, h, turning=tb[1]))
-            if exact is not None:
-                parts.append(qh @ exact[h].T)
-            s = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-            if sinks is not None:
-                s[:, :ns] = qh @ sinks["k"][h].T
-            probs = torch.softmax(p.logits(s), dim=-1)
-            if sinks is not None:
-                head = probs[:, :ns].clone()
-                probs[:, :ns] = 0.0
-            o = self.codec.weighted_sum(probs[:, :mid - start].contiguous(), r, h)
-            if t is not None:
-                o += self.recent_codec.weighted_sum(probs[:, mid - start:].contiguous(), t, h)
-            out[h * group:(h + 1) * group, 0] = o if sinks is None else o + head @ sinks["v"][h]
+        if sinks is not None:
+            s.view(hkv, -1, s.shape[1])[:, :, :ns] = qg @ sinks["k"].transpose(1, 2)
+        probs = torch.softmax(p.logits(s), dim=-1).view(hkv, n_heads // hkv, -1)
+        if sinks is not None:
+            head = probs[:, :, :ns].clone()
+            probs[:, :, :ns] = 0.0
+        out = self.codec.weighted_sum(probs[:, :, :mid - start], main)
+        if tier is not None:
+            out += self.recent_codec.weighted_sum(probs[:, :, mid - start:], tier)
+        if sinks is not None:
+            out += head @ sinks["v"]
         self.release()
-        return out.to(q.dtype)
+        return out.view(n_heads, 1, d).to(q.dtype)
 
     def fork(self, other):
         """Growing codes are shared whole: attention reads the prompt's codes and the branch's own as

@@ -5,7 +5,8 @@ cells) both store rows through this one class.
 Fields are named `k_<field>` and `v_<field>` (a TurboQuant row: `k_norm`, `k_code`, ...), shaped
 (Hkv, N, *field_shape). On the CPU a TurboQuant pair can also attend on its codes: rotate each
 head's queries once (`query`), score against the codes (`scores`), and sum values without decoding
-a row (`weighted_sum`), over rows given as pieces (a branch's shared prompt rows, then its own).
+a row (`weighted_sum`), every KV head in one call, over rows read in place (a branch's shared
+prompt rows, then its own).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from larqlpy.engines.stores.calibration import KeyCalibration
-from larqlpy.kernels.rowcodec import RowCodec, TurboQuantCodec
+from larqlpy.kernels.rowcodec import RowCodec, Span, TurboQuantCodec
 
 
 def precision_label(k: RowCodec, v: RowCodec) -> str:
@@ -80,36 +81,33 @@ class KVCodec:
             self.calibration.undo(out, first, out=out)
 
     # -- attending on codes (fused codecs, CPU) --------------------------------------------------
-    def query(self, q: torch.Tensor, head: int):
-        """One KV head's queries (G, D) -> what `scores` takes: the rotated queries and the
-        calibration's per-query bias (None without one). Every TurboQuant width of one head_dim
+    def query(self, q: torch.Tensor):
+        """Queries (Hkv, G, D), grouped by KV head -> what `scores` takes: the rotated queries and
+        the calibration's per-query bias (None without one). Every TurboQuant width of one head_dim
         shares the rotation, so a tier of another width can score the same prepared query."""
         bias = None
         if self.calibration is not None:
-            q, bias = self.calibration.query(q, head)
-        return self.k.rotate(q), bias
+            q, bias = self.calibration.query(q)
+        hkv, g, d = q.shape
+        return self.k.rotate(q.reshape(hkv * g, d)).reshape(hkv, g, d), bias
 
-    def scores(self, query, pieces: list[dict[str, torch.Tensor]], head: int, hi: int | None = None,
-               turning: torch.Tensor | None = None) -> torch.Tensor:
-        """(G, N) scores of the prepared queries against `head`'s K codes in the first `hi` rows of
-        `pieces` (one or two field sets read as one run: `Rows.pieces`); `turning`: these rows'
-        slice of the calibration's turning_bias for these queries."""
+    def scores(self, query, spans: list[Span], hi: int | None = None) -> torch.Tensor:
+        """(Hkv, G, N) scores of the prepared queries against the K codes of the first `hi` rows of
+        `spans` (one or two read as one run: `Rows.spans`)."""
         qr, bias = query
-        s = self.k.scores(qr, self._head(pieces, "k", head, hi))
-        if bias is not None:
-            s.add_(bias[:, None])
-        return s if turning is None else s.add_(turning)
+        s = self.k.scores(qr, self._side(spans, "k", hi))
+        return s if bias is None else s.add_(bias[..., None])
 
-    def weighted_sum(self, p: torch.Tensor, pieces: list[dict[str, torch.Tensor]], head: int) -> torch.Tensor:
-        """sum_j p_j * v_j (G, D) over `head`'s V codes in `pieces`, without decoding a row."""
-        return self.v.weighted_sum(p, self._head(pieces, "v", head))
+    def weighted_sum(self, p: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        """(Hkv, G, N) weights -> (Hkv, G, D), sum_j p_j * v_j over the V codes of `spans`, without
+        decoding a row."""
+        return self.v.weighted_sum(p, self._side(spans, "v"))
 
-    def _head(self, pieces, t: str, head: int, hi: int | None = None) -> list[dict[str, torch.Tensor]]:
+    def _side(self, spans: list[Span], t: str, hi: int | None = None) -> list[Span]:
         out, left = [], hi
-        for fields in pieces:
-            f = {name: fields[f"{t}_{name}"][head] for name in self.codecs[t].fields}
+        for fields, first, n in spans:
             if left is not None:
-                f = {name: x[:left] for name, x in f.items()}
-                left -= next(iter(f.values())).shape[0]
-            out.append(f)
+                n = min(n, left)
+                left -= n
+            out.append(({name: fields[f"{t}_{name}"] for name in self.codecs[t].fields}, first, n))
         return out

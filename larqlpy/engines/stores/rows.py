@@ -12,7 +12,7 @@ Fields are tensors of shape (Hkv, rows, *field_shape): K/V rows in the kv_dtype 
 norms and packed codes for the codec engines. Reads come back in position order.
 
 Growing storage may begin at `offset` > 0: the positions before it are another state's rows, shared
-read-only (`prefix`, views of its buffers) -- a branch of a prompt forked n ways (`share`).
+read-only (`prefix`, its buffers) -- a branch of a prompt forked n ways (`share`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ class Rows:
         self.buf = {name: torch.zeros((n_kv, 0, *shape), dtype=dtype, device=device)
                     for name, (shape, dtype) in fields.items()}
         self.base = self.end = 0
-        self.offset, self.prefix = 0, None  # growing only: buffer row 0 is position `offset`; before it, `prefix`
+        # growing only: buffer row 0 is position `offset`; before it, the first `offset` rows of `prefix`
+        # (another state's whole buffers)
+        self.offset, self.prefix = 0, None
         self.pending: dict[str, torch.Tensor] | None = None  # ring only: the current block's rows
         self.slack = 0  # ring only: rows held past `keep`, so that a trim can go back this far
         self.floor = 0  # ring only: the oldest position whose slot no newer row has taken
@@ -158,6 +160,19 @@ class Rows:
         shared = {name: p[:, lo:min(hi, self.offset)] for name, p in self.prefix.items()}
         return [shared, own] if z > a else [shared]
 
+    def spans(self, lo: int, hi: int) -> list[tuple[dict[str, torch.Tensor], int, int]]:
+        """Positions [lo, hi) for kernels that read buffers in place, as (whole buffers, first buffer
+        row, rows) in order: a branch's shared prompt rows and its own (one span otherwise; a ring's
+        rows as one copy)."""
+        if self.keep is not None:
+            return [({name: f.contiguous() for name, f in self.read(lo, hi).items()}, 0, hi - lo)]
+        self._check(lo, hi)
+        out = [(self.prefix, lo, min(hi, self.offset) - lo)] if lo < self.offset else []
+        if hi > self.offset or not out:
+            first = max(lo, self.offset) - self.offset
+            out.append((self.buf, first, max(hi, self.offset) - self.offset - first))
+        return out
+
     def _check(self, lo: int, hi: int) -> None:
         if lo < self.base or hi > self.end:
             raise RuntimeError(f"rows [{lo}, {hi}) outside the retained [{self.base}, {self.end})")
@@ -225,8 +240,8 @@ class Rows:
         """Become a branch of `rows` (growing, at its end): positions below `upto` are read from its
         buffers, shared; those from there to its end are copied into this one's own."""
         assert self.keep is None and rows.keep is None and rows.pending is None and upto <= rows.end
-        self.prefix = {name: b[:, :upto - rows.offset] for name, b in rows.buf.items()} if rows.offset == 0 \
-            else rows.read(0, upto)  # a branch of a branch: its prefix joined once
+        self.prefix = dict(rows.buf) if rows.offset == 0 else \
+            {name: f.contiguous() for name, f in rows.read(0, upto).items()}  # a branch of a branch: joined once
         self.offset, self.base, self.end = upto, 0, upto
         tail = rows.read(upto, rows.end)
         self._reserve(rows.end - upto, exact=True)
