@@ -19,6 +19,7 @@ from larqlpy.engines.registry import parse_engine_spec
 from larqlpy.engines.stores.rows import Rows
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.attention import CHUNK
+from larqlpy.prepare import prepare_all
 from larqlpy.request import Request
 from larqlpy.runner import execute, execute_many
 from larqlpy.weights.loader import load
@@ -48,8 +49,6 @@ def test_each_choice_is_the_request_on_its_own_seed(smol, long_text, engine, opt
 
 
 def test_the_prompt_is_prefilled_once_and_its_rows_held_once(smol, long_text):
-    from larqlpy.prepare import prepare_all
-
     seqs = prepare_all(smol, Request.from_dict(base(long_text, "canonical/v1", [], n=4)))
     for s in seqs:
         s.start()
@@ -106,8 +105,6 @@ def test_a_branch_decodes_the_bits_of_a_sequence_that_never_forked(tiny, preset)
 
 
 def test_a_codec_branch_holds_only_its_own_codes(smol, long_text):
-    from larqlpy.prepare import prepare_all
-
     seqs = prepare_all(smol, Request.from_dict(base(long_text, "codec/v1", ["bits=4"], n=4)))
     for s in seqs:
         s.start()

@@ -17,7 +17,7 @@ from larqlpy.kernels import turboquant as tq
 from larqlpy.kernels.turboquant_torch import TorchCodec
 
 
-Span = tuple[dict[str, torch.Tensor], int, int]  # whole (Hkv, capacity, ...) buffers, first row, rows
+CodeSpan = tuple[dict[str, torch.Tensor], int, int]  # whole (Hkv, capacity, ...) buffers, first row, rows
 
 
 class RowCodec:
@@ -76,7 +76,7 @@ class TurboQuantCodec(RowCodec):
         tq.rotate(np.ascontiguousarray(q.float().numpy()), self.signs, out)
         return out
 
-    def scores(self, qr: np.ndarray, spans: list[Span]) -> torch.Tensor:
+    def scores(self, qr: np.ndarray, spans: list[CodeSpan]) -> torch.Tensor:
         """Per KV head: (Hkv, G, d) rotated queries -> (Hkv, G, n) scores against the rows of
         `spans` (one or two read as one run: a branch's shared prompt rows, then its own)."""
         a, b = self._spans(spans)
@@ -84,7 +84,7 @@ class TurboQuantCodec(RowCodec):
         tq.scores(qr, a, b, self.centroids, self.bits, out.numpy())
         return out
 
-    def weighted_sum(self, p: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+    def weighted_sum(self, p: torch.Tensor, spans: list[CodeSpan]) -> torch.Tensor:
         """Per KV head: (Hkv, G, n) weights -> (Hkv, G, d), sum_j p_j * decode(row_j) over the rows of
         `spans`, without decoding a row."""
         hkv, g, _ = p.shape
@@ -95,7 +95,7 @@ class TurboQuantCodec(RowCodec):
         tq.unrotate(acc.reshape(hkv * g, self.d), self.signs, out)
         return torch.from_numpy(out).view(hkv, g, self.d)
 
-    def _spans(self, spans: list[Span]) -> tuple[tuple, tuple]:
+    def _spans(self, spans: list[CodeSpan]) -> tuple[tuple, tuple]:
         pieces = [(f["norm"].numpy(), f["code"].numpy(), first, n) for f, first, n in spans]
         assert 1 <= len(pieces) <= 2 and all(x.flags.c_contiguous for p in pieces for x in p[:2])
         return pieces[0], pieces[1] if len(pieces) == 2 else (*pieces[0][:2], 0, 0)

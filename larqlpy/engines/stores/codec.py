@@ -136,7 +136,7 @@ class CodecStore(RowStore):
 
     def fork(self, other):
         """Growing codes are shared whole: attention reads the prompt's codes and the branch's own as
-        one run of rows (`Rows.pieces`), so a branch's numbers are those of a sequence that never
+        one run of rows (`Rows.spans`), so a branch's numbers are those of a sequence that never
         forked. A ring (a sliding layer's window), the recent tier, exact keys and sinks are copied."""
         if self.rows.keep is not None:
             return super().fork(other)

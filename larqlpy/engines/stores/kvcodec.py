@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from larqlpy.engines.stores.calibration import KeyCalibration
-from larqlpy.kernels.rowcodec import RowCodec, Span, TurboQuantCodec
+from larqlpy.kernels.rowcodec import RowCodec, CodeSpan, TurboQuantCodec
 
 
 def precision_label(k: RowCodec, v: RowCodec) -> str:
@@ -91,19 +91,19 @@ class KVCodec:
         hkv, g, d = q.shape
         return self.k.rotate(q.reshape(hkv * g, d)).reshape(hkv, g, d), bias
 
-    def scores(self, query, spans: list[Span], hi: int | None = None) -> torch.Tensor:
+    def scores(self, query, spans: list[CodeSpan], hi: int | None = None) -> torch.Tensor:
         """(Hkv, G, N) scores of the prepared queries against the K codes of the first `hi` rows of
         `spans` (one or two read as one run: `Rows.spans`)."""
         qr, bias = query
         s = self.k.scores(qr, self._side(spans, "k", hi))
         return s if bias is None else s.add_(bias[..., None])
 
-    def weighted_sum(self, p: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+    def weighted_sum(self, p: torch.Tensor, spans: list[CodeSpan]) -> torch.Tensor:
         """(Hkv, G, N) weights -> (Hkv, G, D), sum_j p_j * v_j over the V codes of `spans`, without
         decoding a row."""
         return self.v.weighted_sum(p, self._side(spans, "v"))
 
-    def _side(self, spans: list[Span], t: str, hi: int | None = None) -> list[Span]:
+    def _side(self, spans: list[CodeSpan], t: str, hi: int | None = None) -> list[CodeSpan]:
         out, left = [], hi
         for fields, first, n in spans:
             if left is not None:

@@ -152,13 +152,7 @@ class Rows:
         rows and its own, views both; otherwise one piece (a ring's as `read` gives it)."""
         if self.keep is not None:
             return [self.read(lo, hi)]
-        self._check(lo, hi)
-        a, z = max(lo, self.offset) - self.offset, max(hi, self.offset) - self.offset
-        own = {name: b[:, a:z] for name, b in self.buf.items()}
-        if lo >= self.offset or hi <= lo:
-            return [own]
-        shared = {name: p[:, lo:min(hi, self.offset)] for name, p in self.prefix.items()}
-        return [shared, own] if z > a else [shared]
+        return [{name: f[:, first:first + n] for name, f in fields.items()} for fields, first, n in self.spans(lo, hi)]
 
     def spans(self, lo: int, hi: int) -> list[tuple[dict[str, torch.Tensor], int, int]]:
         """Positions [lo, hi) for kernels that read buffers in place, as (whole buffers, first buffer
@@ -295,12 +289,14 @@ class RowStore(LayerStore):
     def borrows(self):
         return any(s.rows.offset > 0 for s in self.row_sets().values())
 
+    def _named_sets(self, names: list[str] | None) -> list[tuple[str, RowSet]]:
+        """Every row set, or those `names`."""
+        return [(name, s) for name, s in self.row_sets().items() if names is None or name in names]
+
     def export(self, names: list[str] | None = None):
         """The records of every row set, or of those `names`."""
         out = []
-        for name, s in self.row_sets().items():
-            if names is not None and name not in names:
-                continue
+        for name, s in self._named_sets(names):
             rows = s.rows
             for lo in range(rows.base - rows.base % CELL_POSITIONS, rows.end, CELL_POSITIONS):
                 a, b = max(lo, rows.base), min(lo + CELL_POSITIONS, rows.end)
@@ -312,9 +308,7 @@ class RowStore(LayerStore):
 
     def restore(self, end, records, names: list[str] | None = None):
         """Refill every row set, or only those `names` (the others are already in place)."""
-        for name, s in self.row_sets().items():
-            if names is not None and name not in names:
-                continue
+        for name, s in self._named_sets(names):
             rows, set_stop = s.rows, s.end_at(end)
             mine = sorted((r for r in records if r[0]["set"] == name), key=lambda r: r[0]["start"])
             pos = mine[0][0]["start"] if mine else (set_stop if rows.keep is not None else 0)
