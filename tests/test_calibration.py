@@ -154,6 +154,20 @@ def test_calibrated_store_reconstructs_by_algebra_and_fused_equals_scratch(windo
     assert (keys[:, -3:] - k_all[:, -3:]).norm() < err4 / 5
 
 
+@pytest.mark.parametrize("turning", [False, True], ids=["fixed-mean", "pre-rope-mean"])
+def test_a_decode_steps_calibrated_keys_are_a_blocks_bit_for_bit(turning):
+    """A decode step calibrates its keys in one kernel call (`apply_row`), a block through torch's
+    ops (`apply`): the codes of a state must not depend on which stored a row."""
+    gen = torch.Generator().manual_seed(4)
+    mean, scale = torch.randn(2, 64, generator=gen) * 3, torch.rand(2, 64, generator=gen) * 3 + 0.2
+    freq = 1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64)
+    cal = KeyCalibration.of(mean, scale, torch.randn(2, 64, generator=gen) if turning else None, freq)
+    k = torch.randn(2, 700, 64, generator=gen) * 4
+    block = cal.apply(k, 5)
+    for p in (0, 1, 2, 77, 699):
+        assert torch.equal(cal.apply_row(k[:, p:p + 1], 5 + p), block[:, p:p + 1]), p
+
+
 def test_a_tier_covering_every_row_equals_the_wider_codec(cal_dir):
     loaded = load(cal_dir, device="cpu")
     wide, _ = run(loaded, spec("codec/v1", "k_bits=8", "v_bits=8", "recent=0"), PROMPT, 6)

@@ -75,6 +75,42 @@ def test_attending_on_codes_equals_decoding_them():
         assert (a - b).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+def test_a_decode_steps_codes_written_in_place_equal_a_blocks(bits):
+    """Decode steps encode their row straight into the store's buffers (`encode_into`, no threads);
+    a prefill block encodes many rows in parallel chunks (`encode`). A speculative verification and
+    a resumed state mix the two, so they must give the same bytes."""
+    codec = TurboQuantCodec(64, bits, CPU)
+    x = torch.randn(300, 2, 64, generator=torch.Generator().manual_seed(bits)) * 3
+    x[7, 1] = 0.0
+    block = codec.encode(x.reshape(-1, 64))
+    norms, codes = torch.zeros(2, 300), torch.zeros(2, 300, codec.fields["code"][0][0], dtype=torch.uint8)
+    for r in range(300):
+        codec.encode_into(x[r], norms, codes, r)
+    assert torch.equal(norms.T.reshape(-1), block["norm"])
+    assert torch.equal(codes.transpose(0, 1).reshape(600, -1), block["code"])
+
+
+def test_a_wrapped_ring_is_read_in_place_as_two_runs():
+    """Decode steps read a ring's rows where they lie (no copy): the run that ends at the buffer's
+    end, then the one from its start; the same rows `read` gives in order."""
+    g = LayerGeometry(0, 6, 2, 64)
+    codec = TurboQuantCodec(64, 4, CPU)
+    store = CodecStore(g, CPU, codec=KVCodec(codec, codec), keep=6, scratch=Scratch(CPU))
+    gen = torch.Generator().manual_seed(5)
+    for t in (4, 1, 1, 1, 1):
+        q, k, v = (torch.randn(h, t, 64, generator=gen) for h in (4, 2, 2))
+        store.attend(q, k, v, AttentionParams(scale=0.125))
+    rows = store.rows
+    spans = rows.spans(rows.base, rows.end)
+    assert [(first, n) for _, first, n in spans] == [(2, 4), (0, 2)]
+    assert all(fields["k_code"] is rows.buf["k_code"] for fields, _, _ in spans)
+    want = rows.read(rows.base, rows.end)
+    for name in want:
+        got = torch.cat([fields[name][:, first:first + n] for fields, first, n in spans], dim=1)
+        assert torch.equal(got, want[name])
+
+
 def test_recent_rows_write_the_bytes_codec_writes():
     g = LayerGeometry(0, 6, 1, 64)
     codec = TurboQuantCodec(64, 3, CPU)

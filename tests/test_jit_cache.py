@@ -12,39 +12,44 @@ from pathlib import Path
 WORK = r"""
 import hashlib, json
 import numpy as np, torch
-from larqlpy.kernels import turboquant as tq
+from larqlpy.kernels import tq_attend, turboquant as tq
 from larqlpy.kernels.attention import attend_one
 from larqlpy.kernels.matvec import gemv_f32
 from larqlpy.kernels.qweight import PackedWeight
 rng = np.random.default_rng(0)
-out = {}
+hashes = {}
 for n, d, g, bits in [(40, 32, 2, 2), (300, 64, 4, 4)]:
     c, _ = tq.codebook(bits)
-    p, norms = rng.random((2, g, n), dtype=np.float32), rng.random((2, n + 5), dtype=np.float32)
+    norms = rng.random((2, n + 5), dtype=np.float32)
     codes = rng.integers(0, 256, (2, n + 5, d * bits // 8), dtype=np.uint8)
     a, b = (norms, codes, 5, n // 3), (norms, codes, 5 + n // 3, n - n // 3)  # two pieces, as a branch reads
-    acc = np.empty((2, g, d), np.float32)
-    tq.accumulate(p, a, b, c, bits, acc)
-    out[f"accumulate {n}x{d} {bits}"] = hashlib.sha256(acc.tobytes()).hexdigest()
-    sc = np.empty((2, g, n), np.float32)
-    tq.scores(rng.standard_normal((2, g, d), dtype=np.float32), a, b, c, bits, sc)
-    out[f"scores {n}x{d} {bits}"] = hashlib.sha256(sc.tobytes()).hexdigest()
+    tier = (norms, codes, 0, 6)
+    q = rng.standard_normal((2, g, d), dtype=np.float32)
+    cal = (rng.random((2, d), dtype=np.float32) + 0.5, rng.standard_normal((2, d), dtype=np.float32),
+           rng.standard_normal((2, d), dtype=np.float32), rng.standard_normal((n + 6, d), dtype=np.float32))
+    sink = rng.standard_normal((2, 1, d), dtype=np.float32)
+    out = np.empty((2, g, d), np.float32)
+    tq_attend.attend(q, cal, tq.signs(d), (a, b, c, bits, a, b, c, bits),
+                     (tier, (norms, codes, 0, 0), c, bits, tier, (norms, codes, 0, 0), c, bits),
+                     (np.zeros((2, 0, d), np.float32), sink, sink), (n, n, n + 6), np.float32(0.125),
+                     np.float32(30.0), out)
+    hashes[f"tq_attend {n}x{d} {bits}"] = hashlib.sha256(out.tobytes()).hexdigest()
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     q, k, v = torch.randn(4, 1, 64), torch.randn(2, 333, 64).to(dtype), torch.randn(2, 333, 64).to(dtype)
     o = attend_one(q, k, v, 0.125, 30.0)
-    out[f"attend {dtype}"] = hashlib.sha256(o.numpy().tobytes()).hexdigest()
+    hashes[f"attend {dtype}"] = hashlib.sha256(o.numpy().tobytes()).hexdigest()
 g = gemv_f32(torch.randn(1, 576), torch.randn(1536, 576), "numba")
-out["gemv"] = hashlib.sha256(g.numpy().tobytes()).hexdigest()
+hashes["gemv"] = hashlib.sha256(g.numpy().tobytes()).hexdigest()
 w = torch.randn(320, 512)
 for fmt in ("int4", "int8"):
     packed = PackedWeight.quantize(w, fmt)
     for rows in (1, 3):
         for path in ("float", packed.path):
             y = packed.matmul(torch.randn(rows, 512), path)
-            out[f"{fmt} {rows} {path}"] = hashlib.sha256(y.numpy().tobytes()).hexdigest()
-out["hits"] = sum(tq.accumulate.stats.cache_hits.values())
-print(json.dumps(out))
+            hashes[f"{fmt} {rows} {path}"] = hashlib.sha256(y.numpy().tobytes()).hexdigest()
+hashes["hits"] = sum(tq_attend.attend.stats.cache_hits.values())
+print(json.dumps(hashes))
 """
 
 

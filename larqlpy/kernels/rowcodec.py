@@ -69,36 +69,21 @@ class TurboQuantCodec(RowCodec):
                   self.centroids, self.bits, out.numpy())
         return out
 
-    # -- attending on codes (CPU) ---------------------------------------------------------------
-    def rotate(self, q: torch.Tensor) -> np.ndarray:
-        """(G, d) queries -> H(s * q), the rotated domain scores are taken in."""
-        out = np.empty((q.shape[0], self.d), np.float32)
-        tq.rotate(np.ascontiguousarray(q.float().numpy()), self.signs, out)
-        return out
+    # -- decode steps on the CPU: rows written in place, attention on codes (kernels/tq_attend.py) --
+    def encode_into(self, x: torch.Tensor, norms: torch.Tensor, codes: torch.Tensor, slot: int) -> None:
+        """One row per KV head, x (Hkv, d), into row `slot` of a store's buffers (Hkv, cap, ...):
+        the bits `encode` gives."""
+        tq.encode_into(x.float().contiguous().numpy(), self.signs, self.boundaries, self.bits, norms.numpy(),
+                       codes.numpy(), slot)
 
-    def scores(self, qr: np.ndarray, spans: list[CodeSpan]) -> torch.Tensor:
-        """Per KV head: (Hkv, G, d) rotated queries -> (Hkv, G, n) scores against the rows of
-        `spans` (one or two read as one run: a branch's shared prompt rows, then its own)."""
-        a, b = self._spans(spans)
-        out = torch.empty(qr.shape[0], qr.shape[1], a[3] + b[3], dtype=torch.float32)
-        tq.scores(qr, a, b, self.centroids, self.bits, out.numpy())
-        return out
-
-    def weighted_sum(self, p: torch.Tensor, spans: list[CodeSpan]) -> torch.Tensor:
-        """Per KV head: (Hkv, G, n) weights -> (Hkv, G, d), sum_j p_j * decode(row_j) over the rows of
-        `spans`, without decoding a row."""
-        hkv, g, _ = p.shape
-        acc = np.empty((hkv, g, self.d), np.float32)
-        a, b = self._spans(spans)
-        tq.accumulate(np.ascontiguousarray(p.numpy()), a, b, self.centroids, self.bits, acc)
-        out = np.empty((hkv * g, self.d), np.float32)
-        tq.unrotate(acc.reshape(hkv * g, self.d), self.signs, out)
-        return torch.from_numpy(out).view(hkv, g, self.d)
-
-    def _spans(self, spans: list[CodeSpan]) -> tuple[tuple, tuple]:
+    def side(self, spans: list[CodeSpan]) -> tuple:
+        """The kernel's view of code spans (one or two read as one run): (piece a, piece b, centroids,
+        bits), a piece (norms (Hkv, cap), codes (Hkv, cap, bytes), first row, rows) read in place."""
         pieces = [(f["norm"].numpy(), f["code"].numpy(), first, n) for f, first, n in spans]
         assert 1 <= len(pieces) <= 2 and all(x.flags.c_contiguous for p in pieces for x in p[:2])
-        return pieces[0], pieces[1] if len(pieces) == 2 else (*pieces[0][:2], 0, 0)
+        b = pieces[1] if len(pieces) == 2 else (*pieces[0][:2], 0, 0)
+        return pieces[0], b, self.centroids, self.bits
+
 
 class Int4GroupCodec(RowCodec):
     def __init__(self, d: int, group: int, device: torch.device):

@@ -9,8 +9,8 @@ encode: norm = ||x|| (f32, summed in f64); u = x * (1 / norm); z = H(s * u), whe
 decode: z' = centroids[index]; x' = s * H(z') * (norm / d)  (the inverse rotation, times norm/sqrt(d)
     for each of the two sqrt(d) factors).
 
-Attending on codes without decoding: with q_r = H(s * q), q . x' = norm/d * (q_r . z'), and
-sum_j p_j x'_j = s * H(sum_j p_j norm_j/d z'_j): rotate the query once per head, score against
+Attending on codes without decoding (tq_attend.py): with q_r = H(s * q), q . x' = norm/d * (q_r . z'),
+and sum_j p_j x'_j = s * H(sum_j p_j norm_j/d z'_j): rotate the query once per head, score against
 centroid values, accumulate values in the rotated domain, rotate back once.
 
 The torch twin (`turboquant_torch.py`) performs the same operations in the same order.
@@ -107,30 +107,46 @@ def _unpack_values(code, centroids, bits, out):  # pragma: no cover - jitted
 CHUNK = 64  # rows per parallel work item: per-row scratch is allocated once per chunk
 
 
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _encode_row(x, sgn, boundaries, bits, v, idx, code):  # pragma: no cover - jitted
+    """One row x (d,) -> its packed code (into `code`); returns its norm. v, idx: scratch (d,)."""
+    d = x.shape[0]
+    acc = 0.0
+    for i in range(d):
+        acc += np.float64(x[i]) * np.float64(x[i])
+    nrm = np.float32(math.sqrt(acc))
+    inv = np.float32(1.0) / nrm if nrm > 0 else np.float32(1.0)
+    for i in range(d):
+        v[i] = (x[i] * inv) * sgn[i]
+    _fwht(v)
+    idx[:] = 0
+    for k in range(boundaries.shape[0]):  # index = number of boundaries strictly below: branch-free, vectorizes
+        bk = boundaries[k]
+        for i in range(d):
+            idx[i] += np.int32(v[i] > bk)
+    _pack(idx, code, bits)
+    return nrm
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def encode(x, sgn, boundaries, bits, norms, codes):  # pragma: no cover - jitted
     """x (n, d) f32 -> norms (n,) f32, codes (n, d*bits/8) u8."""
     n, d = x.shape
-    nb = boundaries.shape[0]
     for c in prange((n + CHUNK - 1) // CHUNK):
         v = np.empty(d, np.float32)
         idx = np.empty(d, np.int32)
         for r in range(c * CHUNK, min(n, (c + 1) * CHUNK)):
-            acc = 0.0
-            for i in range(d):
-                acc += np.float64(x[r, i]) * np.float64(x[r, i])
-            nrm = np.float32(math.sqrt(acc))
-            norms[r] = nrm
-            inv = np.float32(1.0) / nrm if nrm > 0 else np.float32(1.0)
-            for i in range(d):
-                v[i] = (x[r, i] * inv) * sgn[i]
-            _fwht(v)
-            idx[:] = 0
-            for k in range(nb):  # index = number of boundaries strictly below: branch-free, vectorizes
-                bk = boundaries[k]
-                for i in range(d):
-                    idx[i] += np.int32(v[i] > bk)
-            _pack(idx, codes[r], bits)
+            norms[r] = _encode_row(x[r], sgn, boundaries, bits, v, idx, codes[r])
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def encode_into(x, sgn, boundaries, bits, norms, codes, slot):  # pragma: no cover - jitted
+    """A decode step's row per KV head, x (Hkv, d), straight into row `slot` of a store's buffers
+    norms (Hkv, cap), codes (Hkv, cap, bytes): the bits `encode` gives, without threads."""
+    d = x.shape[1]
+    v, idx = np.empty(d, np.float32), np.empty(d, np.int32)
+    for h in range(x.shape[0]):
+        norms[h, slot] = _encode_row(x[h], sgn, boundaries, bits, v, idx, codes[h, slot])
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -156,79 +172,6 @@ def _row(h, r, a, b, centroids, bits, v):  # pragma: no cover - jitted
         return a[0][h, a[2] + r] / np.float32(v.shape[0])
     _unpack_values(b[1][h, b[2] + r - a[3]], centroids, bits, v)
     return b[0][h, b[2] + r - a[3]] / np.float32(v.shape[0])
-
-
-@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def scores(qr, a, b, centroids, bits, out):  # pragma: no cover - jitted
-    """Per KV head h: qr[h] (G, d) rotated queries against the rows of pieces a then b (see `_row`)
-    -> out[h] (G, n) = norm/d * (qr . centroids[idx])."""
-    hkv, g_count, d = qr.shape
-    n = a[3] + b[3]
-    chunks = (n + CHUNK - 1) // CHUNK
-    for job in prange(hkv * chunks):
-        h, c = job // chunks, job % chunks
-        v = np.empty(d, np.float32)
-        for r in range(c * CHUNK, min(n, (c + 1) * CHUNK)):
-            scale = _row(h, r, a, b, centroids, bits, v)
-            for g in range(g_count):
-                acc = np.float32(0.0)
-                for i in range(d):
-                    acc += qr[h, g, i] * v[i]
-                out[h, g, r] = acc * scale
-
-
-@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def accumulate(p, a, b, centroids, bits, out):  # pragma: no cover - jitted
-    """Per KV head h: p[h] (G, n) attention weights over the rows of pieces a then b -> out[h] (G, d)
-    = sum_j p_j norm_j/d centroids[idx_j] (rotated domain). A head's rows are cut into chunks by
-    their count alone, so where the run is split between pieces never changes the sums."""
-    hkv, g_count, n = p.shape
-    d = out.shape[2]
-    chunks = 16
-    part = np.zeros((hkv, chunks, g_count, d), np.float32)
-    step = (n + chunks - 1) // chunks
-    for job in prange(hkv * chunks):
-        h, c = job // chunks, job % chunks
-        v = np.empty(d, np.float32)
-        for r in range(c * step, min(n, (c + 1) * step)):
-            scale = _row(h, r, a, b, centroids, bits, v)
-            for g in range(g_count):
-                w = p[h, g, r] * scale
-                for i in range(d):
-                    part[h, c, g, i] += w * v[i]
-    for h in range(hkv):
-        for g in range(g_count):
-            for i in range(d):
-                acc = np.float32(0.0)
-                for c in range(chunks):
-                    acc += part[h, c, g, i]
-                out[h, g, i] = acc
-
-
-@njit(cache=True, error_model="numpy")
-def rotate(x, sgn, out):  # pragma: no cover - jitted
-    """out = H(s * x) row by row (the forward rotation without the 1/sqrt(d))."""
-    n, d = x.shape
-    for r in range(n):  # a handful of query heads: not worth threads
-        v = np.empty(d, np.float32)
-        for i in range(d):
-            v[i] = x[r, i] * sgn[i]
-        _fwht(v)
-        for i in range(d):
-            out[r, i] = v[i]
-
-
-@njit(cache=True, error_model="numpy")
-def unrotate(y, sgn, out):  # pragma: no cover - jitted
-    """out = s * H(y) row by row (the inverse of `rotate` up to a factor d)."""
-    n, d = y.shape
-    for r in range(n):
-        v = np.empty(d, np.float32)
-        for i in range(d):
-            v[i] = y[r, i]
-        _fwht(v)
-        for i in range(d):
-            out[r, i] = v[i] * sgn[i]
 
 
 jitcache.tie(globals(), jitcache)  # compiled with its FASTMATH

@@ -16,10 +16,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.errors import LarqlError
+from larqlpy.kernels import tq_attend
 
 
 class _Turns:
@@ -70,6 +72,10 @@ class KeyCalibration:
     turning: torch.Tensor | None = None
     freq: torch.Tensor | None = None
     turns: _Turns | None = field(default=None, compare=False, repr=False)
+    inv_scale: torch.Tensor = field(init=False, compare=False, repr=False)  # 1 / scale, divided exactly once
+
+    def __post_init__(self):
+        object.__setattr__(self, "inv_scale", 1.0 / self.scale)
 
     @classmethod
     def of(cls, mean: torch.Tensor, scale: torch.Tensor, turning: torch.Tensor | None = None,
@@ -107,22 +113,25 @@ class KeyCalibration:
         given; it may be y)."""
         return torch.div(y, self.scale[:, None], out=out).add_(self.means(first, y.shape[1]))
 
-    def query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries (Hkv, G, D), grouped by KV head -> (q / scale, q . mean (Hkv, G)): the fixed part
-        of q . m_p."""
-        return q / self.scale[:, None], (q @ self.mean[:, :, None])[..., 0]
-
-    def turning_bias(self, q: torch.Tensor, first: int, n: int) -> torch.Tensor | None:
-        """The turning part of q . m_p for every query head, q (H, D), at positions first..first+n-1:
-        (H, n), one product per layer against the shared cos/sin table; None when no head turns."""
+    def kernel_args(self, first: int, n: int) -> tuple[np.ndarray, ...]:
+        """For the fused decode kernel (kernels/tq_attend.py), rows at positions first..first+n-1:
+        (1 / scale, mean, turning (Hkv, D), [cos | sin] rows (n, D)), the last two empty when no head
+        turns. CPU only."""
         if self.turning is None:
-            return None
-        t = self.turning.repeat_interleave(q.shape[0] // self.turning.shape[0], dim=0)
-        half = t.shape[-1] // 2
-        q1, q2, m1, m2 = q[:, :half], q[:, half:], t[:, :half], t[:, half:]
-        # q . R(p) t = sum_i cos(p f_i) (q1 m1 + q2 m2)_i + sin(p f_i) (q2 m1 - q1 m2)_i
-        coef = torch.cat((q1 * m1 + q2 * m2, q2 * m1 - q1 * m2), dim=-1)
-        return coef @ self.turns.rows(first, n).T
+            return self.inv_scale.numpy(), self.mean.numpy(), NONE, NONE
+        return self.inv_scale.numpy(), self.mean.numpy(), self.turning.numpy(), self.turns.rows(first, n).numpy()
+
+    def apply_row(self, k: torch.Tensor, first: int) -> torch.Tensor:
+        """`apply` for a decode step's keys (Hkv, 1, D) on the CPU, in one kernel call: the same bits."""
+        out = np.empty(k.shape[::2], np.float32)
+        cs = NONE if self.turning is None else self.turns.rows(0, first + 1).numpy()
+        tq_attend.calibrate_row(k[:, 0].float().contiguous().numpy(), first, self.mean.numpy(), self.scale.numpy(),
+                                NONE if self.turning is None else self.turning.numpy(), cs, out)
+        return torch.from_numpy(out)[:, None]
+
+
+NONE = np.zeros((0, 0), np.float32)  # a part the kernel is not given
+NO_CALIBRATION = (NONE,) * 4
 
 
 def require_calibration(geometries: Sequence[LayerGeometry], who: str) -> None:

@@ -2,20 +2,22 @@
 
 Reading: prefill blocks decode the rows they may see into one scratch buffer shared by all layers
 (bounded by one layer) and run the usual attention. Decode steps on the CPU attend on the codes
-directly: rotate the query once per head, score against centroid values times the stored norms,
-accumulate the values in the rotated domain and rotate back once per head.
+directly, in one kernel call per layer (kernels/tq_attend.py): every KV head, the main codes, the
+recent tier, exact keys and sinks, the calibration's bias, the softmax and the sum of values.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.stores.base import EngineState, Scratch
-from larqlpy.engines.stores.calibration import require_calibration
+from larqlpy.engines.stores.calibration import NO_CALIBRATION, require_calibration
 from larqlpy.engines.stores.kvcodec import KVCodec
 from larqlpy.engines.stores.kvdtype import torch_dtype
 from larqlpy.engines.stores.rows import Rows, RowSet, RowStore
+from larqlpy.kernels import tq_attend
 from larqlpy.kernels.rowcodec import TurboQuantCodec, row_codec
 
 
@@ -48,6 +50,8 @@ class CodecStore(RowStore):
         return {} if cal is None else {"key_calibration": cal.digest}
 
     def append(self, k, v):
+        if k.shape[1] == 1:
+            return self._append_step(k, v)
         q_start = self.end
         self.rows.append(self.codec.encode(k, v, q_start))
         if self.recent is not None:
@@ -57,6 +61,22 @@ class CodecStore(RowStore):
         if self.sinks is not None and q_start < self.sink:
             n = min(self.sink - q_start, k.shape[1])
             self.sinks.append({"k": k[:, :n].to(self.exact_dtype), "v": v[:, :n].to(self.exact_dtype)})
+        self.end = self.rows.end
+
+    def _append_step(self, k, v):
+        """A decode step's row: its codes written straight into a claimed row of each code set (a
+        ring's oldest row makes way at once, so the tier holds the newest `recent` rows, this one
+        among them), the keys calibrated once for both (the tier's calibration is the layer's);
+        exact keys and sinks as a block's are stored."""
+        first, keys = self.end, self.codec.calibrate(k, self.end)
+        for codec, rows in ((self.codec, self.rows), (self.recent_codec, self.recent)):
+            if rows is not None:
+                slot = rows.claim_row()  # first: claiming may grow (replace) the buffers
+                codec.encode_into(keys, v, rows.buf, slot)
+        if self.exact_keys is not None:
+            self.exact_keys.append({"k": k.to(self.exact_dtype)})
+        if self.sinks is not None and first < self.sink:
+            self.sinks.append({"k": k.to(self.exact_dtype), "v": v.to(self.exact_dtype)})
         self.end = self.rows.end
 
     def _exact_from(self, start: int) -> int:
@@ -102,37 +122,28 @@ class CodecStore(RowStore):
         start = self.geometry.read_start(q_start)
         mid = self._recent_from(start)
         lo = min(mid, self._exact_from(start))  # K rows from here on come from the tier or are exact
-        hkv, (n_heads, _, d) = self.geometry.n_kv_heads, q.shape
-        qg = q[:, 0].float().view(hkv, n_heads // hkv, d)
-        prepared = self.codec.query(qg)  # one rotation serves the main codes and the tier
-        main = self.rows.spans(start, mid)
-        parts = [self.codec.scores(prepared, main, lo - start)]
-        tier = self.recent.spans(mid, self.end) if mid < self.end else None
-        if tier is not None:
-            parts.append(self.recent_codec.scores(prepared, tier))
-        if self.exact_keys is not None and lo < self.end:
-            parts.append(qg @ self.exact_keys.read(lo, self.end)["k"].float().transpose(1, 2))
-        s = (torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]).view(n_heads, -1)
+        hkv, (n_heads, _, d), n = self.geometry.n_kv_heads, q.shape, self.end - start
+        main = self.codec.sides(self.rows.spans(start, mid))
+        tier = self.recent_codec.sides(self.recent.spans(mid, self.end)) if mid < self.end else _no_tier(main)
         cal = self.codec.calibration
-        turning = None if cal is None else cal.turning_bias(qg.view(n_heads, d), start, self.end - start)
-        if turning is not None:  # the codes hold keys less their mean; exact keys are whole
-            s[:, :lo - start] += turning[:, :lo - start]
-            s[:, mid - start:] += turning[:, mid - start:]
-        ns = self._sink_end(start) - start
-        sinks = {t: r.float() for t, r in self.sinks.read(start, start + ns).items()} if ns else None
-        if sinks is not None:
-            s.view(hkv, -1, s.shape[1])[:, :, :ns] = qg @ sinks["k"].transpose(1, 2)
-        probs = torch.softmax(p.logits(s), dim=-1).view(hkv, n_heads // hkv, -1)
-        if sinks is not None:
-            head = probs[:, :, :ns].clone()
-            probs[:, :, :ns] = 0.0
-        out = self.codec.weighted_sum(probs[:, :, :mid - start], main)
-        if tier is not None:
-            out += self.recent_codec.weighted_sum(probs[:, :, mid - start:], tier)
-        if sinks is not None:
-            out += head @ sinks["v"]
+        out = np.empty((hkv, n_heads // hkv, d), np.float32)
+        tq_attend.attend(q[:, 0].float().contiguous().view(out.shape).numpy(),
+                         NO_CALIBRATION if cal is None else cal.kernel_args(start, n), self.codec.k.signs, main, tier,
+                         self._exact_rows(start, lo), (lo - start, mid - start, n), np.float32(p.scale),
+                         np.float32(p.softcap or 0.0), out)
         self.release()
-        return out.view(n_heads, 1, d).to(q.dtype)
+        return torch.from_numpy(out).view(n_heads, 1, d).to(q.dtype)
+
+    def _exact_rows(self, start: int, lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The fused kernel's exact rows, float32: K of positions [lo, end) and the sinks' K and V."""
+        hkv, d = self.geometry.n_kv_heads, self.geometry.head_dim
+        none = np.zeros((hkv, 0, d), np.float32)
+        keys = self.exact_keys.read(lo, self.end)["k"] if self.exact_keys is not None and lo < self.end else None
+        assert keys is None or self.recent is None, "exact keys and a recent tier are never configured together"
+        ns = self._sink_end(start) - start
+        sinks = self.sinks.read(start, start + ns) if ns else {}
+        return tuple(none if x is None else x.float().contiguous().numpy()
+                     for x in (keys, sinks.get("k"), sinks.get("v")))
 
     def fork(self, other):
         """Growing codes are shared whole: attention reads the prompt's codes and the branch's own as
@@ -158,6 +169,13 @@ class CodecStore(RowStore):
         if self.sinks is not None:
             sets["sink"] = RowSet(self.sinks, "ACTIVE", self.geometry.kv_dtype, first_positions=self.sink)
         return sets
+
+
+def _no_tier(main: tuple) -> tuple:
+    """A tier of no rows, typed as the kernel takes one: `main`'s sides with 0-row pieces."""
+    def empty(piece):
+        return (*piece[:2], 0, 0)
+    return empty(main[0]), empty(main[1]), *main[2:4], empty(main[4]), empty(main[5]), *main[6:]
 
 
 def layer_codec(provider, g: LayerGeometry, device: torch.device) -> KVCodec:

@@ -3,10 +3,9 @@ calibration. codec/v1 (for all its rows and its wider recent tier) and cells/v1 
 cells) both store rows through this one class.
 
 Fields are named `k_<field>` and `v_<field>` (a TurboQuant row: `k_norm`, `k_code`, ...), shaped
-(Hkv, N, *field_shape). On the CPU a TurboQuant pair can also attend on its codes: rotate each
-head's queries once (`query`), score against the codes (`scores`), and sum values without decoding
-a row (`weighted_sum`), every KV head in one call, over rows read in place (a branch's shared
-prompt rows, then its own).
+(Hkv, N, *field_shape). On the CPU a TurboQuant pair can also attend on its codes without decoding a
+row (kernels/tq_attend.py), reading them in place (`sides`: a branch's shared prompt rows, then
+its own).
 """
 
 from __future__ import annotations
@@ -57,9 +56,27 @@ class KVCodec:
     def encode(self, k: torch.Tensor, v: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
         """k, v: (Hkv, T, D) at positions first.. -> fields (Hkv, T, ...); keys as (k - m_p) * scale
         under a calibration."""
-        if self.calibration is not None:
-            k = self.calibration.apply(k, first)
+        k = self.calibrate(k, first)
         return {**self._encode("k", k), **self._encode("v", v)}
+
+    def calibrate(self, k: torch.Tensor, first: int) -> torch.Tensor:
+        """Keys (Hkv, T, D) at positions first.. -> what the codes hold ((k - m_p) * scale, or k)."""
+        if self.calibration is None:
+            return k
+        if k.shape[1] == 1 and k.device.type == "cpu":
+            return self.calibration.apply_row(k, first)
+        return self.calibration.apply(k, first)
+
+    def encode_into(self, keys: torch.Tensor, v: torch.Tensor, buf: dict[str, torch.Tensor], slot: int) -> None:
+        """A decode step's calibrated keys (`calibrate`) and values (Hkv, 1, D) into row `slot` of a
+        store's buffers: the codes `encode` gives, written in place by fused codecs (CPU)."""
+        for t, x in (("k", keys), ("v", v)):
+            codec = self.codecs[t]
+            if codec.fused:
+                codec.encode_into(x[:, 0], buf[f"{t}_norm"], buf[f"{t}_code"], slot)
+                continue
+            for name, val in self._encode(t, x).items():
+                buf[name][:, slot] = val[:, 0]
 
     def _encode(self, t: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
         hkv, n, _ = x.shape
@@ -81,33 +98,10 @@ class KVCodec:
             self.calibration.undo(out, first, out=out)
 
     # -- attending on codes (fused codecs, CPU) --------------------------------------------------
-    def query(self, q: torch.Tensor):
-        """Queries (Hkv, G, D), grouped by KV head -> what `scores` takes: the rotated queries and
-        the calibration's per-query bias (None without one). Every TurboQuant width of one head_dim
-        shares the rotation, so a tier of another width can score the same prepared query."""
-        bias = None
-        if self.calibration is not None:
-            q, bias = self.calibration.query(q)
-        hkv, g, d = q.shape
-        return self.k.rotate(q.reshape(hkv * g, d)).reshape(hkv, g, d), bias
-
-    def scores(self, query, spans: list[CodeSpan], hi: int | None = None) -> torch.Tensor:
-        """(Hkv, G, N) scores of the prepared queries against the K codes of the first `hi` rows of
-        `spans` (one or two read as one run: `Rows.spans`)."""
-        qr, bias = query
-        s = self.k.scores(qr, self._side(spans, "k", hi))
-        return s if bias is None else s.add_(bias[..., None])
-
-    def weighted_sum(self, p: torch.Tensor, spans: list[CodeSpan]) -> torch.Tensor:
-        """(Hkv, G, N) weights -> (Hkv, G, D), sum_j p_j * v_j over the V codes of `spans`, without
-        decoding a row."""
-        return self.v.weighted_sum(p, self._side(spans, "v"))
-
-    def _side(self, spans: list[CodeSpan], t: str, hi: int | None = None) -> list[CodeSpan]:
-        out, left = [], hi
-        for fields, first, n in spans:
-            if left is not None:
-                n = min(n, left)
-                left -= n
-            out.append(({name: fields[f"{t}_{name}"] for name in self.codecs[t].fields}, first, n))
-        return out
+    def sides(self, spans: list[CodeSpan]) -> tuple:
+        """Code spans (`Rows.spans`) as the fused kernel reads them: K's side, then V's
+        (`TurboQuantCodec.side`), eight items."""
+        out = []
+        for t, codec in self.codecs.items():
+            out += codec.side([({name: f[f"{t}_{name}"] for name in codec.fields}, first, n) for f, first, n in spans])
+        return tuple(out)

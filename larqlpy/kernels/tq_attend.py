@@ -1,0 +1,221 @@
+"""One decode query attending on a layer's TurboQuant codes in one call: every KV head, every source
+of rows, the key calibration's bias, the softmax and the sum of values.
+
+A codec layer's rows come from up to four places, by logical row r of the N it reads:
+- r < ns: attention sinks, K and V exact;
+- r < klo: K from the main codes; past it, K from the recent tier's codes (r >= mid) or exact;
+- r < mid: V from the main codes; past it, V from the tier's codes.
+Code sets are read in place as pieces (`_row`: a branch's shared prompt rows, then its own).
+
+Scores on codes are taken in the rotated domain (turboquant.py) and get the calibration's bias: the
+fixed q . mean and the turning part of q . m_p (calibration.py), sum_i cos(p f_i) c_i + sin(p f_i) c'_i
+over the layer's [cos | sin] table. Values from both code sets are summed in the rotated domain
+and rotated back once. Rows are cut into CHUNKS parts by their count alone, so where a run is split
+between pieces never changes the sums, and a branch decodes the bits of a sequence that never forked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from larqlpy.kernels import attention, jitcache, turboquant
+from larqlpy.kernels.attention import _bits_float
+from larqlpy.kernels.jitcache import FASTMATH
+from larqlpy.kernels.turboquant import _fwht, _row
+
+CHUNKS = 16  # parts of a head's rows scored and summed in parallel
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _calibrated(q, inv_scale, mean, qk, bias):  # pragma: no cover - jitted
+    """Queries of the coded keys (q / scale, as a product: fastmath may estimate a quotient) and
+    q . mean; q and 0 without a calibration."""
+    hkv, group, d = q.shape
+    for h in range(hkv):
+        for g in range(group):
+            b = np.float32(0.0)
+            for i in range(d):
+                x = q[h, g, i]
+                if inv_scale.shape[0]:
+                    b += x * mean[h, i]
+                    x = x * inv_scale[h, i]
+                qk[h, g, i] = x
+            bias[h, g] = b
+
+
+@njit(cache=True, error_model="numpy")
+def calibrate_row(k, first, mean, scale, turning, cs, out):  # pragma: no cover - jitted
+    """A decode step's keys k (Hkv, D) at position `first` -> (k - m_p) * scale, op for op what
+    calibration.KeyCalibration.apply computes in torch (so a step's codes are a block's); cs: the
+    [cos | sin] table, turning (Hkv, D) or empty."""
+    hkv, d = k.shape
+    half = d // 2
+    for h in range(hkv):
+        for i in range(d):
+            m = mean[h, i]
+            if turning.shape[0]:
+                c, s_ = cs[first, i % half], cs[first, half + i % half]
+                a, b = turning[h, i % half], turning[h, half + i % half]
+                m = (a * c - b * s_) + m if i < half else (b * c + a * s_) + m
+            out[h, i] = (k[h, i] - m) * scale[h, i]
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _prepare(q, qk, turning, sgn, qr, coef):  # pragma: no cover - jitted
+    """Per query head: the rotated query of the coded keys, and the turning mean's coefficients
+    against [cos | sin] (zero without one)."""
+    hkv, group, d = q.shape
+    half = d // 2
+    for h in range(hkv):
+        for g in range(group):
+            for i in range(d):
+                qr[h, g, i] = qk[h, g, i] * sgn[i]
+            _fwht(qr[h, g])
+            for i in range(half):
+                if turning.shape[0]:
+                    q1, q2, m1, m2 = q[h, g, i], q[h, g, i + half], turning[h, i], turning[h, i + half]
+                    coef[h, g, i], coef[h, g, i + half] = q1 * m1 + q2 * m2, q2 * m1 - q1 * m2
+                else:
+                    coef[h, g, i] = coef[h, g, i + half] = 0.0
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _dot(a, b):  # pragma: no cover - jitted
+    acc = np.float32(0.0)
+    for i in range(a.shape[0]):
+        acc += a[i] * b[i]
+    return acc
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _logit(x, scale, softcap):  # pragma: no cover - jitted
+    x *= scale
+    return softcap * np.tanh(x / softcap) if softcap > 0 else x
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _score_rows(h, lo, hi, q, qr, bias, coef, cs, ka, kb, tka, tkb, keys, sinks, codebooks, bounds, scale, softcap,
+                v, s):  # pragma: no cover - jitted
+    """Logits of KV head h's query heads over rows [lo, hi) -> s (H, N)."""
+    group, klo, mid = q.shape[1], bounds[0], bounds[1]
+    ns, tiered, turns = sinks.shape[1], tka[3] + tkb[3] > 0, cs.shape[0] > 0
+    for r in range(lo, hi):
+        if r < ns or (r >= klo and not (tiered and r >= mid)):
+            row = sinks[h, r] if r < ns else keys[h, r - klo]
+            for g in range(group):
+                s[h * group + g, r] = _logit(_dot(q[h, g], row), scale, softcap)
+            continue
+        if r < klo:
+            sc = _row(h, r, ka, kb, codebooks[0], codebooks[1], v)
+        else:
+            sc = _row(h, r - mid, tka, tkb, codebooks[4], codebooks[5], v)
+        for g in range(group):
+            x = _dot(qr[h, g], v) * sc + bias[h, g]
+            if turns:
+                x += _dot(coef[h, g], cs[r])
+            s[h * group + g, r] = _logit(x, scale, softcap)
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _exp(x):  # pragma: no cover - jitted
+    """e^x for x <= 0 in arithmetic LLVM vectorizes (libm's expf is a call per value): Cephes' expf,
+    a degree-6 polynomial after reduction by ln 2, within 2 ulp; below -87, about 0."""
+    x = max(x, np.float32(-87.0))
+    n = np.rint(x * np.float32(1.4426950408889634))
+    r = (x - n * np.float32(0.693359375)) + n * np.float32(2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    return (p * r * r + r + np.float32(1.0)) * _bits_float(np.uint32((np.int32(n) + 127) << 23))
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _softmax(s, head):  # pragma: no cover - jitted
+    n = s.shape[1]
+    top = s[head, 0]
+    for r in range(1, n):
+        top = max(top, s[head, r])
+    total = np.float32(0.0)
+    for r in range(n):
+        e = _exp(s[head, r] - top)
+        s[head, r] = e
+        total += e
+    for r in range(n):
+        s[head, r] /= total
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _sum_rows(h, lo, hi, p, va, vb, tva, tvb, codebooks, bounds, ns, v, part):  # pragma: no cover - jitted
+    """KV head h's rows [lo, hi) of coded values, weighted, -> part (G, D) in the rotated domain."""
+    group, mid = part.shape[0], bounds[1]
+    for r in range(max(lo, ns), hi):
+        if r < mid:
+            sc = _row(h, r, va, vb, codebooks[2], codebooks[3], v)
+        else:
+            sc = _row(h, r - mid, tva, tvb, codebooks[6], codebooks[7], v)
+        for g in range(group):
+            w = p[h * group + g, r] * sc
+            for i in range(v.shape[0]):
+                part[g, i] += w * v[i]
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
+def attend(q, cal, sgn, main, tier, exact, bounds, scale, softcap, out):  # pragma: no cover - jitted
+    """q (Hkv, G, D) queries grouped by KV head -> out (Hkv, G, D). cal: the key calibration's 1 / scale,
+    mean, turning mean (Hkv, D) and the [cos | sin] rows (N, D) of the rows' positions, each (0, 0)
+    when absent (the last two when no head turns): coded keys are scored with q / scale, plus
+    q . mean and the turning part. main, tier: (K piece a, K piece b, K centroids, K bits, V a, V b,
+    V centroids, V bits), a piece (norms (Hkv, cap), codes (Hkv, cap, bytes), first buffer row,
+    rows) (`_row`); the tier's pieces have 0 rows when there is none. exact: (exact keys
+    (Hkv, N - klo, D), sink K, sink V (Hkv, ns, D)) float32. bounds: (klo, mid, N)."""
+    hkv, group, d = q.shape
+    n, keys, sinks, sink_v, cs = bounds[2], exact[0], exact[1], exact[2], cal[3]
+    ka, kb, va, vb, tka, tkb, tva, tvb = main[0], main[1], main[4], main[5], tier[0], tier[1], tier[4], tier[5]
+    codebooks = (main[2], main[3], main[6], main[7], tier[2], tier[3], tier[6], tier[7])  # K, V; tier K, V
+    qk, qr, coef = np.empty((hkv, group, d), np.float32), np.empty((hkv, group, d), np.float32), \
+        np.empty((hkv, group, d), np.float32)
+    bias = np.empty((hkv, group), np.float32)
+    _calibrated(q, cal[0], cal[1], qk, bias)
+    _prepare(q, qk, cal[2], sgn, qr, coef)
+    s = np.empty((hkv * group, n), np.float32)
+    step = (n + CHUNKS - 1) // CHUNKS
+    for job in prange(hkv * CHUNKS):
+        h, c = job // CHUNKS, job % CHUNKS
+        _score_rows(h, c * step, min(n, (c + 1) * step), q, qr, bias, coef, cs, ka, kb, tka, tkb, keys, sinks,
+                    codebooks, bounds, scale, softcap, np.empty(d, np.float32), s)
+    for head in prange(hkv * group):
+        _softmax(s, head)
+    part = np.zeros((hkv, CHUNKS, group, d), np.float32)
+    for job in prange(hkv * CHUNKS):
+        h, c = job // CHUNKS, job % CHUNKS
+        _sum_rows(h, c * step, min(n, (c + 1) * step), s, va, vb, tva, tvb, codebooks, bounds, sinks.shape[1],
+                  np.empty(d, np.float32), part[h, c])
+    _finish(part, s, sink_v, sgn, out)
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _finish(part, p, sink_v, sgn, out):  # pragma: no cover - jitted
+    """The chunks' sums rotated back, plus the sinks' exact values."""
+    hkv, chunks, group, d = part.shape
+    v = np.empty(d, np.float32)
+    for h in range(hkv):
+        for g in range(group):
+            for i in range(d):
+                acc = np.float32(0.0)
+                for c in range(chunks):
+                    acc += part[h, c, g, i]
+                v[i] = acc
+            _fwht(v)
+            for i in range(d):
+                out[h, g, i] = v[i] * sgn[i]
+            for r in range(sink_v.shape[1]):
+                w = p[h * group + g, r]
+                for i in range(d):
+                    out[h, g, i] += w * sink_v[h, r, i]
+
+
+jitcache.tie(globals(), turboquant, attention, jitcache)  # inlines turboquant's helpers; compiled with its FASTMATH
