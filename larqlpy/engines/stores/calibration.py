@@ -105,7 +105,10 @@ class KeyCalibration:
         return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).add_(self.mean[:, None])
 
     def apply(self, k: torch.Tensor, first: int) -> torch.Tensor:
-        """Keys (Hkv, N, D) at positions first.. -> what the codes hold: (k - m_p) * scale."""
+        """Keys (Hkv, N, D) at positions first.. -> what the codes hold: (k - m_p) * scale. One row on
+        the CPU (a decode step's) in one kernel call, the same bits (`apply_row`)."""
+        if k.shape[1] == 1 and k.device.type == "cpu":
+            return self.apply_row(k, first)
         return (k.float() - self.means(first, k.shape[1])) * self.scale[:, None]
 
     def undo(self, y: torch.Tensor, first: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,7 +125,8 @@ class KeyCalibration:
         return self.inv_scale.numpy(), self.mean.numpy(), self.turning.numpy(), self.turns.rows(first, n).numpy()
 
     def apply_row(self, k: torch.Tensor, first: int) -> torch.Tensor:
-        """`apply` for a decode step's keys (Hkv, 1, D) on the CPU, in one kernel call: the same bits."""
+        """`apply` for a decode step's keys (Hkv, 1, D) on the CPU, in one kernel call: the bits of
+        torch's ops."""
         out = np.empty(k.shape[::2], np.float32)
         cs = NONE if self.turning is None else self.turns.rows(0, first + 1).numpy()
         tq_attend.calibrate_row(k[:, 0].float().contiguous().numpy(), first, self.mean.numpy(), self.scale.numpy(),

@@ -56,27 +56,27 @@ class CodecStore(RowStore):
         self.rows.append(self.codec.encode(k, v, q_start))
         if self.recent is not None:
             self.recent.append(self.recent_codec.encode(k, v, q_start))
+        self._append_exact(k, v, q_start)
+        self.end = self.rows.end
+
+    def _append_exact(self, k, v, first: int):
+        """The exact copies beside the codes: recent K rows, and the rows of sink positions."""
         if self.exact_keys is not None:
             self.exact_keys.append({"k": k.to(self.exact_dtype)})
-        if self.sinks is not None and q_start < self.sink:
-            n = min(self.sink - q_start, k.shape[1])
+        if self.sinks is not None and first < self.sink:
+            n = min(self.sink - first, k.shape[1])
             self.sinks.append({"k": k[:, :n].to(self.exact_dtype), "v": v[:, :n].to(self.exact_dtype)})
-        self.end = self.rows.end
 
     def _append_step(self, k, v):
         """A decode step's row: its codes written straight into a claimed row of each code set (a
         ring's oldest row makes way at once, so the tier holds the newest `recent` rows, this one
-        among them), the keys calibrated once for both (the tier's calibration is the layer's);
-        exact keys and sinks as a block's are stored."""
+        among them), the keys calibrated once for both (the tier's calibration is the layer's)."""
         first, keys = self.end, self.codec.calibrate(k, self.end)
         for codec, rows in ((self.codec, self.rows), (self.recent_codec, self.recent)):
             if rows is not None:
                 slot = rows.claim_row()  # first: claiming may grow (replace) the buffers
                 codec.encode_into(keys, v, rows.buf, slot)
-        if self.exact_keys is not None:
-            self.exact_keys.append({"k": k.to(self.exact_dtype)})
-        if self.sinks is not None and first < self.sink:
-            self.sinks.append({"k": k.to(self.exact_dtype), "v": v.to(self.exact_dtype)})
+        self._append_exact(k, v, first)
         self.end = self.rows.end
 
     def _exact_from(self, start: int) -> int:

@@ -61,11 +61,7 @@ class KVCodec:
 
     def calibrate(self, k: torch.Tensor, first: int) -> torch.Tensor:
         """Keys (Hkv, T, D) at positions first.. -> what the codes hold ((k - m_p) * scale, or k)."""
-        if self.calibration is None:
-            return k
-        if k.shape[1] == 1 and k.device.type == "cpu":
-            return self.calibration.apply_row(k, first)
-        return self.calibration.apply(k, first)
+        return k if self.calibration is None else self.calibration.apply(k, first)
 
     def encode_into(self, keys: torch.Tensor, v: torch.Tensor, buf: dict[str, torch.Tensor], slot: int) -> None:
         """A decode step's calibrated keys (`calibrate`) and values (Hkv, 1, D) into row `slot` of a

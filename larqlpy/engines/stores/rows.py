@@ -157,11 +157,10 @@ class Rows:
     def spans(self, lo: int, hi: int) -> list[tuple[dict[str, torch.Tensor], int, int]]:
         """Positions [lo, hi) for kernels that read buffers in place, as (whole buffers, first buffer
         row, rows) in order: a branch's shared prompt rows and its own, or a wrapped ring's two runs
-        (one span otherwise; a ring's rows as one copy while a block is pending)."""
+        (one span otherwise). Decode steps read them: a ring holds no pending block then."""
         self._check(lo, hi)
         if self.keep is not None:
-            if self.pending:  # the block's rows are not in the ring yet: one copy
-                return [({name: f.contiguous() for name, f in self.read(lo, hi).items()}, 0, hi - lo)]
+            assert self.pending is None, "a pending block's rows are not in the ring yet"
             a, n = self.slot(lo), hi - lo
             return [(self.buf, a, n)] if a + n <= self.ring else [(self.buf, a, self.ring - a),
                                                                   (self.buf, 0, n - self.ring + a)]
