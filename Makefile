@@ -51,7 +51,8 @@ test: model
 	$(BIN)/python -m pytest -q
 
 # The device-parametrized tests on CUDA (skipped, with the reason, where torch sees no GPU).
-test-cuda: model
+# tiny random models only: no download (docs/cuda.md)
+test-cuda: setup
 	$(BIN)/python -m pytest -q -m cuda -rs
 
 # llama.cpp for the side-by-side decode bench: PyPI has only the source, so the first install compiles

@@ -35,8 +35,9 @@ class Shaper:
             self.bias = None
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> torch.Tensor:
-        """The logits `logits` (V,) become under these settings (a new tensor)."""
-        out = logits.float().clone()
+        """The logits `logits` (V,) become under these settings (a new tensor, on the CPU: the
+        counts, the bias and the grammar's mask are host-side, and the chosen id goes there anyway)."""
+        out = logits.detach().to("cpu", torch.float32, copy=True)
         g = self.gen
         if g.repetition_penalty != 1.0:
             recent = history if g.repeat_last_n == -1 else history[len(history) - g.repeat_last_n:] \
