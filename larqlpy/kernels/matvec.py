@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from numba import njit, prange
 
 from larqlpy.kernels.choice import choose
-from larqlpy.kernels import jitcache
+from larqlpy.kernels import attention, jitcache
+from larqlpy.kernels.attention import _exp
 from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.qweight import PackedPart, PackedWeight
 
@@ -67,25 +68,65 @@ def _residual_norm(x, a, wa, wh, eps, offset, x_out, h_out):  # pragma: no cover
             _norm_into(x_out[i], wh, eps, offset, h_out[i])
 
 
+@njit(inline="always", cache=True, error_model="numpy")
+def _head_into(seg, w, eps, offset, cos, sin, row, out):  # pragma: no cover - jitted
+    """One head's row normed by w (unless w is empty), then rotated (rotate-half) into out. The
+    rotation computes x * cos + rotated * sin as torch does, op for op."""
+    d = cos.shape[0]
+    half = d // 2
+    if w.shape[0]:
+        _norm_into(seg, w, eps, offset, row)
+    else:
+        row[:] = seg
+    for j in range(half):
+        out[j] = row[j] * cos[j] + (-row[j + half]) * sin[j]
+    for j in range(half, d):
+        out[j] = row[j] * cos[j] + row[j - half] * sin[j]
+
+
 @njit(cache=True, error_model="numpy")
 def _norm_rope(x, heads, w, eps, offset, cos, sin, out):  # pragma: no cover - jitted
-    """x (T, heads * D) -> out (heads, T, D): each head's row normed by w (unless w is empty), then
-    rotated (rotate-half). The rotation computes x * cos + rotated * sin as torch does, op for op."""
-    t = x.shape[0]
+    """x (T, heads * D) -> out (heads, T, D): each head's row normed and rotated (_head_into)."""
     d = cos.shape[1]
-    half = d // 2
     row = np.empty(d, np.float32)
-    for i in range(t):
+    for i in range(x.shape[0]):
         for hh in range(heads):
-            seg = x[i, hh * d:(hh + 1) * d]
-            if w.shape[0]:
-                _norm_into(seg, w, eps, offset, row)
+            _head_into(x[i, hh * d:(hh + 1) * d], w, eps, offset, cos[i], sin[i], row, out[hh, i])
+
+
+@njit(cache=True, error_model="numpy")
+def _qkv_rope(x, bias, qw, kw, eps, offset, cos, sin, q, k, v):  # pragma: no cover - jitted
+    """x (T, (H + 2 Hkv) * D), a stacked q|k|v product, plus bias (unless empty) -> q (H, T, D),
+    k, v (Hkv, T, D); q and k heads normed and rotated (_head_into), as the ops apart compute it."""
+    d, heads, kv = cos.shape[1], q.shape[0], k.shape[0]
+    row, seg = np.empty(d, np.float32), np.empty(d, np.float32)
+    for i in range(x.shape[0]):
+        for hh in range(heads + 2 * kv):
+            for j in range(d):
+                seg[j] = x[i, hh * d + j] + bias[hh * d + j] if bias.shape[0] else x[i, hh * d + j]
+            if hh < heads:
+                _head_into(seg, qw, eps, offset, cos[i], sin[i], row, q[hh, i])
+            elif hh < heads + kv:
+                _head_into(seg, kw, eps, offset, cos[i], sin[i], row, k[hh - heads, i])
             else:
-                row[:] = seg
-            for j in range(half):
-                out[hh, i, j] = row[j] * cos[i, j] + (-row[j + half]) * sin[i, j]
-            for j in range(half, d):
-                out[hh, i, j] = row[j] * cos[i, j] + row[j - half] * sin[i, j]
+                v[hh - heads - kv, i, :] = seg
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _gated(x, gelu, out):  # pragma: no cover - jitted
+    """x (T, 2I), a stacked gate|up product -> out (T, I) = act(gate) * up: SiLU, or GELU's tanh
+    form, over an exponential LLVM vectorizes (attention._exp)."""
+    n = out.shape[1]
+    for i in range(x.shape[0]):
+        for j in range(n):
+            g = x[i, j]
+            if gelu:  # 0.5 g (1 + tanh(y)), tanh(y) = 1 - 2 / (e^2y + 1)
+                y = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
+                a = np.float32(0.5) * g * (np.float32(2.0) - np.float32(2.0) / (
+                    _exp(min(np.float32(2.0) * y, np.float32(88.0))) + np.float32(1.0)))
+            else:
+                a = g / (np.float32(1.0) + _exp(min(-g, np.float32(88.0))))
+            out[i, j] = a * x[i, n + j]
 
 
 NO_WEIGHT = np.zeros(0, np.float32)
@@ -143,6 +184,49 @@ def norm_rope(x: torch.Tensor, heads: int, w: torch.Tensor | None, eps: float, o
     return y * cos + torch.cat((-y[..., half:], y[..., :half]), dim=-1) * sin
 
 
+def qkv_rope(qkv: torch.Tensor, bias: torch.Tensor | None, heads: int, kv: int, qw: torch.Tensor | None,
+             kw: torch.Tensor | None, eps: float, offset: float, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A stacked q|k|v product (T, (heads + 2 kv) * D) -> q (heads, T, D), k, v (kv, T, D): the
+    bias added, q and k normed per head (qw, kw; None: not normed) and rotated. One jitted call on
+    the CPU in float32, where the ops apart cost a layer a dozen torch and numba calls."""
+    t, d = qkv.shape[0], cos.shape[-1]
+    if _cpu_f32(qkv, bias, qw, kw, cos) and qkv.is_contiguous():
+        q, k, v = np.empty((heads, t, d), np.float32), np.empty((kv, t, d), np.float32), \
+            np.empty((kv, t, d), np.float32)
+        _qkv_rope(qkv.numpy(), NO_WEIGHT if bias is None else bias.numpy(), NO_WEIGHT if qw is None else qw.numpy(),
+                  NO_WEIGHT if kw is None else kw.numpy(), eps, offset, cos.numpy(), sin.numpy(), q, k, v)
+        return torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v)
+    if bias is not None:
+        qkv = qkv + bias
+    q, k, v = qkv.split([heads * d, kv * d, kv * d], dim=1)
+    return norm_rope(q, heads, qw, eps, offset, cos, sin), norm_rope(k, kv, kw, eps, offset, cos, sin), \
+        v.reshape(t, kv, d).transpose(0, 1)
+
+
+def gated(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """A stacked gate|up product (T, 2I) -> act(gate) * up (T, I); activation: silu | gelu_tanh.
+    One jitted call on the CPU in float32."""
+    n = gate_up.shape[1] // 2
+    if _cpu_f32(gate_up) and gate_up.is_contiguous():
+        out = np.empty((gate_up.shape[0], n), np.float32)
+        _gated(gate_up.numpy(), activation == "gelu_tanh", out)
+        return torch.from_numpy(out)
+    gate, up = gate_up[:, :n], gate_up[:, n:]
+    act = F.gelu(gate, approximate="tanh") if activation == "gelu_tanh" else F.silu(gate)
+    return act * up
+
+
+def stacked(x: torch.Tensor, *ws) -> torch.Tensor | None:
+    """x times the matrices `ws` as one product (T, sum of their rows) when they are the parts of one
+    stacked packed matrix, in order and all of it; else None."""
+    whole = getattr(ws[0], "whole", None)
+    if whole is None or any(getattr(w, "whole", None) is not whole for w in ws) or ws[0].lo != 0 or \
+            ws[-1].hi != whole.shape[0] or any(a.hi != b.lo for a, b in zip(ws, ws[1:])):
+        return None
+    return whole.matmul(x)
+
+
 F32_GEMV = ("numba", "torch")
 
 
@@ -191,4 +275,4 @@ def embedding(ids: torch.Tensor, w) -> torch.Tensor:
     return F.embedding(ids, w)
 
 
-jitcache.tie(globals(), jitcache)  # compiled with its FASTMATH
+jitcache.tie(globals(), attention, jitcache)  # inlines attention's _exp; compiled with its FASTMATH

@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit, prange
 
 from larqlpy.kernels import attention, jitcache, turboquant
-from larqlpy.kernels.attention import _bits_float
+from larqlpy.kernels.attention import _exp
 from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.turboquant import _fwht, _row
 
@@ -115,22 +115,6 @@ def _score_rows(h, lo, hi, q, qr, bias, coef, cs, ka, kb, tka, tkb, keys, sinks,
             if turns:
                 x += _dot(coef[h, g], cs[r])
             s[h * group + g, r] = _logit(x, scale, softcap)
-
-
-@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _exp(x):  # pragma: no cover - jitted
-    """e^x for x <= 0 in arithmetic LLVM vectorizes (libm's expf is a call per value): Cephes' expf,
-    a degree-6 polynomial after reduction by ln 2, within 2 ulp; below -87, about 0."""
-    x = max(x, np.float32(-87.0))
-    n = np.rint(x * np.float32(1.4426950408889634))
-    r = (x - n * np.float32(0.693359375)) + n * np.float32(2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    return (p * r * r + r + np.float32(1.0)) * _bits_float(np.uint32((np.int32(n) + 127) << 23))
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")

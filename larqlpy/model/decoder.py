@@ -15,11 +15,10 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.stores.base import AttentionParams, EngineState, attend_block
-from larqlpy.kernels.matvec import embedding, linear, linears, norm_rope, residual_norm, rms_norm
+from larqlpy.kernels.matvec import embedding, gated, linear, linears, qkv_rope, residual_norm, rms_norm, stacked
 from larqlpy.model.config import ModelConfig, RopeConfig
 from larqlpy.model.tensors import block_weights
 
@@ -74,22 +73,17 @@ class Block(nn.Module):
         for ours, (_, shape) in block_weights(cfg).items():  # HF names: q_proj, ..., input_layernorm, ...
             setattr(self, ours, _weight(*shape(cfg)))
         self.attn = AttentionParams(scale=cfg.attention_scale, softcap=cfg.attn_softcap)
-        self.act = (lambda g: F.gelu(g, approximate="tanh")) if cfg.activation == "gelu_tanh" else F.silu
 
     def norm(self, x: torch.Tensor, weight) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.offset)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stores: list,
-                sizes: list[int], stepped: Sequence[bool] = ()) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, h: torch.Tensor | None, next_norm, cos: torch.Tensor, sin: torch.Tensor,
+                stores: list, sizes: list[int], stepped: Sequence[bool] = ()) -> tuple[torch.Tensor, object]:
+        """x and its pre-norm h (None: normed here) -> the next layer's x and, with `next_norm` (its
+        input norm's weight), its h: the residual step and the next norm are one kernel call."""
         c, t = self.cfg, x.shape[0]
-        h = self.norm(x, self.input_layernorm)  # (T, E)
-        q, k, v = linears(h, self.q_proj, self.k_proj, self.v_proj)
-        if c.qkv_bias:
-            q, k, v = q + self.q_proj_bias, k + self.k_proj_bias, v + self.v_proj_bias
-        # (H, T, D) and (Hkv, T, D): q and k normed per head (Gemma 3, Qwen 3) and rotated
-        q = norm_rope(q, self.n_heads, self.q_norm if c.qk_norm else None, self.eps, self.offset, cos, sin)
-        k = norm_rope(k, self.n_kv, self.k_norm if c.qk_norm else None, self.eps, self.offset, cos, sin)
-        v = v.view(t, self.n_kv, self.head_dim).transpose(0, 1)
+        h = self.norm(x, self.input_layernorm) if h is None else h  # (T, E)
+        q, k, v = self.qkv(h, cos, sin)
         a = attend_block(q, k, v, stores, sizes, self.attn, stepped)  # (H, T, D): the one call into the engines
         a = linear(a.transpose(0, 1).reshape(t, -1), self.o_proj)
         if c.o_bias:
@@ -99,10 +93,26 @@ class Block(nn.Module):
         post = self.post_attention_layernorm if c.sandwich_norms else None
         x, h = residual_norm(x, a, post, self.pre_feedforward_layernorm if c.sandwich_norms else
                              self.post_attention_layernorm, self.eps, self.offset)
-        gate, up = linears(h, self.gate_proj, self.up_proj)
-        m = linear(self.act(gate) * up, self.down_proj)
-        return residual_norm(x, m, self.post_feedforward_layernorm if c.sandwich_norms else None, None,
-                             self.eps, self.offset)[0]
+        gate_up = stacked(h, self.gate_proj, self.up_proj)
+        if gate_up is None:
+            gate, up = linears(h, self.gate_proj, self.up_proj)
+            gate_up = torch.cat((gate, up), dim=1)
+        m = linear(gated(gate_up, c.activation), self.down_proj)
+        return residual_norm(x, m, self.post_feedforward_layernorm if c.sandwich_norms else None, next_norm,
+                             self.eps, self.offset)
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(H, T, D) queries and (Hkv, T, D) keys and values of the normed rows h: biased (Qwen 2),
+        normed per head (Gemma 3, Qwen 3) and rotated."""
+        c = self.cfg
+        qkv = stacked(h, self.q_proj, self.k_proj, self.v_proj)
+        if qkv is None:
+            qkv = torch.cat(linears(h, self.q_proj, self.k_proj, self.v_proj), dim=1)
+        if c.qkv_bias and getattr(self, "_qkv_bias", None) is None:  # the loader sets the three after __init__
+            self._qkv_bias = torch.cat((self.q_proj_bias, self.k_proj_bias, self.v_proj_bias))
+        return qkv_rope(qkv, self._qkv_bias if c.qkv_bias else None, self.n_heads, self.n_kv,
+                        self.q_norm if c.qk_norm else None, self.k_norm if c.qk_norm else None, self.eps,
+                        self.offset, cos, sin)
 
 
 class Decoder(nn.Module):
@@ -159,9 +169,11 @@ class Decoder(nn.Module):
         for kind, rope in self.ropes.items():  # one RoPE: the same tables under both kinds
             parts = [rope.tables(s.position, n, self.dtype) for s, n in zip(states, sizes)]
             tables[kind] = parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
+        h, last = None, len(self.layers) - 1
         for i, block in enumerate(self.layers):
             stores = [s.layers[i] for s in states]
-            x = block(x, *tables[stores[0].geometry.kind], stores, sizes, stepped)
+            after = None if i == last else self.layers[i + 1].input_layernorm
+            x, h = block(x, h, after, *tables[stores[0].geometry.kind], stores, sizes, stepped)
         for s in states:
             s.end_block()
         rows, lo = [], 0  # (first row, count) of each block's wanted rows in x
