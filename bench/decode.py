@@ -51,6 +51,24 @@ def stream_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / median_time(lambda: x.sum(), repeats) / 1e9
 
 
+def larqlpy_bytes_per_token(loaded) -> int:
+    """Weight bytes a decoded token reads: every matrix once, the tied LM head included; an untied
+    embedding is only gathered from (one row a token), so it is not counted."""
+    m = loaded.model
+    untied = m.head is not m.embed_tokens
+    embed = m.embed_tokens.nbytes if hasattr(m.embed_tokens, "nbytes") else \
+        m.embed_tokens.numel() * m.embed_tokens.element_size()
+    return loaded.weight_bytes - (embed if untied else 0)
+
+
+def hf_bytes_per_token(hf) -> int:
+    """The same for a transformers model."""
+    embed = hf.get_input_embeddings().weight
+    untied = embed is not hf.get_output_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in hf.parameters()) - \
+        (embed.numel() * embed.element_size() if untied else 0)
+
+
 class Larqlpy:
     def __init__(self, path: Path, weights: str, engine: str):
         from larqlpy.engines import build_provider, parse_engine_spec
@@ -60,13 +78,7 @@ class Larqlpy:
         self.provider = build_provider(parse_engine_spec(continuation=engine))
         self.name = f"larqlpy {weights}"
         self.kv = self.loaded.kv_dtype  # the default beside these weights: f16, f32 beside f32
-        # Read per decoded token: every matrix once, the tied LM head included; an untied embedding is
-        # only gathered from (one row a token), so it is not counted.
-        m = self.loaded.model
-        untied = m.head is not m.embed_tokens
-        embed = m.embed_tokens.nbytes if hasattr(m.embed_tokens, "nbytes") else \
-            m.embed_tokens.numel() * m.embed_tokens.element_size()
-        self.bytes_per_token = self.loaded.weight_bytes - (embed if untied else 0)
+        self.bytes_per_token = larqlpy_bytes_per_token(self.loaded)
 
     def prefill(self, ids):
         from larqlpy.config import GenerationConfig
@@ -95,10 +107,7 @@ class Transformers:
         where = dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name) if path.is_file() else \
             dict(pretrained_model_name_or_path=str(path))
         self.hf = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
-        embed = self.hf.get_input_embeddings().weight
-        untied = embed is not self.hf.get_output_embeddings().weight
-        self.bytes_per_token = sum(p.numel() * p.element_size() for p in self.hf.parameters()) - \
-            (embed.numel() * embed.element_size() if untied else 0)
+        self.bytes_per_token = hf_bytes_per_token(self.hf)
 
     @torch.inference_mode()
     def prefill(self, ids):

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
+from decode import hf_bytes_per_token, larqlpy_bytes_per_token  # noqa: E402
 SHAPES = {  # the published configs' shapes
     "qwen2.5-0.5b": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -84,11 +85,7 @@ class Larqlpy:
         name, *options = engine.split()  # "codec/v1 bits=4"
         self.provider = build_provider(parse_engine_spec(continuation=name, options=options))
         self.name = f"larqlpy {weights} {engine}"
-        m = self.loaded.model
-        untied = m.head is not m.embed_tokens  # an untied embedding is gathered from, one row a token
-        embed = m.embed_tokens.nbytes if hasattr(m.embed_tokens, "nbytes") else \
-            m.embed_tokens.numel() * m.embed_tokens.element_size()
-        self.bytes_per_token = self.loaded.weight_bytes - (embed if untied else 0)
+        self.bytes_per_token = larqlpy_bytes_per_token(self.loaded)
 
     @torch.inference_mode()
     def run(self, ids, n) -> tuple[float, float]:
@@ -109,10 +106,7 @@ class Larqlpy:
 class Transformers:
     def __init__(self, hf):
         self.hf, self.name = hf, "transformers bf16"
-        embed = hf.get_input_embeddings().weight
-        untied = embed is not hf.get_output_embeddings().weight
-        self.bytes_per_token = sum(p.numel() * p.element_size() for p in hf.parameters()) - \
-            (embed.numel() * embed.element_size() if untied else 0)
+        self.bytes_per_token = hf_bytes_per_token(hf)
 
     @torch.inference_mode()
     def run(self, ids, n) -> tuple[float, float]:

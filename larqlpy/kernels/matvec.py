@@ -217,14 +217,14 @@ def gated(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     return act * up
 
 
-def stacked(x: torch.Tensor, *ws) -> torch.Tensor | None:
-    """x times the matrices `ws` as one product (T, sum of their rows) when they are the parts of one
-    stacked packed matrix, in order and all of it; else None."""
+def stacked(x: torch.Tensor, *ws) -> torch.Tensor:
+    """x times the matrices `ws`, side by side (T, sum of their rows): one product where they are the
+    parts of one stacked packed matrix, in order and all of it; else each product, joined."""
     whole = getattr(ws[0], "whole", None)
-    if whole is None or any(getattr(w, "whole", None) is not whole for w in ws) or ws[0].lo != 0 or \
-            ws[-1].hi != whole.shape[0] or any(a.hi != b.lo for a, b in zip(ws, ws[1:])):
-        return None
-    return whole.matmul(x)
+    if whole is not None and all(getattr(w, "whole", None) is whole for w in ws) and ws[0].lo == 0 and \
+            ws[-1].hi == whole.shape[0] and all(a.hi == b.lo for a, b in zip(ws, ws[1:])):
+        return whole.matmul(x)
+    return torch.cat(linears(x, *ws), dim=1)
 
 
 F32_GEMV = ("numba", "torch")

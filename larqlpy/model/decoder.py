@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.stores.base import AttentionParams, EngineState, attend_block
-from larqlpy.kernels.matvec import embedding, gated, linear, linears, qkv_rope, residual_norm, rms_norm, stacked
+from larqlpy.kernels.matvec import embedding, gated, linear, qkv_rope, residual_norm, rms_norm, stacked
 from larqlpy.model.config import ModelConfig, RopeConfig
 from larqlpy.model.tensors import block_weights
 
@@ -93,11 +93,7 @@ class Block(nn.Module):
         post = self.post_attention_layernorm if c.sandwich_norms else None
         x, h = residual_norm(x, a, post, self.pre_feedforward_layernorm if c.sandwich_norms else
                              self.post_attention_layernorm, self.eps, self.offset)
-        gate_up = stacked(h, self.gate_proj, self.up_proj)
-        if gate_up is None:
-            gate, up = linears(h, self.gate_proj, self.up_proj)
-            gate_up = torch.cat((gate, up), dim=1)
-        m = linear(gated(gate_up, c.activation), self.down_proj)
+        m = linear(gated(stacked(h, self.gate_proj, self.up_proj), c.activation), self.down_proj)
         return residual_norm(x, m, self.post_feedforward_layernorm if c.sandwich_norms else None, next_norm,
                              self.eps, self.offset)
 
@@ -106,8 +102,6 @@ class Block(nn.Module):
         normed per head (Gemma 3, Qwen 3) and rotated."""
         c = self.cfg
         qkv = stacked(h, self.q_proj, self.k_proj, self.v_proj)
-        if qkv is None:
-            qkv = torch.cat(linears(h, self.q_proj, self.k_proj, self.v_proj), dim=1)
         if c.qkv_bias and getattr(self, "_qkv_bias", None) is None:  # the loader sets the three after __init__
             self._qkv_bias = torch.cat((self.q_proj_bias, self.k_proj_bias, self.v_proj_bias))
         return qkv_rope(qkv, self._qkv_bias if c.qkv_bias else None, self.n_heads, self.n_kv,
