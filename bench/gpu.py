@@ -23,7 +23,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
+import transformers  # noqa: E402
 from decode import hf_bytes_per_token, larqlpy_bytes_per_token  # noqa: E402
+from tiny import write_tokenizer  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from larqlpy.decode.stream import prefill  # noqa: E402
+from larqlpy.engines import build_provider, parse_engine_spec  # noqa: E402
+from larqlpy.weights.loader import load  # noqa: E402
+
 SHAPES = {  # the published configs' shapes
     "qwen2.5-0.5b": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -61,9 +69,6 @@ def copy_bandwidth(nbytes: int) -> float:
 
 
 def write_model(shape: str, where: Path):
-    import transformers
-    from tiny import write_tokenizer
-
     config_cls, model_cls, kw = SHAPES[shape]
     where.mkdir(parents=True, exist_ok=True)
     write_tokenizer(where)
@@ -78,9 +83,6 @@ def write_model(shape: str, where: Path):
 
 class Larqlpy:
     def __init__(self, path: Path, weights: str, engine: str):
-        from larqlpy.engines import build_provider, parse_engine_spec
-        from larqlpy.weights.loader import load
-
         self.loaded = load(path, device=DEVICE, dtype="bfloat16", weights=weights)
         name, *options = engine.split()  # "codec/v1 bits=4"
         self.provider = build_provider(parse_engine_spec(continuation=name, options=options))
@@ -89,8 +91,6 @@ class Larqlpy:
 
     @torch.inference_mode()
     def run(self, ids, n) -> tuple[float, float]:
-        from larqlpy.decode.stream import prefill
-
         state = self.provider.new_state(self.loaded.model.geometries(), self.loaded.device)
         box = {}
         t_prefill = timed(lambda: box.setdefault("logits", prefill(self.loaded.model, state, ids, 4096)))
@@ -110,8 +110,6 @@ class Transformers:
 
     @torch.inference_mode()
     def run(self, ids, n) -> tuple[float, float]:
-        from transformers import DynamicCache
-
         cache, box = DynamicCache(config=self.hf.config), {}
         x = torch.tensor([ids], device=DEVICE)
         t_prefill = timed(lambda: box.setdefault("out", self.hf(x, past_key_values=cache, use_cache=True,

@@ -21,6 +21,7 @@ from larqlpy.convert.native import SUPPORTED, decompose
 from larqlpy.engines import EngineSpec, new_state, parse_engine_spec
 from larqlpy.decode.stream import prefill
 from larqlpy.kernels.qweight import TILE, PackedWeight
+from larqlpy.kernels.rowcodec import TurboQuantCodec
 from larqlpy.request import Request
 from larqlpy.runner import execute
 from larqlpy.weights.loader import load, load_with_draft
@@ -106,8 +107,6 @@ def test_window_is_bit_identical_to_canonical_on_the_gpu(pair):
 
 
 def test_codecs_torch_twin_on_the_gpu_writes_the_cpu_kernels_codes():
-    from larqlpy.kernels.rowcodec import TurboQuantCodec
-
     x = torch.randn(257, 64, generator=torch.Generator().manual_seed(1))
     x[5] = 0.0  # a zero row: norm 0, no NaN
     for bits in (2, 3, 4, 5, 8):
