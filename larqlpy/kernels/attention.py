@@ -2,15 +2,17 @@
 one jitted call.
 
 torch's SDPA runs a decode step (a few query heads over one KV head) on one thread well below the
-speed this loop reaches (docs/benchmarks.md). Each sequence's rows are split into chunks scored in
-parallel, each keeping its own running maximum and sum (flash-decoding), and merged at the end. A
+speed this loop reaches (docs/benchmarks.md). Each sequence's rows are split into chunks, and each
+chunk's KV heads are scored in parallel, each keeping its own running maximum and sum
+(flash-decoding), and merged at the end. A KV row is read once for all the query heads that share it
+(grouped-query attention), and the head size is a constant in the loops LLVM unrolls. A
 batch step hands every sequence's query and rows to one call (`attend_rows`), so 8 sequences cost
 one call's Python and dispatch instead of eight. The rows stay where each sequence's store keeps them:
 the call takes their addresses.
 A sequence's numbers depend on its own rows only, so alone or in a batch they are the same bits.
 
-Rows may be kept in f32, f16 or bf16 (the model's kv_dtype): a chunk of 16-bit rows is widened to
-f32 once per KV head, then scored by the same arithmetic; the step's own row is rounded to the
+Rows may be kept in f32, f16 or bf16 (the model's kv_dtype): a 16-bit row is widened to f32 as it is
+read, into one row that stays in L1, then scored by the same arithmetic; the step's own row is rounded to the
 buffer's dtype as it is written (round-to-nearest-even, as torch rounds), so a row reads back the
 same whichever path stored it.
 """
@@ -21,107 +23,15 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import carray, njit, prange, types
-from numba.extending import intrinsic
+from numba import carray, njit, prange
 
-from larqlpy.kernels import jitcache
+from larqlpy.kernels import jitcache, scalars
 from larqlpy.kernels.jitcache import FASTMATH
+from larqlpy.kernels.scalars import exp, f32_at, from_bf16, from_half, to_bf16, to_half, u16_at
 
-CHUNK = 128  # rows per parallel chunk: a chunk's K and V (2 x 128 KB at D = 256) stay in L2
+CHUNK = 128  # rows per work item: enough to pay for its set-up, few enough to spread a long sequence
 F32, F16, BF16 = 0, 1, 2  # the rows' element kind (where[s, 8])
 KINDS = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
-
-
-def _pointer_to(element):
-    """An intrinsic taking an int64 address to a pointer to `element`s (for numba.carray): rows that
-    live in a store's tensor."""
-    @intrinsic
-    def at(typingctx, address):
-        sig = types.CPointer(element)(types.int64)
-
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
-
-        return sig, codegen
-
-    return at
-
-
-_f32_at = _pointer_to(types.float32)  # f32 rows
-_u16_at = _pointer_to(types.uint16)  # 16-bit rows: f16 / bf16 bits
-
-
-@intrinsic
-def _from_half(typingctx, bits):
-    """f16 bits -> float32 (exact)."""
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def _to_half(typingctx, x):
-    """float32 -> f16 bits, rounded to nearest even (what torch's .half() gives)."""
-    sig = types.uint16(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return sig, codegen
-
-
-@intrinsic
-def _float_bits(typingctx, x):
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits_float(typingctx, bits):
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
-
-
-@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _exp(x):  # pragma: no cover - jitted
-    """e^x for x <= 0 in arithmetic LLVM vectorizes (libm's expf is a call per value): Cephes' expf,
-    a degree-6 polynomial after reduction by ln 2, within 2 ulp; below -87, about 0."""
-    x = max(x, np.float32(-87.0))
-    n = np.rint(x * np.float32(1.4426950408889634))
-    r = (x - n * np.float32(0.693359375)) + n * np.float32(2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    return (p * r * r + r + np.float32(1.0)) * _bits_float(np.uint32((np.int32(n) + 127) << 23))
-
-
-@njit(inline="always", cache=True, error_model="numpy")
-def _from_bf16(bits):  # pragma: no cover - jitted
-    return _bits_float(np.uint32(bits) << np.uint32(16))
-
-
-@njit(inline="always", cache=True, error_model="numpy")
-def _to_bf16(x):  # pragma: no cover - jitted
-    """float32 -> bf16 bits, rounded to nearest even with NaN kept a NaN (torch's rounding)."""
-    if x != x:
-        return np.uint16(0x7FC0)
-    b = np.int64(_float_bits(x))
-    return np.uint16(((b + ((b >> 16) & 1) + 0x7FFF) >> 16) & 0xFFFF)
 
 
 @njit(inline="always", cache=True, error_model="numpy")
@@ -132,50 +42,117 @@ def _physical(where, s, i):  # pragma: no cover - jitted
     return r - ring if ring > 0 and r >= ring else r
 
 
+@njit(inline="always", cache=True, error_model="numpy")
+def _widen(src, r, kind, out):  # pragma: no cover - jitted
+    """Row r of a KV head's 16-bit rows src (rows, D) -> out (D,) in f32."""
+    if kind == F16:
+        for j in range(out.shape[0]):
+            out[j] = from_half(src[r, j])
+    else:
+        for j in range(out.shape[0]):
+            out[j] = from_bf16(src[r, j])
+
+
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _chunk(q, where, s, c, lo, hi, scale, softcap, m, total, acc):  # pragma: no cover - jitted
-    """Piece s's readable rows [lo, hi) for every head of its query (row where[s, 9] of q): chunk c's
-    running maximum, sum and weighted values."""
-    h, d, qs = q.shape[1], q.shape[2], where[s, 9]
+def _dots(q, h0, group, k, r0, r1, sc, i, scale, d):  # pragma: no cover - jitted
+    """sc[g, i], sc[g, i + 1] = scale * q[h0 + g] . rows r0, r1 of k: two rows at a time, so each
+    query element loaded serves both."""
+    for g in range(group):
+        d0 = np.float32(0.0)
+        d1 = np.float32(0.0)
+        for j in range(d):
+            d0 += q[h0 + g, j] * k[r0, j]
+            d1 += q[h0 + g, j] * k[r1, j]
+        sc[g, i] = d0 * scale
+        sc[g, i + 1] = d1 * scale
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _scores(q, h0, group, k, k16, at, kind, scale, wide, sc, d):  # pragma: no cover - jitted
+    """sc[g, i] = scale * q[h0 + g] . K row at[i], for the `group` query heads sharing one KV head: a
+    row is read (a 16-bit one widened into `wide`) once for all of them. An odd last row is scored
+    paired with itself, so every row's score comes from the same arithmetic. Callers pass d as a
+    literal where they can, so LLVM unrolls the head's loop."""
+    n = at.shape[0]
+    for i in range(0, n, 2):
+        i1 = min(i + 1, n - 1)
+        if kind == F32:
+            _dots(q, h0, group, k, at[i], at[i1], sc, i, scale, d)
+        else:
+            _widen(k16, at[i], kind, wide[0])
+            _widen(k16, at[i1], kind, wide[1])
+            _dots(q, h0, group, wide, 0, 1, sc, i, scale, d)
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _values(p, h0, group, v, v16, at, kind, wide, acc, d):  # pragma: no cover - jitted
+    """acc[h0 + g] += sum_i p[g, i] * V row at[i], each row read once for the group's heads."""
+    if kind == F32:
+        for i in range(at.shape[0]):
+            r = at[i]
+            for g in range(group):
+                e = p[g, i]
+                for j in range(d):
+                    acc[h0 + g, j] += e * v[r, j]
+        return
+    for i in range(at.shape[0]):
+        _widen(v16, at[i], kind, wide[0])
+        for g in range(group):
+            e = p[g, i]
+            for j in range(d):
+                acc[h0 + g, j] += e * wide[0, j]
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _exponentials(sc, softcap, top, total):  # pragma: no cover - jitted
+    """Scores sc (G, n) -> e^(s - max) in place, each head's maximum and sum into top, total (G,)."""
+    for g in range(sc.shape[0]):
+        if softcap > 0:  # Gemma 2's attention softcapping
+            for i in range(sc.shape[1]):
+                sc[g, i] = softcap * np.tanh(sc[g, i] / softcap)
+        t = np.float32(-np.inf)
+        for i in range(sc.shape[1]):
+            t = max(t, sc[g, i])
+        tot = np.float32(0.0)
+        for i in range(sc.shape[1]):
+            e = exp(sc[g, i] - t)
+            sc[g, i] = e
+            tot += e
+        top[g] = t
+        total[g] = tot
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _chunk(q, where, s, c, kv, lo, hi, scale, softcap, m, total, acc):  # pragma: no cover - jitted
+    """Piece s's readable rows [lo, hi), KV head kv, for that head's query heads (of row where[s, 9]
+    of q): chunk c's running maximum, sum and weighted values."""
+    h, d = q.shape[1], q.shape[2]
     n_kv, stride, kind = where[s, 4], where[s, 3], where[s, 8]
     rows = where[s, 6] if where[s, 6] > 0 else where[s, 5] + where[s, 2]  # the buffer's rows read from
     group = h // n_kv
-    sc = np.empty(hi - lo, np.float32)
+    h0, qq, out = kv * group, q[where[s, 9]], acc[c]
     at = np.empty(hi - lo, np.int64)
     for i in range(lo, hi):
         at[i - lo] = _physical(where, s, i)
-    wide = hi - lo if kind != F32 else 0  # 16-bit rows: this chunk's, widened to f32 per KV head
-    kw, vw, seq = np.empty((wide, d), np.float32), np.empty((wide, d), np.float32), np.arange(wide)
-    for kv in range(n_kv):
-        if kind == F32:
-            k = carray(_f32_at(where[s, 0] + 4 * kv * stride), (rows, d))  # this KV head's rows, contiguous
-            v = carray(_f32_at(where[s, 1] + 4 * kv * stride), (rows, d))
-            idx = at
-        else:
-            _widen(carray(_u16_at(where[s, 0] + 2 * kv * stride), (rows, d)), at, kind, kw)
-            _widen(carray(_u16_at(where[s, 1] + 2 * kv * stride), (rows, d)), at, kind, vw)
-            k, v, idx = kw, vw, seq
-        for hh in range(kv * group, (kv + 1) * group):
-            top = np.float32(-np.inf)
-            for i in range(hi - lo):
-                r = idx[i]
-                dot = np.float32(0.0)
-                for j in range(d):
-                    dot += q[qs, hh, j] * k[r, j]
-                dot *= scale
-                if softcap > 0:  # Gemma 2's attention softcapping
-                    dot = softcap * np.tanh(dot / softcap)
-                sc[i] = dot
-                top = max(top, dot)
-            tot = np.float32(0.0)
-            for i in range(hi - lo):
-                r = idx[i]
-                e = np.exp(sc[i] - top)
-                tot += e
-                for j in range(d):
-                    acc[c, hh, j] += e * v[r, j]
-            m[c, hh] = top
-            total[c, hh] = tot
+    sc = np.empty((group, hi - lo + 1), np.float32)  # + 1: an odd last row's pair
+    wide = np.empty((2, d), np.float32)  # 16-bit rows, widened
+    k = carray(f32_at(where[s, 0] + 4 * kv * stride), (rows, d))  # this KV head's rows, contiguous
+    v = carray(f32_at(where[s, 1] + 4 * kv * stride), (rows, d))
+    k16 = carray(u16_at(where[s, 0] + 2 * kv * stride), (rows, d))  # the same, read as 16-bit rows
+    v16 = carray(u16_at(where[s, 1] + 2 * kv * stride), (rows, d))
+    if d == 64:
+        _scores(qq, h0, group, k, k16, at, kind, scale, wide, sc, 64)
+    elif d == 128:
+        _scores(qq, h0, group, k, k16, at, kind, scale, wide, sc, 128)
+    else:
+        _scores(qq, h0, group, k, k16, at, kind, scale, wide, sc, d)
+    _exponentials(sc[:, :hi - lo], softcap, m[c, h0:h0 + group], total[c, h0:h0 + group])
+    if d == 64:
+        _values(sc, h0, group, v, v16, at, kind, wide, out, 64)
+    elif d == 128:
+        _values(sc, h0, group, v, v16, at, kind, wide, out, 128)
+    else:
+        _values(sc, h0, group, v, v16, at, kind, wide, out, d)
 
 
 @njit(inline="always", cache=True, error_model="numpy")
@@ -191,33 +168,19 @@ def _write_new(knew, vnew, where):  # pragma: no cover - jitted
         for kv in range(where[s, 4]):
             at = kv * stride + r * d
             if kind == F32:
-                k = carray(_f32_at(where[s, 0] + 4 * at), (d,))
-                v = carray(_f32_at(where[s, 1] + 4 * at), (d,))
+                k = carray(f32_at(where[s, 0] + 4 * at), (d,))
+                v = carray(f32_at(where[s, 1] + 4 * at), (d,))
                 for j in range(d):
                     k[j] = knew[kv, col, j]
                     v[j] = vnew[kv, col, j]
                 continue
-            kh = carray(_u16_at(where[s, 0] + 2 * at), (d,))
-            vh = carray(_u16_at(where[s, 1] + 2 * at), (d,))
+            kh = carray(u16_at(where[s, 0] + 2 * at), (d,))
+            vh = carray(u16_at(where[s, 1] + 2 * at), (d,))
             for j in range(d):
                 if kind == F16:
-                    kh[j], vh[j] = _to_half(knew[kv, col, j]), _to_half(vnew[kv, col, j])
+                    kh[j], vh[j] = to_half(knew[kv, col, j]), to_half(vnew[kv, col, j])
                 else:
-                    kh[j], vh[j] = _to_bf16(knew[kv, col, j]), _to_bf16(vnew[kv, col, j])
-
-
-@njit(inline="always", cache=True, error_model="numpy")
-def _widen(src, at, kind, out):  # pragma: no cover - jitted
-    """Rows at[i] of a KV head's 16-bit rows src (rows, D) -> out[i] in f32."""
-    d = out.shape[1]
-    for i in range(out.shape[0]):
-        r = at[i]
-        if kind == F16:
-            for j in range(d):
-                out[i, j] = _from_half(src[r, j])
-        else:
-            for j in range(d):
-                out[i, j] = _from_bf16(src[r, j])
+                    kh[j], vh[j] = to_bf16(knew[kv, col, j]), to_bf16(vnew[kv, col, j])
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -259,10 +222,12 @@ def _plan(where, n_q):  # pragma: no cover - jitted
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _item(q, where, first, owner, c, scale, softcap, m, total, acc):  # pragma: no cover - jitted
+def _item(q, where, first, owner, w, scale, softcap, m, total, acc):  # pragma: no cover - jitted
+    """Work item w: chunk w // Hkv, KV head w % Hkv (every piece of a call is one layer's: same Hkv)."""
+    c, kv = w // where[0, 4], w % where[0, 4]
     s = owner[c]
     lo = (c - first[s]) * CHUNK
-    _chunk(q, where, s, c, lo, min(where[s, 2], lo + CHUNK), scale, softcap, m, total, acc)
+    _chunk(q, where, s, c, kv, lo, min(where[s, 2], lo + CHUNK), scale, softcap, m, total, acc)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -277,8 +242,8 @@ def _attend_rows(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover
     first, owner, by_query = _plan(where, q.shape[0])
     nc, h, d = first[-1], q.shape[1], q.shape[2]
     m, total, acc = np.empty((nc, h), np.float32), np.empty((nc, h), np.float32), np.zeros((nc, h, d), np.float32)
-    for c in prange(nc):
-        _item(q, where, first, owner, c, scale, softcap, m, total, acc)
+    for w in prange(nc * where[0, 4]):
+        _item(q, where, first, owner, w, scale, softcap, m, total, acc)
     for s in range(q.shape[0]):  # a few (H, D) sums: not worth waking the threads a second time
         _merge(m, total, acc, by_query[s], by_query[s + 1], out[s])
 
@@ -291,7 +256,8 @@ def _attend_chunk(q, knew, vnew, where, scale, softcap, out):  # pragma: no cove
     first, owner, _ = _plan(where, 1)
     h, d = q.shape[1], q.shape[2]
     m, total, acc = np.empty((1, h), np.float32), np.empty((1, h), np.float32), np.zeros((1, h, d), np.float32)
-    _item(q, where, first, owner, 0, scale, softcap, m, total, acc)
+    for w in range(where[0, 4]):
+        _item(q, where, first, owner, w, scale, softcap, m, total, acc)
     _merge(m, total, acc, 0, 1, out[0])
 
 
@@ -353,4 +319,4 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     return attend_rows(q.transpose(0, 1), [Span(k, v, 0, k.shape[1])], scale, softcap).transpose(0, 1)
 
 
-jitcache.tie(globals(), jitcache)  # compiled with its FASTMATH
+jitcache.tie(globals(), scalars, jitcache)  # inlines scalars' helpers; compiled with its FASTMATH

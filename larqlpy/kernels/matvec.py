@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from numba import njit, prange
 
 from larqlpy.kernels.choice import choose
-from larqlpy.kernels import attention, jitcache
-from larqlpy.kernels.attention import _exp
+from larqlpy.kernels import jitcache, scalars
+from larqlpy.kernels.scalars import exp
 from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.qweight import PackedPart, PackedWeight
 
@@ -115,7 +115,7 @@ def _qkv_rope(x, bias, qw, kw, eps, offset, cos, sin, q, k, v):  # pragma: no co
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _gated(x, gelu, out):  # pragma: no cover - jitted
     """x (T, 2I), a stacked gate|up product -> out (T, I) = act(gate) * up: SiLU, or GELU's tanh
-    form, over an exponential LLVM vectorizes (attention._exp)."""
+    form, over an exponential LLVM vectorizes (scalars.exp)."""
     n = out.shape[1]
     for i in range(x.shape[0]):
         for j in range(n):
@@ -123,9 +123,9 @@ def _gated(x, gelu, out):  # pragma: no cover - jitted
             if gelu:  # 0.5 g (1 + tanh(y)), tanh(y) = 1 - 2 / (e^2y + 1)
                 y = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
                 a = np.float32(0.5) * g * (np.float32(2.0) - np.float32(2.0) / (
-                    _exp(min(np.float32(2.0) * y, np.float32(88.0))) + np.float32(1.0)))
+                    exp(min(np.float32(2.0) * y, np.float32(88.0))) + np.float32(1.0)))
             else:
-                a = g / (np.float32(1.0) + _exp(min(-g, np.float32(88.0))))
+                a = g / (np.float32(1.0) + exp(min(-g, np.float32(88.0))))
             out[i, j] = a * x[i, n + j]
 
 
@@ -275,4 +275,4 @@ def embedding(ids: torch.Tensor, w) -> torch.Tensor:
     return F.embedding(ids, w)
 
 
-jitcache.tie(globals(), attention, jitcache)  # inlines attention's _exp; compiled with its FASTMATH
+jitcache.tie(globals(), scalars, jitcache)  # inlines scalars' exp; compiled with its FASTMATH

@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from larqlpy.kernels import attention, jitcache, turboquant
-from larqlpy.kernels.attention import _exp
+from larqlpy.kernels import jitcache, scalars, turboquant
+from larqlpy.kernels.scalars import exp
 from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.turboquant import _fwht, _row
 
@@ -125,7 +125,7 @@ def _softmax(s, head):  # pragma: no cover - jitted
         top = max(top, s[head, r])
     total = np.float32(0.0)
     for r in range(n):
-        e = _exp(s[head, r] - top)
+        e = exp(s[head, r] - top)
         s[head, r] = e
         total += e
     for r in range(n):
@@ -202,4 +202,4 @@ def _finish(part, p, sink_v, sgn, out):  # pragma: no cover - jitted
                     out[h, g, i] += w * sink_v[h, r, i]
 
 
-jitcache.tie(globals(), turboquant, attention, jitcache)  # inlines turboquant's helpers; compiled with its FASTMATH
+jitcache.tie(globals(), turboquant, scalars, jitcache)  # inlines turboquant's helpers; compiled with its FASTMATH
