@@ -106,6 +106,7 @@ def test_window_is_bit_identical_and_codec_runs_on_smollm2(smol, long_text):
     assert kl.mean().item() < 0.05
 
 
+@pytest.mark.heavy  # 46 s of CLI runs: the 270M and tiny models hold these paths in CI; make test runs it
 def test_everything_that_runs_on_gemma3_runs_on_smollm2(smol_dir, tmp_path):
     """Low-bit weights, cells/v1 under a budget, save and resume in a new process (bit-identical),
     kv-stats, the ladder and residency, through the real CLI."""
