@@ -5,16 +5,16 @@ torch's SDPA runs a decode step (a few query heads over one KV head) on one thre
 speed this loop reaches (docs/benchmarks.md). Each sequence's rows are split into chunks, and each
 chunk's KV heads are scored in parallel, each keeping its own running maximum and sum
 (flash-decoding), and merged at the end. A KV row is read once for all the query heads that share it
-(grouped-query attention), and the head size is a constant in the loops LLVM unrolls. A
-batch step hands every sequence's query and rows to one call (`attend_rows`), so 8 sequences cost
-one call's Python and dispatch instead of eight. The rows stay where each sequence's store keeps them:
+(grouped-query attention), and the head size is a constant in the loops LLVM unrolls. A batch step
+hands every sequence's query and rows to one call (`attend_rows`), so 8 sequences cost one call's
+Python and dispatch instead of eight. The rows stay where each sequence's store keeps them:
 the call takes their addresses.
 A sequence's numbers depend on its own rows only, so alone or in a batch they are the same bits.
 
 Rows may be kept in f32, f16 or bf16 (the model's kv_dtype): a 16-bit row is widened to f32 as it is
-read, into one row that stays in L1, then scored by the same arithmetic; the step's own row is rounded to the
-buffer's dtype as it is written (round-to-nearest-even, as torch rounds), so a row reads back the
-same whichever path stored it.
+read, into one row that stays in L1, then scored by the same arithmetic; the step's own row is
+rounded to the buffer's dtype as it is written (round-to-nearest-even, as torch rounds), so a row
+reads back the same whichever path stored it.
 """
 
 from __future__ import annotations
