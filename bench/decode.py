@@ -15,6 +15,8 @@ Asserts nothing.
     python bench/decode.py --model models/qwen2.5-coder-0.5b-instruct   # its Q5_0/Q8_0/Q6_K/Q4_K GGUF
     python bench/decode.py --model models/gguf/qwen2.5-coder-0.5b-instruct.gguf --weights native,int4
     python bench/decode.py --model models/qwen2.5-coder-0.5b-instruct --weights native --long 4096,16384
+    python bench/decode.py --model models/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf --weights native \
+        --no-transformers   # make bench-setup's 1.5B
 """
 
 from __future__ import annotations
@@ -277,6 +279,8 @@ def main() -> None:
     ap.add_argument("--weights", default="f32,bf16,native,int8,int4")
     ap.add_argument("--engine", default="canonical/v1")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--no-transformers", action="store_true",
+                    help="leave transformers out (a 1.5B at float32 takes minutes a repeat)")
     ap.add_argument("--long", help="instead: prefill only, at these lengths (e.g. 4096,16384,32768), larqlpy "
                                    "(--weights, --engine) against llama.cpp, one prefill each, alternating")
     args = ap.parse_args()
@@ -286,7 +290,8 @@ def main() -> None:
         return long_prefill(path, [int(n) for n in args.long.split(",")], args.weights.split(","), args.engine)
 
     runners = [Larqlpy(path, w, args.engine) for w in args.weights.split(",")]
-    runners.append(Transformers(path))
+    if not args.no_transformers:
+        runners.append(Transformers(path))
     gguf = gguf_path(path)
     try:
         if gguf is None:

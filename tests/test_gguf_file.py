@@ -18,7 +18,9 @@ import torch
 
 from larqlpy.convert.native import SUPPORTED, decompose
 from larqlpy.errors import LarqlError
-from larqlpy.kernels.gguf_blocks import LAYOUTS, BlockRows, unpack
+from larqlpy.kernels import cpu
+from larqlpy.kernels.gguf_blocks import LAYOUTS, TWO_LEVEL, BlockRows, packed_width, unpack, unpack_tiled
+from larqlpy.kernels.packing import code_shape
 from larqlpy.kernels.qweight import TILE, PackedWeight, tile_codes
 from larqlpy.weights import gguf_file
 from larqlpy.weights.gguf_file import GGUFFile, metadata_dir
@@ -95,8 +97,8 @@ def same_weights(a, b) -> None:
         assert type(x) is type(y)
         if isinstance(x, PackedWeight):
             assert x.meta() == y.meta()
-            for f in ("codes", "scale", "minimum"):
-                tx, ty = getattr(x, f), getattr(y, f)
+            assert torch.equal(x.codes, y.codes)
+            for f, tx, ty in zip(("scale", "minimum"), x.group_values(), y.group_values()):
                 assert (tx is None) == (ty is None) and (tx is None or torch.equal(tx, ty)), f
         else:
             assert torch.equal(x, y)
@@ -228,3 +230,35 @@ def test_the_cli_runs_a_gguf_and_says_so(links, smol_dir):
     info = subprocess.run([*cmd, "info", str(links["smol"]), "--json"], capture_output=True, text=True, check=True)
     d = json.loads(info.stdout)
     assert d["model_type"] == "llama" and "Q4_1" in d["dtypes"]
+
+
+@pytest.mark.parametrize("name", TWO_LEVEL)
+def test_k_quants_held_at_the_files_own_bits_give_the_numbers_of_whole_scales(name):
+    """A K-quant packed as the file holds it (integer sub-block scales beside each block's d and
+    -dmin) multiplies, on every path this CPU runs, and gathers rows to the bits the same codes give
+    with float32 group scales, and takes the bytes the file takes plus 2 per 256 weights."""
+    size, per, _, group, zero, affine = LAYOUTS[name]
+    n, k = TILE + 9, 3 * 256
+    raw = random_blocks(Q[name], n * k // per, seed=11 + len(name)).reshape(n, -1)
+    bits, base = packed_width(name)
+    nt = -(-n // TILE)
+    codes = np.zeros(code_shape(nt, k, bits), np.uint8)
+    scale = np.zeros((nt, k // group, TILE), np.int8)
+    minimum = np.zeros((nt if affine else 0, k // group, TILE), np.int8)
+    outer, seen = np.zeros((nt, k // per, 2, TILE), np.uint16), np.tile(np.array([[255, 0]], np.int32), (nt, 1))
+    unpack_tiled(raw, name, (n, k), np.arange(n), 0, codes, scale, minimum, seen, (bits, base), outer)
+    two = PackedWeight.from_tiled(codes, (n, k), scale, minimum if affine else None, zero - base, bits,
+                                  int(seen[:, 0].min()), int(seen[:, 1].max()), outer=outer)
+    u, s, m, z, _ = unpack(raw, name, (n, k))
+    whole = PackedWeight.from_codes((u.astype(np.int32) - base).astype(np.uint8), s, m, z - base, bits)
+    assert two.scale.dtype == torch.int8 and whole.scale.dtype == torch.float32
+    assert two.nbytes * 8 / (nt * TILE * k) <= 8 * size / per + 2 * 16 / 256  # d and -dmin as float16 per block
+    for a, b in zip(two.group_values(), whole.group_values()):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    x = torch.randn(5, k)
+    for path in ["float"] + [p for p in cpu.runnable_paths() if p != "avx2-signed"]:
+        for rows in (1, 2, 5):
+            assert torch.equal(two.matmul(x[:rows], path), whole.matmul(x[:rows], path)), (path, rows)
+    idx = torch.tensor([0, 5, n - 1])
+    assert torch.equal(two.rows(idx), whole.rows(idx))
+    assert torch.equal(two._rows_torch(idx), whole.rows(idx))

@@ -12,6 +12,8 @@ numba reads the float16 fields (d, dmin, m) from the block bytes, unpacks the bi
 the K-quants' sub-block scales in, as gguf-py does: (d * sc) first. One decoder of a block serves both
 outputs: row-major codes (`unpack`, what the tests hold against the probes) and the tiled layout the
 kernels read (`unpack_tiled`: written in place, rows anywhere in a stacked matrix, no row-major copy).
+The tiled layout keeps a K-quant's scales as the file does (`TWO_LEVEL`): its integer sub-block
+scales, and each block's d and -dmin apart.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from numba import njit, prange
 
 from larqlpy.kernels import jitcache, qdot
-from larqlpy.kernels.qdot import _half_bits
+from larqlpy.kernels.qdot import NO_OUTER, _half_bits
 from larqlpy.kernels.simd import ROWS as TILE
 
 # type name -> (block bytes, values per block, code bits, group, zero, affine)
@@ -34,6 +36,10 @@ KIND = {name: i for i, name in enumerate(LAYOUTS)}
 # Types whose 8-bit codes above span 5 or 6 bits: (width, base), run as u - base at that width, zero
 # - base (the same integers u - zero, so the same values bit for bit) -- the file's own bits.
 NARROW = {"Q5_0": (5, 112), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 96)}
+# Types whose group scales are a block's float16 d times the file's integer sub-block scale: packed
+# as those integers and d apart (the file's own 4.5 / 5.5 / 6.56 bits a weight, where float32 group
+# scales would add 1 to 2 bits); d * sc is exact in float32, so the kernels' scale is the same value.
+TWO_LEVEL = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def packed_width(qtype: str) -> tuple[int, int]:
@@ -54,6 +60,21 @@ def _scale_min_k4(s, at, j):  # pragma: no cover - jitted
 @njit(inline="always", cache=True)
 def _half_at(row, at):  # pragma: no cover - jitted
     return _half_bits(np.int32(row[at]) | (np.int32(row[at + 1]) << 8))
+
+
+@njit(inline="always", cache=True)
+def _outer(row, at, kind, isc, imn):  # pragma: no cover - jitted
+    """A K-quant block's sub-block scales (and minimums) as the file's integers into isc / imn, and
+    its float16 d and dmin as bits, dmin's sign flipped (a minimum is -(dmin * m))."""
+    if kind == 7:  # Q6_K: signed 8-bit scales, d at 208
+        for j in range(16):
+            isc[j] = np.int8(row[at + 192 + j])
+        return np.uint16(np.int32(row[at + 208]) | (np.int32(row[at + 209]) << 8)), np.uint16(0)
+    for j in range(8):
+        s, m = _scale_min_k4(row, at, j)
+        isc[j], imn[j] = np.int8(s), np.int8(m)
+    d = np.int32(row[at]) | (np.int32(row[at + 1]) << 8)
+    return np.uint16(d), np.uint16((np.int32(row[at + 2]) | (np.int32(row[at + 3]) << 8)) ^ 0x8000)
 
 
 @njit(inline="always", cache=True)
@@ -150,12 +171,13 @@ def _put(codes, t, o, slot, buf, per, bits, base):  # pragma: no cover - jitted
 
 
 @njit(parallel=True, cache=True)
-def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, seen):  # pragma: no cover - jitted
+def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, outer, seen):  # pragma: no cover
     """Source row i to destination row lo + i of a tiled matrix (codes as words (tiles, k/4 or k/8,
     TILE + 16 P) at `bits`, the codes less `base`; zeroed beforehand where there are planes); scale /
-    minimum tiled too (tiles, groups, TILE); rows: the source row of each destination row; seen[t] =
-    (lowest, highest) code written into tile t. A tile's rows go to one thread: rows of one tile share
-    cache lines."""
+    minimum tiled too (tiles, groups, TILE): float32, or with `outer` (tiles, blocks, 2, TILE) the
+    K-quants' integer sub-block scales, their blocks' d and -dmin in outer; rows: the source row of
+    each destination row; seen[t] = (lowest, highest) code written into tile t. A tile's rows go to
+    one thread: rows of one tile share cache lines."""
     n = rows.shape[0]
     bpr = raw.shape[1] // size
     gpb = scale.shape[1] // bpr
@@ -163,6 +185,7 @@ def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, se
     for t in prange(t0, t1):
         buf = np.empty(256, np.uint8)
         sc, mn = np.zeros(16, np.float32), np.zeros(16, np.float32)
+        isc, imn = np.zeros(16, np.int8), np.zeros(16, np.int8)
         low, high = 255, 0
         for dest in range(max(lo, t * TILE), min(lo + n, (t + 1) * TILE)):
             r, slot = rows[dest - lo], dest % TILE
@@ -171,6 +194,13 @@ def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, se
                 for j in range(per):
                     low, high = min(low, np.int32(buf[j]) - base), max(high, np.int32(buf[j]) - base)
                 _put(codes, t, b * per // (4 if bits == 8 else 8), slot, buf, per, bits, base)
+                if outer.shape[0]:
+                    outer[t, b, 0, slot], outer[t, b, 1, slot] = _outer(raw[r], b * size, kind, isc, imn)
+                    for g in range(gpb):
+                        scale[t, b * gpb + g, slot] = isc[g]
+                        if minimum.shape[0]:
+                            minimum[t, b * gpb + g, slot] = imn[g]
+                    continue
                 for g in range(gpb):
                     scale[t, b * gpb + g, slot] = sc[g]
                     if minimum.shape[0]:
@@ -203,16 +233,17 @@ def unpack(raw: np.ndarray, qtype: str, shape: tuple[int, int]):
 
 def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.ndarray, lo: int,
                  codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, seen: np.ndarray,
-                 width: tuple[int, int] | None = None) -> None:
+                 width: tuple[int, int] | None = None, outer: np.ndarray = NO_OUTER) -> None:
     """unpack(), written as rows lo + i (source row rows[i]) of a tiled matrix (kernels/qweight.py's
     layout at width = (bits, base) -- the type's own 8- or 4-bit codes when None -- : codes
     (tiles, ..., 4) uint8, zeroed where the width has planes, scale / minimum (tiles, groups, TILE)
-    float32, minimum empty when not affine); seen (tiles, 2) int32 gathers each tile's lowest and
-    highest code."""
+    float32, minimum empty when not affine; or, for a K-quant with `outer` (tiles, blocks, 2, TILE)
+    uint16, its integer sub-block scales as int8 and each block's float16 d and -dmin in outer); seen
+    (tiles, 2) int32 gathers each tile's lowest and highest code."""
     size, per, bits, group, zero, affine = LAYOUTS[qtype]
     bits, base = width or (bits, 0)
     _tiled(np.asarray(raw).reshape(shape[0], -1), KIND[qtype], per, size, bits, base,
-           np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], scale, minimum, seen)
+           np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], scale, minimum, outer, seen)
 
 
 class BlockRows:

@@ -54,6 +54,19 @@ def _as_float(v):
 
 
 INT_PATHS = ("vnni512", "avx2", "avx2-signed")
+NO_OUTER = np.zeros((0, 1, 2, TILE), np.uint16)  # a matrix whose scales and minimums are whole values
+
+
+@njit(inline="always", cache=True)
+def group_value(a, outer, t, g, r, which):  # pragma: no cover - jitted
+    """Group g's scale (a = scale, which 0) or minimum (a = minimum, which 1) of row r of tile t: as
+    stored, or, beside a K-quant's `outer` (tiles, blocks, 2, TILE), its block's float16 d (or -dmin)
+    times the integer sub-block value -- a product exact in float32, so the value the file's
+    dequantization gives."""
+    if outer.shape[0]:
+        return _half_bits(outer[t, g // (a.shape[1] // outer.shape[1]), which, r]) * np.float32(a[t, g, r])
+    return as_float(a[t, g, r])
+
 @njit(inline="always", cache=True)
 def _quantize_row(x, m, group, xq, xs, sxq):  # pragma: no cover - jitted
     for g in range(x.shape[1] // group):
@@ -92,22 +105,24 @@ STEP = X_PER = FULL = SPAN = 0
 ONE = ONE_HALF = MANY = MANY_HALF = None
 
 
-def _int_template(codes, scale, minimum, zc, xq, xs, sxq, out):  # pragma: no cover - jitted
+def _int_template(codes, scale, minimum, outer, zc, xq, xs, sxq, out):  # pragma: no cover - jitted
     """The integer kernels' one body (see `_int_kernel`). codes: (tiles, k/4 or k/8, TILE * SPAN / 4, 4) uint8;
-    xq: (M, k/4) int32 (4 x int8). The group loop is outside the row loop, so a group's codes are
-    read from memory once per tile. Its constants and intrinsics (STEP ... MANY_HALF) are globals
-    each kernel binds its own way."""
-    nt, kw, ng, m_rows = codes.shape[0], codes.shape[1], scale.shape[1], xq.shape[0]
-    nw, cf, xf, sf, mf, xsf, qf = kw // ng, codes.reshape(-1), xq.reshape(-1), scale.reshape(-1), \
-        minimum.reshape(-1), xs.reshape(-1), sxq.reshape(-1)
-    affine = minimum.shape[0] > 0
+    xq: (M, k/4) int32 (4 x int8); outer: a K-quant's blocks' d and -dmin (`group_value`), or
+    NO_OUTER. The group loop is outside the row loop, so a group's codes are read from memory once
+    per tile. Its constants and intrinsics (STEP ... MANY_HALF) are globals each kernel binds its own
+    way."""
+    nt, kw, ng, m_rows, nb = codes.shape[0], codes.shape[1], scale.shape[1], xq.shape[0], outer.shape[1]
+    nw, cf, xf, sf, mf, of, xsf, qf = kw // ng, codes.reshape(-1), xq.reshape(-1), scale.reshape(-1), \
+        minimum.reshape(-1), outer.reshape(-1), xs.reshape(-1), sxq.reshape(-1)
+    affine, per_block = minimum.shape[0] > 0, ng // nb
     for t in prange(nt):
         acc = np.zeros(m_rows * TILE, np.float32)
         for g in range(ng):
             base, so, m = (t * kw + g * nw) * TILE * SPAN, (t * ng + g) * TILE, 0
+            oo = (t * nb + g // per_block) * 2 * TILE
             while m < m_rows:
-                a = (acc, m * TILE, cf, base, xf, X_PER * (m * kw + g * nw), X_PER * kw, sf, so, mf, xsf, qf,
-                     m * ng + g, ng, zc, affine)
+                a = (acc, m * TILE, cf, base, xf, X_PER * (m * kw + g * nw), X_PER * kw, sf, so, mf, of, oo, xsf,
+                     qf, m * ng + g, ng, zc, affine)
                 if m + STEP <= m_rows:
                     if nw == FULL:
                         MANY(*a)
@@ -147,7 +162,7 @@ def _int_kernel(isa: str, bits: int):
 # --- float activations --------------------------------------------------------------------------
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def _float8(codes, scale, minimum, zero, x, xsum, out):  # pragma: no cover - jitted
+def _float8(codes, scale, minimum, outer, zero, x, xsum, out):  # pragma: no cover - jitted
     nt, kq, ng, m_rows = codes.shape[0], codes.shape[1], scale.shape[1], x.shape[0]
     nq, affine, z = kq // ng, minimum.shape[0] > 0, np.float32(zero)
     words = codes.view(np.uint32)  # (tiles, k/4, TILE, 1): row r's four codes in one 32-bit word
@@ -165,27 +180,27 @@ def _float8(codes, scale, minimum, zero, x, xsum, out):  # pragma: no cover - ji
                             ((np.float32((w >> np.uint32(16)) & m8) - z) * x2 +
                              (np.float32(w >> np.uint32(24)) - z) * x3)
                 for r in range(TILE):
-                    acc[m, r] += as_float(scale[t, g, r]) * s[r]
+                    acc[m, r] += group_value(scale, outer, t, g, r, 0) * s[r]
                 if affine:
                     for r in range(TILE):
-                        acc[m, r] += as_float(minimum[t, g, r]) * xsum[m, g]
+                        acc[m, r] += group_value(minimum, outer, t, g, r, 1) * xsum[m, g]
         for m in range(m_rows):
             out[m, t * TILE:(t + 1) * TILE] = acc[m]
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _add_group(acc, m, s, z, scale, minimum, xsum, t, g, affine):  # pragma: no cover - jitted
+def _add_group(acc, m, s, z, scale, minimum, outer, xsum, t, g, affine):  # pragma: no cover - jitted
     """Row m's sums s of group g's codes times x, scaled into acc: scale * (s - zero * sum(x)) (+
     minimum * sum(x)), the float paths' epilogue for codes with a zero point."""
     for r in range(TILE):
-        acc[m, r] += as_float(scale[t, g, r]) * (s[r] - z * xsum[m, g])
+        acc[m, r] += group_value(scale, outer, t, g, r, 0) * (s[r] - z * xsum[m, g])
     if affine:
         for r in range(TILE):
-            acc[m, r] += as_float(minimum[t, g, r]) * xsum[m, g]
+            acc[m, r] += group_value(minimum, outer, t, g, r, 1) * xsum[m, g]
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def _float4(codes, scale, minimum, zero, x, xsum, out):  # pragma: no cover - jitted
+def _float4(codes, scale, minimum, outer, zero, x, xsum, out):  # pragma: no cover - jitted
     nt, ko, ng, m_rows = codes.shape[0], codes.shape[1], scale.shape[1], x.shape[0]
     no, affine, z = ko // ng, minimum.shape[0] > 0, np.float32(zero)
     words = codes.view(np.uint32)  # byte i of row r's word: inputs 8o+i (low nibble) and 8o+4+i (high)
@@ -208,7 +223,7 @@ def _float4(codes, scale, minimum, zero, x, xsum, out):  # pragma: no cover - ji
                             np.float32((w >> np.uint32(12)) & m4) * xo[5] + \
                             np.float32((w >> np.uint32(20)) & m4) * xo[6] + np.float32(w >> np.uint32(28)) * xo[7]
                         s[r] += a + b
-                _add_group(acc, m, s, z, scale, minimum, xsum, t, g, affine)
+                _add_group(acc, m, s, z, scale, minimum, outer, xsum, t, g, affine)
         for m in range(m_rows):
             out[m, t * TILE:(t + 1) * TILE] = acc[m]
 
@@ -237,7 +252,7 @@ def code_at(codes, bits, t, j, r):  # pragma: no cover - jitted
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def _float_planes(codes, scale, minimum, zero, bits, x, xsum, out):  # pragma: no cover - jitted
+def _float_planes(codes, scale, minimum, outer, zero, bits, x, xsum, out):  # pragma: no cover - jitted
     """5- and 6-bit codes with float activations: each code read on its own (`code_at`). This path
     runs only where the CPU has no integer one, or when a caller asks for it."""
     nt, ng, m_rows, k = codes.shape[0], scale.shape[1], x.shape[0], x.shape[1]
@@ -250,7 +265,7 @@ def _float_planes(codes, scale, minimum, zero, bits, x, xsum, out):  # pragma: n
                 for j in range(g * group, (g + 1) * group):
                     for r in range(TILE):
                         s[r] += np.float32(code_at(codes, bits, t, j, r)) * x[m, j]
-                _add_group(acc, m, s, z, scale, minimum, xsum, t, g, affine)
+                _add_group(acc, m, s, z, scale, minimum, outer, xsum, t, g, affine)
         for m in range(m_rows):
             out[m, t * TILE:(t + 1) * TILE] = acc[m]
 
@@ -260,7 +275,7 @@ INT[("avx2-signed", 8)] = _int_kernel("avx2-signed", 8)
 FLOAT = {8: _float8, 4: _float4}
 
 
-def gemm(codes, scale, minimum, zero: int, bits: int, x: np.ndarray, path: str, out: np.ndarray) -> None:
+def gemm(codes, scale, minimum, outer, zero: int, bits: int, x: np.ndarray, path: str, out: np.ndarray) -> None:
     """out (M, tiles * TILE) = x (M, k) float32 times the packed codes, on `path`."""
     m_rows, k = x.shape
     group = k // scale.shape[1]
@@ -268,15 +283,15 @@ def gemm(codes, scale, minimum, zero: int, bits: int, x: np.ndarray, path: str, 
         xsum = np.empty((m_rows, scale.shape[1]), np.float32)
         group_sums(x, group, xsum)
         if bits in FLOAT:
-            FLOAT[bits](codes, scale, minimum, zero, x, xsum, out)
+            FLOAT[bits](codes, scale, minimum, outer, zero, x, xsum, out)
         else:
-            _float_planes(codes, scale, minimum, zero, bits, x, xsum, out)
+            _float_planes(codes, scale, minimum, outer, zero, bits, x, xsum, out)
         return
     xq = np.empty((m_rows, k), np.int8)
     xs, sxq = np.empty((m_rows, k // group), np.float32), np.empty((m_rows, k // group), np.int32)
     quantize_activations(x, group, xq, xs, sxq)
     zc = zero - 128 if path == "avx2-signed" else zero  # its sums are of (u - 128) * xq
-    INT[(path, bits)](codes, scale, minimum, zc, xq.view(np.int32), xs, sxq, out)
+    INT[(path, bits)](codes, scale, minimum, outer, zc, xq.view(np.int32), xs, sxq, out)
 
 
 jitcache.tie(globals(), simd, jitcache)  # they inline simd.py's intrinsics; FASTMATH lives in jitcache

@@ -11,7 +11,8 @@ float32 scale (and minimum) per group of `group` consecutive inputs:
 Both formulas round once per operation in float32, as gguf-py's dequantization does, so a GGUF's
 codes come back as the values it dequantizes to, bit for bit. Scales and minimums are float16
 (2 bytes per group) where every value of a matrix is a float16 exactly, as a GGUF's d and m are and
-our int8 and int4 make theirs; float32 where not (Q4_K's and Q6_K's d * sc).
+our int8 and int4 make theirs; a K-quant's d * sc, never a float16, is held as the file holds it
+(int8 sc per group, float16 d per 256 weights: `outer`), else float32.
 
 Layout: output rows in tiles of TILE. Integer codes are stored per tile input-quad-major,
 (tiles, k/4, TILE, 4) for 8-bit and (tiles, k/8, TILE, 4) for 4-bit (byte i of a row's word: inputs
@@ -36,7 +37,7 @@ from larqlpy.errors import LarqlError
 from larqlpy.kernels import cpu, jitcache, qdot, simd
 from larqlpy.kernels.packing import GROUP, _codes, _search_int4, _to_half, tile_codes, tile_groups
 from larqlpy.kernels.jitcache import FASTMATH
-from larqlpy.kernels.qdot import as_float, code_at
+from larqlpy.kernels.qdot import NO_OUTER, code_at, group_value
 from larqlpy.kernels.simd import ROWS as TILE
 
 FORMATS = ("f32", "bf16", "int8", "int4", "native")
@@ -56,25 +57,25 @@ def check_format(name: str) -> str:
 # No fastmath: scale * (u - zero) + minimum must round as two operations, as torch and gguf-py compute it.
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _rows_int(codes, scale, minimum, zero, bits, idx, out):  # pragma: no cover - jitted
+def _rows_int(codes, scale, minimum, outer, zero, bits, idx, out):  # pragma: no cover - jitted
     group, affine = out.shape[1] // scale.shape[1], minimum.shape[0] > 0
     for n in prange(idx.shape[0]):
         t, r = idx[n] // TILE, idx[n] % TILE
         for j in range(out.shape[1]):
-            v = as_float(scale[t, j // group, r]) * np.float32(code_at(codes, bits, t, j, r) - zero)
-            out[n, j] = v + as_float(minimum[t, j // group, r]) if affine else v
+            v = group_value(scale, outer, t, j // group, r, 0) * np.float32(code_at(codes, bits, t, j, r) - zero)
+            out[n, j] = v + group_value(minimum, outer, t, j // group, r, 1) if affine else v
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def _slab_int(codes, scale, minimum, zero, bits, t0, t1, out):  # pragma: no cover - jitted
+def _slab_int(codes, scale, minimum, outer, zero, bits, t0, t1, out):  # pragma: no cover - jitted
     group, affine = out.shape[0] // scale.shape[1], minimum.shape[0] > 0
     for t in prange(t0, t1):
         c = (t - t0) * TILE
         for j in range(out.shape[0]):
             g = j // group
             for r in range(TILE):
-                v = as_float(scale[t, g, r]) * np.float32(code_at(codes, bits, t, j, r) - zero)
-                out[j, c + r] = v + as_float(minimum[t, g, r]) if affine else v
+                v = group_value(scale, outer, t, g, r, 0) * np.float32(code_at(codes, bits, t, j, r) - zero)
+                out[j, c + r] = v + group_value(minimum, outer, t, g, r, 1) if affine else v
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -123,7 +124,9 @@ def _halves_if_exact(scale: np.ndarray, minimum: np.ndarray | None):
     return parts[0], (None if minimum is None else parts[1])
 
 
-def _tensor(a: np.ndarray) -> torch.Tensor:
+def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
+    if a is None:
+        return None
     return torch.from_numpy(a.view(np.int16) if a.dtype == np.uint16 else a)  # float16 bits, held as int16
 
 
@@ -135,19 +138,22 @@ class PackedWeight:
     """An (out, in) weight matrix held as bf16 or integer codes in the tiled layout above.
 
     kind: "bf16", "u8", "u6", "u5" or "u4"; zero, group: the code's zero point and the inputs per scale;
-    lowest, highest: the range of codes present (which kernel paths may take it)."""
+    lowest, highest: the range of codes present (which kernel paths may take it); outer: a K-quant's
+    blocks' float16 d and -dmin (tiles, blocks, 2, TILE), beside int8 scale and minimum holding the
+    file's sub-block integers (qdot.group_value)."""
 
     def __init__(self, kind: str, shape: tuple[int, int], codes: torch.Tensor, scale: torch.Tensor | None = None,
                  minimum: torch.Tensor | None = None, zero: int = 0, group: int = GROUP,
-                 lowest: int = 0, highest: int = 255):
+                 lowest: int = 0, highest: int = 255, outer: torch.Tensor | None = None):
         self.kind, self.shape, self.zero, self.group = kind, tuple(shape), int(zero), int(group)
-        self.codes, self.scale, self.minimum = codes, scale, minimum
+        self.codes, self.scale, self.minimum, self.outer = codes, scale, minimum, outer
         self.lowest, self.highest = int(lowest), int(highest)
         self.bits = {"u8": 8, "u6": 6, "u5": 5, "u4": 4}.get(kind, 16)
         self.path = "float" if kind == "bf16" else cpu.int_path(self.bits, self.lowest, self.highest)
         # numpy views for the numba kernels, made once: decode calls them for every matrix of every token
         self.arrays = () if codes.device.type != "cpu" else (codes.numpy(),) if kind == "bf16" else \
-            (codes.numpy(), _numpy(scale), NO_MINIMUM if minimum is None else _numpy(minimum))
+            (codes.numpy(), _numpy(scale), NO_MINIMUM if minimum is None else _numpy(minimum),
+             NO_OUTER if outer is None else _numpy(outer))
 
     @classmethod
     def from_codes(cls, u: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, zero: int,
@@ -165,16 +171,19 @@ class PackedWeight:
 
     @classmethod
     def from_tiled(cls, codes: np.ndarray, shape: tuple[int, int], scale: np.ndarray, minimum: np.ndarray | None,
-                   zero: int, bits: int, lowest: int, highest: int, halves: bool = False) -> "PackedWeight":
+                   zero: int, bits: int, lowest: int, highest: int, halves: bool = False,
+                   outer: np.ndarray | None = None) -> "PackedWeight":
         """Codes and per-group scales (and minimums) already tiled -- (tiles, groups, TILE), the last
         tile's padding rows holding the zero code and scale 0 -- and the range of codes present.
         halves: every scale and minimum is a float16 value (a GGUF's own d and m): held as its bits
-        without the check `_halves_if_exact` makes."""
-        scale, minimum = ([a.astype(np.float16).view(np.uint16) for a in (scale, minimum)] if halves and
-                          minimum is not None else (scale.astype(np.float16).view(np.uint16), None) if halves else
-                          _halves_if_exact(scale, minimum))
-        return cls(f"u{bits}", shape, torch.from_numpy(codes), _tensor(scale),
-                   None if minimum is None else _tensor(minimum), zero, shape[1] // scale.shape[1], lowest, highest)
+        without the check `_halves_if_exact` makes. outer: a K-quant's blocks' d and -dmin as float16
+        bits, scale and minimum its int8 sub-block values, held as they are."""
+        if outer is None:
+            scale, minimum = ([a.astype(np.float16).view(np.uint16) for a in (scale, minimum)] if halves and
+                              minimum is not None else (scale.astype(np.float16).view(np.uint16), None) if halves
+                              else _halves_if_exact(scale, minimum))
+        return cls(f"u{bits}", shape, torch.from_numpy(codes), _tensor(scale), _tensor(minimum), zero,
+                   shape[1] // scale.shape[1], lowest, highest, _tensor(outer))
 
     @classmethod
     def quantize(cls, w: torch.Tensor, fmt: str, name: str = "weight") -> "PackedWeight":
@@ -207,7 +216,20 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minimum) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minimum, self.outer)
+                   if t is not None)
+
+    def group_values(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each group's scale and minimum as float32 values (tiles, groups, TILE), however they are
+        held: float32, float16 bits, or a K-quant's integers times their block's d (or -dmin)."""
+        def values(a: torch.Tensor | None, which: int) -> torch.Tensor | None:
+            if a is None:
+                return None
+            if self.outer is None:
+                return a.view(torch.float16).float() if a.dtype == torch.int16 else a
+            blocks = self.outer[:, :, which].view(torch.float16).float()
+            return blocks.repeat_interleave(a.shape[1] // blocks.shape[1], dim=1) * a.float()
+        return values(self.scale, 0), values(self.minimum, 1)
 
     def meta(self) -> dict:
         """What describes the codes beside the tensors (the packed-weight cache's header)."""
@@ -218,7 +240,7 @@ class PackedWeight:
         def move(t):
             return None if t is None else t.to(device)
         return PackedWeight(self.kind, self.shape, move(self.codes), move(self.scale), move(self.minimum),
-                            self.zero, self.group, self.lowest, self.highest)
+                            self.zero, self.group, self.lowest, self.highest, move(self.outer))
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
         """Float32 weight rows idx (any shape) -> idx.shape + (in,)."""
@@ -249,12 +271,15 @@ class PackedWeight:
             u = u | (bit.reshape(len(idx), -1) << (4 + p))
         g = torch.arange(self.shape[1], device=idx.device) // self.group
 
-        def per_group(a: torch.Tensor) -> torch.Tensor:
+        def per_group(a: torch.Tensor, which: int) -> torch.Tensor:
+            if self.outer is not None:  # d (or -dmin) times the int8 sub-block value: exact in float32
+                blocks = self.outer[t[:, None], g[None, :] // (a.shape[1] // self.outer.shape[1]), which, r[:, None]]
+                return blocks.view(torch.float16).float() * a[t[:, None], g[None, :], r[:, None]].float()
             a = a[t[:, None], g[None, :], r[:, None]]
             return a.view(torch.float16).float() if a.dtype == torch.int16 else a
 
-        v = per_group(self.scale) * (u - self.zero).float()
-        return v if self.minimum is None else v + per_group(self.minimum)
+        v = per_group(self.scale, 0) * (u - self.zero).float()
+        return v if self.minimum is None else v + per_group(self.minimum, 1)
 
     def _slab(self, t0: int, t1: int) -> torch.Tensor:
         """Tiles [t0, t1) dequantized input-major, (in, rows): the GEMM reads it transposed, no copy."""
@@ -323,4 +348,4 @@ def stack(ws: list[torch.Tensor], fmt: str, name: str) -> list[PackedPart]:
     return [PackedPart(whole, int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
-jitcache.tie(globals(), qdot, simd, jitcache)  # they inline qdot.py's as_float; FASTMATH lives in jitcache
+jitcache.tie(globals(), qdot, simd, jitcache)  # they inline qdot.py's group_value; FASTMATH lives in jitcache

@@ -19,6 +19,8 @@ Integer sums are exact, so every path that computes them gives the same numbers 
 Arguments (flat arrays and offsets into them): acc float32 and the offset of row m0's outputs (rows
 64 apart); codes uint8 and the group's offset; x int32 (four int8 activations each), offset, row
 stride; scale float32 (or float16 bits as uint16) and offset (the group's 64 scales), minimum likewise;
+or scale and minimum int8 (a K-quant's sub-block values) with outer uint16 and the offset of their
+block's 64 float16 d, then 64 -dmin;
 xs float32 and sxq int32
 (per activation row and group), offset, row stride; zc, the codes' zero point on this path; affine
 (whether minimum holds anything). `quads` (inputs / 4 in the group) and `rows` are fixed per intrinsic.
@@ -61,7 +63,7 @@ class _Args:
     def __init__(self, context, builder, signature, args):
         self.context, self.builder, self.ty = context, builder, signature.args
         (self.acc, self.aoff, self.codes, self.coff, self.x, self.xoff, self.xstride, self.scale, self.soff,
-         self.minimum, self.xs, self.sxq, self.qoff, self.qstride, self.zc, self.affine) = args
+         self.minimum, self.outer, self.ooff, self.xs, self.sxq, self.qoff, self.qstride, self.zc, self.affine) = args
         self.idx = self.xoff.type
 
     def at(self, k: int, arr, off, n, vty, align=4):
@@ -80,9 +82,15 @@ class _Args:
         return self.at(2, self.codes, self.coff, byte, vty, align=1)[1]
 
     def floats(self, k: int, arr, n: int, fv):
-        """A group's scales (k = 7) or minimums (k = 9) as float32 vectors: stored as float32, or as
-        float16 bits."""
+        """A group's scales (k = 7) or minimums (k = 9) as float32 vectors: stored as float32, as
+        float16 bits, or as a K-quant's int8 sub-block values times their block's float16 d (or -dmin)
+        from `outer` (an exact product)."""
         b = self.builder
+        if self.ty[k].dtype == types.int8:
+            ints = b.sitofp(self.at(k, arr, self.soff, n, ir.VectorType(I8, fv.count), align=1)[1], fv)
+            half = ir.VectorType(I16, fv.count)
+            h = self.at(10, self.outer, self.ooff, (0 if k == 7 else ROWS) + n, half, align=2)[1]
+            return b.fmul(b.fpext(b.bitcast(h, ir.VectorType(ir.HalfType(), fv.count)), fv), ints)
         if self.ty[k].dtype == types.uint16:
             h = self.at(k, arr, self.soff, n, ir.VectorType(I16, fv.count), align=2)[1]
             return b.fpext(b.bitcast(h, ir.VectorType(ir.HalfType(), fv.count)), fv)
@@ -106,7 +114,7 @@ def _add_scaled(a: _Args, sums, affine: bool, registers: int) -> None:
     rows = []
     for m in range(n_rows):
         q = b.add(a.qoff, b.mul(a.qstride, ir.Constant(a.idx, m)))
-        rows.append((a.at(10, a.xs, q, 0, ir.FloatType())[1], a.at(11, a.sxq, q, 0, I32)[1]))
+        rows.append((a.at(12, a.xs, q, 0, ir.FloatType())[1], a.at(13, a.sxq, q, 0, I32)[1]))
     olds = [[a.at(0, a.acc, a.aoff, m * ROWS + v * width, fv) for v in range(nv)] for m in range(n_rows)] \
         if early else None
     fma = _fn(b, f"llvm.fma.v{width}f32", fv, [fv, fv, fv])
@@ -133,10 +141,10 @@ def _make(emit, quads: int, width: int, rows: int, registers: int):
     `registers`: how many vector registers the instruction set has (what may be loaded early)."""
 
     @intrinsic
-    def dot(typingctx, acc, aoff, codes, coff, x, xoff, xstride, scale, soff, minimum, xs, sxq, qoff, qstride, zc,
-            affine):
+    def dot(typingctx, acc, aoff, codes, coff, x, xoff, xstride, scale, soff, minimum, outer, ooff, xs, sxq, qoff,
+            qstride, zc, affine):
         sig = types.void(acc, types.intp, codes, types.intp, x, types.intp, types.intp, scale, types.intp,
-                         minimum, xs, sxq, types.intp, types.intp, types.int32, types.boolean)
+                         minimum, outer, types.intp, xs, sxq, types.intp, types.intp, types.int32, types.boolean)
 
         def codegen(context, builder, signature, args):
             a = _Args(context, builder, signature, args)

@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 
 from larqlpy.errors import LarqlError
 from larqlpy.files import is_gguf
-from larqlpy.kernels.gguf_blocks import LAYOUTS, BlockRows, packed_width, unpack_tiled
+from larqlpy.kernels.gguf_blocks import LAYOUTS, TWO_LEVEL, BlockRows, packed_width, unpack_tiled
 from larqlpy.kernels.packing import code_shape
 from larqlpy.kernels.qweight import TILE, PackedWeight
 from larqlpy.kernels.simd import PLANES
@@ -99,12 +99,12 @@ class GGUFCodes:
                          and len(ckpt.file.tensors[name][1]) == 2}
 
     def kind(self, hf: str) -> tuple:
-        """What must match for matrices to share one packed whole: (zero, bits, group, affine), at the
-        width they are packed at."""
+        """What must match for matrices to share one packed whole: (zero, bits, group, affine, whether
+        the scales are two-level), at the width they are packed at."""
         qtype = self.ckpt.file.tensors[self.ckpt.names[hf][0]][0]
         _, _, _, group, zero, affine = LAYOUTS[qtype]
         bits, base = packed_width(qtype)
-        return zero - base, bits, group, affine
+        return zero - base, bits, group, affine, qtype in TWO_LEVEL
 
     def table(self, hf: str) -> PackedWeight | BlockRows:
         """A matrix only gathered from (an untied embedding): left in the file's blocks (`gather`),
@@ -127,22 +127,27 @@ class GGUFCodes:
         n = sum(file.tensors[name][1][0] for name in names)
         nt = -(-n // TILE)
         codes = (np.zeros if PLANES[bits] else np.empty)(code_shape(nt, k, bits), np.uint8)
-        scale = np.zeros((nt, k // group, TILE), np.float32)  # zeros: the padding rows' scales
-        minimum = np.zeros((nt if affine else 0, k // group, TILE), np.float32)
+        two = qtype in TWO_LEVEL  # the file's integer sub-block scales, beside each block's d and -dmin
+        dtype = np.int8 if two else np.float32
+        scale = np.zeros((nt, k // group, TILE), dtype)  # zeros: the padding rows' scales
+        minimum = np.zeros((nt if affine else 0, k // group, TILE), dtype)
+        outer = np.zeros((nt, k // per, 2, TILE), np.uint16) if two else None
         seen = np.tile(np.array([[255, 0]], np.int32), (nt, 1))
         lo = 0
         for name in names:
             qtype, shape, _, _ = file.tensors[name]
             rows = file.arch.restore(name, np.arange(shape[0]), config)  # destination row i takes source row rows[i]
-            unpack_tiled(self.ckpt.raw(name), qtype, shape, rows, lo, codes, scale, minimum, seen, (bits, base))
+            unpack_tiled(self.ckpt.raw(name), qtype, shape, rows, lo, codes, scale, minimum, seen, (bits, base),
+                         *(() if outer is None else (outer,)))
             self.ckpt.release([name])  # copied out: the file's pages behind it are not kept
             lo += shape[0]
         if n % TILE and not PLANES[bits]:  # the padding rows hold the zero code (5, 6 bits: code 0)
             codes[-1, :, n % TILE:TILE, :] = zero if bits == 8 else zero | (zero << 4)
-        if not (np.isfinite(scale).all() and np.isfinite(minimum).all()):
+        finite = ((outer & 0x7C00) != 0x7C00).all() if two else np.isfinite(scale).all() and np.isfinite(minimum).all()
+        if not finite:
             raise LarqlError(f"{self.ckpt.path}: {' / '.join(names)} hold non-finite scales (NaN or infinity)")
         return PackedWeight.from_tiled(codes, (n, k), scale, minimum if affine else None, zero, bits,
-                                       int(seen[:, 0].min()), int(seen[:, 1].max()), halves=per == 32)
+                                       int(seen[:, 0].min()), int(seen[:, 1].max()), halves=per == 32, outer=outer)
 
 
 def checkpoint(path: Path, cfg: ModelConfig, allow_unused_tensors: bool = False) -> Checkpoint | GGUFCheckpoint:

@@ -33,7 +33,7 @@ from larqlpy.weights.checkpoint import MappedSafetensors
 LAYOUT = 3
 FORMAT = f"larqlpy-packed/{LAYOUT}"
 DIR = ".larqlpy-cache"
-FIELDS = ("codes", "scale", "minimum")
+FIELDS = ("codes", "scale", "minimum", "outer")
 
 
 def cache_dir(model_dir: Path) -> Path:
@@ -129,7 +129,7 @@ def read(path: Path, fmt: str, fingerprint: str, sources: dict[str, str]) -> dic
         try:
             out[name] = PackedWeight(meta["kind"], tuple(meta["shape"]), fields["codes"], fields.get("scale"),
                                      fields.get("minimum"), meta["zero"], meta["group"], meta["lowest"],
-                                     meta["highest"])
+                                     meta["highest"], fields.get("outer"))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise damaged(f"{name}: {type(e).__name__} {e}") from None
     return out
