@@ -19,8 +19,7 @@ import torch
 from larqlpy.convert.native import SUPPORTED, decompose
 from larqlpy.errors import LarqlError
 from larqlpy.kernels import cpu
-from larqlpy.kernels.gguf_blocks import LAYOUTS, TWO_LEVEL, BlockRows, packed_width, unpack, unpack_tiled
-from larqlpy.kernels.packing import code_shape
+from larqlpy.kernels.gguf_blocks import LAYOUTS, TWO_LEVEL, BlockRows, packed_width, tiled_arrays, unpack, unpack_tiled
 from larqlpy.kernels.qweight import TILE, PackedWeight, tile_codes
 from larqlpy.weights import gguf_file
 from larqlpy.weights.gguf_file import GGUFFile, metadata_dir
@@ -237,15 +236,12 @@ def test_k_quants_held_at_the_files_own_bits_give_the_numbers_of_whole_scales(na
     """A K-quant packed as the file holds it (integer sub-block scales beside each block's d and
     -dmin) multiplies, on every path this CPU runs, and gathers rows to the bits the same codes give
     with float32 group scales, and takes the bytes the file takes plus 2 per 256 weights."""
-    size, per, _, group, zero, affine = LAYOUTS[name]
+    size, per, _, _, zero, affine = LAYOUTS[name]
     n, k = TILE + 9, 3 * 256
     raw = random_blocks(Q[name], n * k // per, seed=11 + len(name)).reshape(n, -1)
     bits, base = packed_width(name)
     nt = -(-n // TILE)
-    codes = np.zeros(code_shape(nt, k, bits), np.uint8)
-    scale = np.zeros((nt, k // group, TILE), np.int8)
-    minimum = np.zeros((nt if affine else 0, k // group, TILE), np.int8)
-    outer, seen = np.zeros((nt, k // per, 2, TILE), np.uint16), np.tile(np.array([[255, 0]], np.int32), (nt, 1))
+    codes, scale, minimum, outer, seen = tiled_arrays(name, n, k)
     unpack_tiled(raw, name, (n, k), np.arange(n), 0, codes, scale, minimum, seen, (bits, base), outer)
     two = PackedWeight.from_tiled(codes, (n, k), scale, minimum if affine else None, zero - base, bits,
                                   int(seen[:, 0].min()), int(seen[:, 1].max()), outer=outer)

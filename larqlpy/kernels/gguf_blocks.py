@@ -23,6 +23,7 @@ import torch
 from numba import njit, prange
 
 from larqlpy.kernels import jitcache, qdot
+from larqlpy.kernels.packing import code_shape
 from larqlpy.kernels.qdot import NO_OUTER, _half_bits
 from larqlpy.kernels.simd import ROWS as TILE
 
@@ -63,16 +64,16 @@ def _half_at(row, at):  # pragma: no cover - jitted
 
 
 @njit(inline="always", cache=True)
-def _outer(row, at, kind, isc, imn):  # pragma: no cover - jitted
-    """A K-quant block's sub-block scales (and minimums) as the file's integers into isc / imn, and
-    its float16 d and dmin as bits, dmin's sign flipped (a minimum is -(dmin * m))."""
+def _outer(row, at, kind, sc, mn):  # pragma: no cover - jitted
+    """A K-quant block's sub-block scales (and minimums) as the file's integers into sc / mn, and its
+    float16 d and dmin as bits, dmin's sign flipped (a minimum is -(dmin * m))."""
     if kind == 7:  # Q6_K: signed 8-bit scales, d at 208
         for j in range(16):
-            isc[j] = np.int8(row[at + 192 + j])
+            sc[j] = np.float32(np.int8(row[at + 192 + j]))
         return np.uint16(np.int32(row[at + 208]) | (np.int32(row[at + 209]) << 8)), np.uint16(0)
     for j in range(8):
         s, m = _scale_min_k4(row, at, j)
-        isc[j], imn[j] = np.int8(s), np.int8(m)
+        sc[j], mn[j] = np.float32(s), np.float32(m)
     d = np.int32(row[at]) | (np.int32(row[at + 1]) << 8)
     return np.uint16(d), np.uint16((np.int32(row[at + 2]) | (np.int32(row[at + 3]) << 8)) ^ 0x8000)
 
@@ -185,7 +186,6 @@ def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, ou
     for t in prange(t0, t1):
         buf = np.empty(256, np.uint8)
         sc, mn = np.zeros(16, np.float32), np.zeros(16, np.float32)
-        isc, imn = np.zeros(16, np.int8), np.zeros(16, np.int8)
         low, high = 255, 0
         for dest in range(max(lo, t * TILE), min(lo + n, (t + 1) * TILE)):
             r, slot = rows[dest - lo], dest % TILE
@@ -194,13 +194,8 @@ def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, ou
                 for j in range(per):
                     low, high = min(low, np.int32(buf[j]) - base), max(high, np.int32(buf[j]) - base)
                 _put(codes, t, b * per // (4 if bits == 8 else 8), slot, buf, per, bits, base)
-                if outer.shape[0]:
-                    outer[t, b, 0, slot], outer[t, b, 1, slot] = _outer(raw[r], b * size, kind, isc, imn)
-                    for g in range(gpb):
-                        scale[t, b * gpb + g, slot] = isc[g]
-                        if minimum.shape[0]:
-                            minimum[t, b * gpb + g, slot] = imn[g]
-                    continue
+                if outer.shape[0]:  # the integers in place of the products d * sc, dmin * m
+                    outer[t, b, 0, slot], outer[t, b, 1, slot] = _outer(raw[r], b * size, kind, sc, mn)
                 for g in range(gpb):
                     scale[t, b * gpb + g, slot] = sc[g]
                     if minimum.shape[0]:
@@ -231,9 +226,23 @@ def unpack(raw: np.ndarray, qtype: str, shape: tuple[int, int]):
     return u, scale, minimum if affine else None, zero, bits
 
 
+def tiled_arrays(qtype: str, n: int, k: int) -> tuple:
+    """Zeroed arrays an (n, k) matrix of `qtype` is unpacked into at its packed width (`unpack_tiled`):
+    codes, scale, minimum (empty when not affine), outer (None but for a K-quant) and seen. The
+    padding rows keep scale 0."""
+    _, per, _, group, _, affine = LAYOUTS[qtype]
+    bits, _ = packed_width(qtype)
+    nt, two = -(-n // TILE), qtype in TWO_LEVEL
+    dtype = np.int8 if two else np.float32
+    return (np.zeros(code_shape(nt, k, bits), np.uint8), np.zeros((nt, k // group, TILE), dtype),
+            np.zeros((nt if affine else 0, k // group, TILE), dtype),
+            np.zeros((nt, k // per, 2, TILE), np.uint16) if two else None,
+            np.tile(np.array([[255, 0]], np.int32), (nt, 1)))
+
+
 def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.ndarray, lo: int,
                  codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, seen: np.ndarray,
-                 width: tuple[int, int] | None = None, outer: np.ndarray = NO_OUTER) -> None:
+                 width: tuple[int, int] | None = None, outer: np.ndarray | None = None) -> None:
     """unpack(), written as rows lo + i (source row rows[i]) of a tiled matrix (kernels/qweight.py's
     layout at width = (bits, base) -- the type's own 8- or 4-bit codes when None -- : codes
     (tiles, ..., 4) uint8, zeroed where the width has planes, scale / minimum (tiles, groups, TILE)
@@ -243,7 +252,8 @@ def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.n
     size, per, bits, group, zero, affine = LAYOUTS[qtype]
     bits, base = width or (bits, 0)
     _tiled(np.asarray(raw).reshape(shape[0], -1), KIND[qtype], per, size, bits, base,
-           np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], scale, minimum, outer, seen)
+           np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], scale, minimum,
+           NO_OUTER if outer is None else outer, seen)
 
 
 class BlockRows:

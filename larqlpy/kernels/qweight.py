@@ -130,6 +130,14 @@ def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
     return torch.from_numpy(a.view(np.int16) if a.dtype == np.uint16 else a)  # float16 bits, held as int16
 
 
+def _float_values(a: torch.Tensor, blocks: torch.Tensor | None) -> torch.Tensor:
+    """Scales or minimums as float32, from how they are held: float32, float16 bits, or a K-quant's
+    integers times their blocks' float16 d (or -dmin) `blocks` gathered alike (exact in float32)."""
+    if blocks is not None:
+        return blocks.view(torch.float16).float() * a.float()
+    return a.view(torch.float16).float() if a.dtype == torch.int16 else a
+
+
 def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy().view(np.uint16) if t.dtype == torch.int16 else t.numpy()  # the kernels read uint16 as float16
 
@@ -225,10 +233,9 @@ class PackedWeight:
         def values(a: torch.Tensor | None, which: int) -> torch.Tensor | None:
             if a is None:
                 return None
-            if self.outer is None:
-                return a.view(torch.float16).float() if a.dtype == torch.int16 else a
-            blocks = self.outer[:, :, which].view(torch.float16).float()
-            return blocks.repeat_interleave(a.shape[1] // blocks.shape[1], dim=1) * a.float()
+            blocks = None if self.outer is None else \
+                self.outer[:, :, which].repeat_interleave(a.shape[1] // self.outer.shape[1], dim=1)
+            return _float_values(a, blocks)
         return values(self.scale, 0), values(self.minimum, 1)
 
     def meta(self) -> dict:
@@ -272,11 +279,9 @@ class PackedWeight:
         g = torch.arange(self.shape[1], device=idx.device) // self.group
 
         def per_group(a: torch.Tensor, which: int) -> torch.Tensor:
-            if self.outer is not None:  # d (or -dmin) times the int8 sub-block value: exact in float32
-                blocks = self.outer[t[:, None], g[None, :] // (a.shape[1] // self.outer.shape[1]), which, r[:, None]]
-                return blocks.view(torch.float16).float() * a[t[:, None], g[None, :], r[:, None]].float()
-            a = a[t[:, None], g[None, :], r[:, None]]
-            return a.view(torch.float16).float() if a.dtype == torch.int16 else a
+            blocks = None if self.outer is None else \
+                self.outer[t[:, None], g[None, :] // (a.shape[1] // self.outer.shape[1]), which, r[:, None]]
+            return _float_values(a[t[:, None], g[None, :], r[:, None]], blocks)
 
         v = per_group(self.scale, 0) * (u - self.zero).float()
         return v if self.minimum is None else v + per_group(self.minimum, 1)

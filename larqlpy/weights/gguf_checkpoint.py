@@ -15,8 +15,7 @@ from gguf.quants import dequantize
 
 from larqlpy.errors import LarqlError
 from larqlpy.files import is_gguf
-from larqlpy.kernels.gguf_blocks import LAYOUTS, TWO_LEVEL, BlockRows, packed_width, unpack_tiled
-from larqlpy.kernels.packing import code_shape
+from larqlpy.kernels.gguf_blocks import LAYOUTS, TWO_LEVEL, BlockRows, packed_width, tiled_arrays, unpack_tiled
 from larqlpy.kernels.qweight import TILE, PackedWeight
 from larqlpy.kernels.simd import PLANES
 from larqlpy.model.config import ModelConfig
@@ -121,29 +120,23 @@ class GGUFCodes:
         file, config = self.ckpt.file, self.ckpt.raw_config
         names = [self.ckpt.names[hf][0] for hf in hfs]
         qtype, (_, k), _, _ = file.tensors[names[0]]
-        _, per, _, group, zero, affine = LAYOUTS[qtype]  # 32 values a block: scales are the blocks' float16 d
+        _, per, _, _, zero, affine = LAYOUTS[qtype]  # 32 values a block: scales are the blocks' float16 d
         bits, base = packed_width(qtype)  # one kind stacks: every part's width is the first's
         zero -= base
         n = sum(file.tensors[name][1][0] for name in names)
-        nt = -(-n // TILE)
-        codes = (np.zeros if PLANES[bits] else np.empty)(code_shape(nt, k, bits), np.uint8)
-        two = qtype in TWO_LEVEL  # the file's integer sub-block scales, beside each block's d and -dmin
-        dtype = np.int8 if two else np.float32
-        scale = np.zeros((nt, k // group, TILE), dtype)  # zeros: the padding rows' scales
-        minimum = np.zeros((nt if affine else 0, k // group, TILE), dtype)
-        outer = np.zeros((nt, k // per, 2, TILE), np.uint16) if two else None
-        seen = np.tile(np.array([[255, 0]], np.int32), (nt, 1))
+        codes, scale, minimum, outer, seen = tiled_arrays(qtype, n, k)  # K-quants: the file's integer scales
         lo = 0
         for name in names:
             qtype, shape, _, _ = file.tensors[name]
             rows = file.arch.restore(name, np.arange(shape[0]), config)  # destination row i takes source row rows[i]
             unpack_tiled(self.ckpt.raw(name), qtype, shape, rows, lo, codes, scale, minimum, seen, (bits, base),
-                         *(() if outer is None else (outer,)))
+                         outer)
             self.ckpt.release([name])  # copied out: the file's pages behind it are not kept
             lo += shape[0]
         if n % TILE and not PLANES[bits]:  # the padding rows hold the zero code (5, 6 bits: code 0)
             codes[-1, :, n % TILE:TILE, :] = zero if bits == 8 else zero | (zero << 4)
-        finite = ((outer & 0x7C00) != 0x7C00).all() if two else np.isfinite(scale).all() and np.isfinite(minimum).all()
+        finite = ((outer & 0x7C00) != 0x7C00).all() if outer is not None else \
+            np.isfinite(scale).all() and np.isfinite(minimum).all()
         if not finite:
             raise LarqlError(f"{self.ckpt.path}: {' / '.join(names)} hold non-finite scales (NaN or infinity)")
         return PackedWeight.from_tiled(codes, (n, k), scale, minimum if affine else None, zero, bits,
