@@ -140,19 +140,24 @@ def _chunk(q, where, s, c, kv, lo, hi, scale, softcap, m, total, acc):  # pragma
     v = carray(f32_at(where[s, 1] + 4 * kv * stride), (rows, d))
     k16 = carray(u16_at(where[s, 0] + 2 * kv * stride), (rows, d))  # the same, read as 16-bit rows
     v16 = carray(u16_at(where[s, 1] + 2 * kv * stride), (rows, d))
+    kv_rows = (k, k16, v, v16, at, kind, wide)
+    top, sums = m[c, h0:h0 + group], total[c, h0:h0 + group]
     if d == 64:
-        _scores(qq, h0, group, k, k16, at, kind, scale, wide, sc, 64)
+        _softmax_rows(qq, h0, group, kv_rows, scale, softcap, sc, top, sums, out, 64)
     elif d == 128:
-        _scores(qq, h0, group, k, k16, at, kind, scale, wide, sc, 128)
+        _softmax_rows(qq, h0, group, kv_rows, scale, softcap, sc, top, sums, out, 128)
     else:
-        _scores(qq, h0, group, k, k16, at, kind, scale, wide, sc, d)
-    _exponentials(sc[:, :hi - lo], softcap, m[c, h0:h0 + group], total[c, h0:h0 + group])
-    if d == 64:
-        _values(sc, h0, group, v, v16, at, kind, wide, out, 64)
-    elif d == 128:
-        _values(sc, h0, group, v, v16, at, kind, wide, out, 128)
-    else:
-        _values(sc, h0, group, v, v16, at, kind, wide, out, d)
+        _softmax_rows(qq, h0, group, kv_rows, scale, softcap, sc, top, sums, out, d)
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _softmax_rows(q, h0, group, kv_rows, scale, softcap, sc, top, total, out, d):  # pragma: no cover - jitted
+    """Scores, their exponentials (running maximum and sum into top, total) and the weighted values
+    of one chunk's rows for the group's query heads; d a literal where the caller can make it one."""
+    k, k16, v, v16, at, kind, wide = kv_rows
+    _scores(q, h0, group, k, k16, at, kind, scale, wide, sc, d)
+    _exponentials(sc[:, :at.shape[0]], softcap, top, total)
+    _values(sc, h0, group, v, v16, at, kind, wide, out, d)
 
 
 @njit(inline="always", cache=True, error_model="numpy")
