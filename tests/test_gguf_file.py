@@ -258,3 +258,40 @@ def test_k_quants_held_at_the_files_own_bits_give_the_numbers_of_whole_scales(na
     idx = torch.tensor([0, 5, n - 1])
     assert torch.equal(two.rows(idx), whole.rows(idx))
     assert torch.equal(two._rows_torch(idx), whole.rows(idx))
+
+
+def test_a_large_matrix_unpacks_in_row_chunks_to_the_same_codes_and_keeps_no_file_pages(links, monkeypatch):
+    """SmolLM2's tied embedding (Q8_0, 49,152 rows) unpacked a tile's rows at a time, each chunk's file
+    pages dropped before the next is read, is the codes and scales of one whole pass; llama's
+    permuted q rows go whole."""
+    from larqlpy.model.families import read_config
+    from larqlpy.weights import gguf_checkpoint
+    from larqlpy.weights.gguf_checkpoint import GGUFCheckpoint
+
+    f = GGUFFile(links["smol"])
+    ckpt = GGUFCheckpoint(f, read_config(f.dir))
+    codes = ckpt.native()
+    whole = codes.pack(["model.embed_tokens.weight"])
+    monkeypatch.setattr(gguf_checkpoint, "CHUNK_BYTES", 1)
+    rows = np.arange(f.tensors["token_embd.weight"][1][0])
+    assert len(codes._chunks("token_embd.weight", rows)) == -(-len(rows) // TILE)
+    q = "blk.0.attn_q.weight"
+    assert codes._chunks(q, f.arch.restore(q, np.arange(576), ckpt.raw_config)) == [(0, 576)]
+    chunked = codes.pack(["model.embed_tokens.weight"])
+    assert whole.meta() == chunked.meta() and torch.equal(whole.codes, chunked.codes)
+    assert mapped_resident(ckpt.map) < f.tensors["token_embd.weight"][3] / 8  # the embedding's pages are gone
+    assert all(torch.equal(a, b) for a, b in zip(whole.group_values(), chunked.group_values()) if a is not None)
+
+
+def mapped_resident(m) -> int:
+    """Bytes of the mapping `m` resident in this process (/proc/self/smaps)."""
+    at = np.frombuffer(m, np.uint8).__array_interface__["data"][0]
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= at < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError("mapping not found")

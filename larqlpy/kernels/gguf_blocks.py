@@ -18,6 +18,8 @@ scales, and each block's d and -dmin apart.
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 from numba import njit, prange
@@ -148,54 +150,60 @@ def _rows(raw, kind, per, size, u, scale, minimum):  # pragma: no cover - jitted
                 minimum[r, b * gpb:(b + 1) * gpb] = mn[:gpb]
 
 
+_BYTES = np.uint64(0x0101010101010101)
+_GATHER = np.uint64(0x0102040810204080)  # byte i's low bit to bit 56 + i of the product (no carries)
+
+
 @njit(inline="always", cache=True)
-def _put(codes, t, o, slot, buf, per, bits, base):  # pragma: no cover - jitted
-    """One block's codes (buf, less base) into row `slot` of tile t from octet (or quad) o on."""
+def _put(codes, planes, t, o, slot, words, eights, per, bits, base):  # pragma: no cover - jitted
+    """One block's codes (the decoder's buffer as `words` uint32 and `eights` uint64, less base) into
+    row `slot` of tile t from octet (or quad) o on: a word per 4 (8 bits) or 8 (nibbles) inputs, and a
+    plane byte per 8 inputs beside the nibbles at 5 and 6 bits (`planes`: the codes' bytes). Eight
+    codes at a time as one integer: every code is at least `base`, so subtracting it from each byte
+    borrows nowhere."""
     if bits == 8:
-        words = buf.view(np.uint32)
         for w in range(per // 4):
             codes[t, o + w, slot] = words[w]
         return
-    for w in range(per // 8):  # inputs 8o+i in the low nibbles, 8o+4+i in the high (int64 arithmetic)
-        word = 0
-        for i in range(4):
-            low, high = np.int64(buf[8 * w + i]) - base, np.int64(buf[8 * w + 4 + i]) - base
-            word |= ((low & 15) | ((high & 15) << 4)) << (8 * i)
-        codes[t, o + w, slot] = np.uint32(word)
-        for p in range(bits - 4):  # 5, 6 bits: a plane byte per row, its bit i from input 8o+i
-            plane = 0
-            for i in range(8):
-                plane |= (((np.int64(buf[8 * w + i]) - base) >> (4 + p)) & 1) << i
+    less = np.uint64(base) * _BYTES
+    for w in range(per // 8):  # inputs 8o+i in the low nibbles, 8o+4+i in the high
+        x = eights[w] - less
+        nib = x & np.uint64(0x0F0F0F0F0F0F0F0F)
+        codes[t, o + w, slot] = np.uint32((nib & np.uint64(0xFFFFFFFF)) | ((nib >> np.uint64(32)) << np.uint64(4)))
+        for p in range(bits - 4):  # 5, 6 bits: plane byte p of the row, its bit i from input 8o+i
             at = p * TILE + slot
-            codes[t, o + w, TILE + at // 4] = np.uint32(np.int64(codes[t, o + w, TILE + at // 4]) |
-                                                        (plane << (8 * (at % 4))))
+            bit = (x >> np.uint64(4 + p)) & _BYTES
+            planes[t, o + w, TILE + at // 4, at % 4] = np.uint8((bit * _GATHER) >> np.uint64(56))
 
 
 @njit(parallel=True, cache=True)
-def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, outer, seen):  # pragma: no cover
+def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, planes, scale, minimum, outer,
+           seen):  # pragma: no cover
     """Source row i to destination row lo + i of a tiled matrix (codes as words (tiles, k/4 or k/8,
     TILE + 16 P) at `bits`, the codes less `base`; zeroed beforehand where there are planes); scale /
     minimum tiled too (tiles, groups, TILE): float32, or with `outer` (tiles, blocks, 2, TILE) the
     K-quants' integer sub-block scales, their blocks' d and -dmin in outer; rows: the source row of
     each destination row; seen[t] = (lowest, highest) code written into tile t. A tile's rows go to
-    one thread: rows of one tile share cache lines."""
+    one thread: rows of one tile share cache lines. `planes`: the codes as bytes."""
     n = rows.shape[0]
     bpr = raw.shape[1] // size
     gpb = scale.shape[1] // bpr
     t0, t1 = lo // TILE, (lo + n - 1) // TILE + 1
     for t in prange(t0, t1):
         buf = np.empty(256, np.uint8)
+        words, eights = buf.view(np.uint32), buf.view(np.uint64)  # views made once: each costs a reference count
         sc, mn = np.zeros(16, np.float32), np.zeros(16, np.float32)
         low, high = 255, 0
         for dest in range(max(lo, t * TILE), min(lo + n, (t + 1) * TILE)):
-            r, slot = rows[dest - lo], dest % TILE
+            slot = dest % TILE
+            row = raw[rows[dest - lo]]
             for b in range(bpr):
-                _decode(raw[r], b * size, kind, buf, sc, mn)
+                _decode(row, b * size, kind, buf, sc, mn)
                 for j in range(per):
                     low, high = min(low, np.int32(buf[j]) - base), max(high, np.int32(buf[j]) - base)
-                _put(codes, t, b * per // (4 if bits == 8 else 8), slot, buf, per, bits, base)
+                _put(codes, planes, t, b * per // (4 if bits == 8 else 8), slot, words, eights, per, bits, base)
                 if outer.shape[0]:  # the integers in place of the products d * sc, dmin * m
-                    outer[t, b, 0, slot], outer[t, b, 1, slot] = _outer(raw[r], b * size, kind, sc, mn)
+                    outer[t, b, 0, slot], outer[t, b, 1, slot] = _outer(row, b * size, kind, sc, mn)
                 for g in range(gpb):
                     scale[t, b * gpb + g, slot] = sc[g]
                     if minimum.shape[0]:
@@ -234,10 +242,23 @@ def tiled_arrays(qtype: str, n: int, k: int) -> tuple:
     bits, _ = packed_width(qtype)
     nt, two = -(-n // TILE), qtype in TWO_LEVEL
     dtype = np.int8 if two else np.float32
-    return (np.zeros(code_shape(nt, k, bits), np.uint8), np.zeros((nt, k // group, TILE), dtype),
-            np.zeros((nt if affine else 0, k // group, TILE), dtype),
-            np.zeros((nt, k // per, 2, TILE), np.uint16) if two else None,
+    return (_zeros(code_shape(nt, k, bits), np.uint8), _zeros((nt, k // group, TILE), dtype),
+            _zeros((nt if affine else 0, k // group, TILE), dtype),
+            _zeros((nt, k // per, 2, TILE), np.uint16) if two else None,
             np.tile(np.array([[255, 0]], np.int32), (nt, 1)))
+
+
+def _zeros(shape: tuple, dtype) -> np.ndarray:
+    """Zeroed memory of its own mapping in small pages: a load writes it once, and a huge page's
+    first touch can wait on the kernel compacting memory (numpy asks for huge pages above 4 MB),
+    which cost a 0.5B's load a quarter of a second with no gain in decode (docs/weights.md)."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if size < 1 << 20:
+        return np.zeros(shape, dtype)
+    m = mmap.mmap(-1, size)  # zero pages, given on first touch
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(m, dtype).reshape(shape)
 
 
 def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.ndarray, lo: int,
@@ -252,7 +273,7 @@ def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.n
     size, per, bits, group, zero, affine = LAYOUTS[qtype]
     bits, base = width or (bits, 0)
     _tiled(np.asarray(raw).reshape(shape[0], -1), KIND[qtype], per, size, bits, base,
-           np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], scale, minimum,
+           np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], codes, scale, minimum,
            NO_OUTER if outer is None else outer, seen)
 
 

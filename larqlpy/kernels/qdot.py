@@ -15,7 +15,6 @@ CPU has neither instruction set and whenever a caller asks for it.
 
 from __future__ import annotations
 
-import math
 from types import FunctionType
 
 import numpy as np
@@ -30,6 +29,10 @@ def as_float(v):  # pragma: no cover - replaced by the overload inside jitted co
     raise NotImplementedError
 
 
+# 2^(e - 25) for a float16's exponent field e (2^-24 at 0: subnormals); a table, not ldexp's libm call
+_HALF_POWERS = np.ldexp(np.float32(1), np.maximum(np.arange(31), 1) - 25).astype(np.float32)
+
+
 @njit(inline="always", cache=True)
 def _half_bits(h):  # pragma: no cover - jitted
     """float16 bits -> float32, exactly (every float16 is a float32)."""
@@ -37,10 +40,8 @@ def _half_bits(h):  # pragma: no cover - jitted
     e, m = (h >> 10) & 31, h & 1023
     if e == 31:
         v = np.float32(np.inf) if m == 0 else np.float32(np.nan)
-    elif e == 0:
-        v = np.float32(math.ldexp(np.float32(m), -24))
-    else:
-        v = np.float32(math.ldexp(np.float32(1024 + m), e - 25))
+    else:  # (1024 + m) * 2^(e - 25), m * 2^-24 below: products by a power of two, exact
+        v = np.float32(m + (1024 if e else 0)) * _HALF_POWERS[e]
     return -v if h & 0x8000 else v
 
 

@@ -22,6 +22,8 @@ from larqlpy.model.config import ModelConfig
 from larqlpy.weights.checkpoint import Checkpoint, wanted_tensors
 from larqlpy.weights.gguf_file import GGUFFile
 
+CHUNK_BYTES = 16 << 20  # of a matrix's blocks unpacked at a time (GGUFCodes._chunks)
+
 
 class GGUFCheckpoint:
     """A GGUF file's tensors under the names and shapes the decoder takes: what weights/checkpoint.py's
@@ -76,14 +78,14 @@ class GGUFCheckpoint:
         """The quantized matrices as codes; gather: an untied embedding stays in the file's blocks."""
         return GGUFCodes(self, gather)
 
-    def release(self, names: list[str]) -> None:
-        """Drop the file's pages behind tensors that were copied out (unpacked into codes): the
-        process keeps only what it runs on."""
-        page = mmap.PAGESIZE
-        for name in names:
-            _, _, offset, nbytes = self.file.tensors[name]
-            lo = offset // page * page
-            self.map.madvise(mmap.MADV_DONTNEED, lo, offset + nbytes - lo)
+    def release(self, name: str, rows: int) -> None:
+        """Drop the file's pages behind a tensor's first `rows` rows, copied out (unpacked into codes):
+        the process keeps only what it runs on. From the tensor's start each time: reading the next
+        rows maps pages around them, behind as well as ahead. A page shared with rows still to read
+        is read again from the file when they are."""
+        _, shape, offset, nbytes = self.file.tensors[name]
+        lo = offset // mmap.PAGESIZE * mmap.PAGESIZE
+        self.map.madvise(mmap.MADV_DONTNEED, lo, offset + rows * (nbytes // shape[0]) - lo)
 
 
 class GGUFCodes:
@@ -96,6 +98,16 @@ class GGUFCodes:
         self.matrices = {hf for hf, (name, plus_one) in ckpt.names.items()
                          if not plus_one and ckpt.file.tensors[name][0] in LAYOUTS
                          and len(ckpt.file.tensors[name][1]) == 2}
+
+    def _chunks(self, name: str, rows: np.ndarray) -> list[tuple[int, int]]:
+        """Row ranges to unpack at a time, each's file pages dropped before the next is read, so a
+        large matrix (a tied embedding) is never held both as the file's blocks and as codes. A
+        matrix whose rows are permuted (llama's q, k) goes whole."""
+        _, shape, _, nbytes = self.ckpt.file.tensors[name]
+        step = max(TILE, CHUNK_BYTES // max(1, nbytes // shape[0]) // TILE * TILE)
+        if not np.array_equal(rows, np.arange(shape[0])):
+            step = shape[0]
+        return [(r0, min(r0 + step, shape[0])) for r0 in range(0, shape[0], step)]
 
     def kind(self, hf: str) -> tuple:
         """What must match for matrices to share one packed whole: (zero, bits, group, affine, whether
@@ -129,9 +141,10 @@ class GGUFCodes:
         for name in names:
             qtype, shape, _, _ = file.tensors[name]
             rows = file.arch.restore(name, np.arange(shape[0]), config)  # destination row i takes source row rows[i]
-            unpack_tiled(self.ckpt.raw(name), qtype, shape, rows, lo, codes, scale, minimum, seen, (bits, base),
-                         outer)
-            self.ckpt.release([name])  # copied out: the file's pages behind it are not kept
+            for r0, r1 in self._chunks(name, rows):
+                unpack_tiled(self.ckpt.raw(name), qtype, shape, rows[r0:r1], lo + r0, codes, scale, minimum, seen,
+                             (bits, base), outer)
+                self.ckpt.release(name, r1)  # copied out: the file's pages behind it are not kept
             lo += shape[0]
         if n % TILE and not PLANES[bits]:  # the padding rows hold the zero code (5, 6 bits: code 0)
             codes[-1, :, n % TILE:TILE, :] = zero if bits == 8 else zero | (zero << 4)
