@@ -88,8 +88,7 @@ def test_a_branch_decodes_the_bits_of_a_sequence_that_never_forked(tiny, preset)
     parent, plain, child = (new_state(spec, tiny.geometries(), tiny.device) for _ in range(3))
     prefill(tiny, parent, ids, 64)
     prefill(tiny, plain, ids, 64)
-    for mine, theirs in zip(child.layers, parent.layers):
-        mine.fork(theirs)
+    child.fork_from(parent)
     for t in range(40, 60):  # decode steps on the branch (its own rows past the shared ones) and alone
         a, b = (tiny.forward(torch.tensor([t]), s)[-1] for s in (child, plain))
         assert torch.equal(a, b), f"step {t}"
@@ -102,6 +101,37 @@ def test_a_branch_decodes_the_bits_of_a_sequence_that_never_forked(tiny, preset)
             assert rows.end - rows.offset < CHUNK + 20 and mine.resident_bytes() < theirs.resident_bytes()
         else:
             assert rows.offset == 0 and g.window  # a sliding layer's ring is copied
+
+
+@pytest.mark.parametrize("preset", FORKING, ids=lambda p: p[0] + ":" + ",".join(option_texts(p)))
+def test_branches_stepped_together_decode_the_bits_of_sequences_that_never_forked(tiny, preset, monkeypatch):
+    """Three branches of one prompt in one batch, each fed its own tokens: the stores that read the
+    prompt's codes in place attend together (`LayerStore.attend_family`: codes/v1's one kernel call
+    for the family) and every branch's logits are those of a sequence of its own, bit for bit --
+    through its recent tier's wrap and its own rows joining the main codes."""
+    from larqlpy.kernels import tq_attend
+
+    families = []
+    real = tq_attend.attend_family
+    monkeypatch.setattr(tq_attend, "attend_family", lambda *a: families.append(a[0].shape[0]) or real(*a))
+    spec = parse_engine_spec(None, preset[0], option_texts(preset))
+    ids = [10 + i % 37 for i in range(300)]
+    parent = new_state(spec, tiny.geometries(), tiny.device)
+    prefill(tiny, parent, ids, 64)
+    plain = [new_state(spec, tiny.geometries(), tiny.device) for _ in range(3)]
+    children = [new_state(spec, tiny.geometries(), tiny.device) for _ in range(3)]
+    for state in plain:
+        prefill(tiny, state, ids, 64)
+    for child in children:
+        child.fork_from(parent)
+    together = any(s.family() is not None for s in children[0].layers)
+    assert together == (preset[0] == "codec/v1")  # codes read in place by a fused kernel; not exact keys
+    for t in range(24):
+        tokens = [torch.tensor([40 + (t * (b + 1)) % 50]) for b in range(3)]
+        got = tiny.forward_many([(tok, s, "last") for tok, s in zip(tokens, children)])
+        want = tiny.forward_many([(tok, s, "last") for tok, s in zip(tokens, plain)])
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"step {t}"
+    assert bool(families) == together and all(b == 3 for b in families)
 
 
 def test_a_codec_branch_holds_only_its_own_codes(smol, long_text):

@@ -38,8 +38,7 @@ class Branches:
         if not all(s.forks for s in parent.state.layers):  # the first takes the prompt's state, the others prefill
             return Reuse(parent) if self.taken == 1 else Reuse()
         child = self._fresh()
-        for mine, theirs in zip(child.layers, parent.state.layers):
-            mine.fork(theirs)
+        child.fork_from(parent.state)
         info = {"branch": self.taken - 1, "shared_prompt_kv_bytes": self.shared_bytes()}
         return Reuse(Held(list(ids), child, parent.logits.clone()), info)
 

@@ -202,4 +202,90 @@ def _finish(part, p, sink_v, sgn, out):  # pragma: no cover - jitted
                     out[h, g, i] += w * sink_v[h, r, i]
 
 
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
+def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap, out):  # pragma: no cover - jitted
+    """`attend` for B branches of one prompt at one position, in one call: q (B, Hkv, G, D) -> out (B,
+    Hkv, G, D). shared: the prompt's K and V code pieces every branch reads (norms, codes, first row,
+    rows as arrays and ints: K's four, then V's) and the four codebooks (K centroids, K bits, V, V
+    bits); own: each branch's own rows of the main codes past them, (K norms (B, Hkv, R), K codes
+    (B, Hkv, R, bytes), V norms, V codes); tier: each branch's recent-tier rows, the same four, and
+    its codebooks; sinks: (K, V (Hkv, ns, D)) exact, the same in every branch; bounds (klo, mid, N)
+    the same in every branch. A shared row is decoded once for all; each branch's numbers are op for
+    op those `attend` gives it alone (the same sums in the same order), so the same bits."""
+    nb, hkv, group, d = q.shape
+    n, cs, klo, mid = bounds[2], cal[3], bounds[0], bounds[1]
+    qk, qr, coef = np.empty(q.shape, np.float32), np.empty(q.shape, np.float32), np.empty(q.shape, np.float32)
+    bias = np.empty((nb, hkv, group), np.float32)
+    for b in range(nb):
+        _calibrated(q[b], cal[0], cal[1], qk[b], bias[b])
+        _prepare(q[b], qk[b], cal[2], sgn, qr[b], coef[b])
+    kn, kc, kf, kr, vn, vc, vf, vr = shared[0], shared[1], shared[2], shared[3], shared[4], shared[5], shared[6], \
+        shared[7]
+    kcent, kbits, vcent, vbits = shared[8], shared[9], shared[10], shared[11]
+    okn, okc, ovn, ovc, tkn, tkc, tvn, tvc = own[0], own[1], own[2], own[3], tier[0], tier[1], tier[2], tier[3]
+    tkcent, tkbits, tvcent, tvbits = tier[4], tier[5], tier[6], tier[7]
+    sk, sv = sinks[0], sinks[1]
+    s = np.empty((nb, hkv * group, n), np.float32)
+    step = (n + CHUNKS - 1) // CHUNKS
+    for job in prange(hkv * CHUNKS):  # the pieces taken apart: a parallel loop takes arrays, not tuples of them
+        h, c = job // CHUNKS, job % CHUNKS
+        v, sc = np.empty(d, np.float32), np.float32(0.0)
+        for r in range(c * step, min(n, (c + 1) * step)):
+            if r < sk.shape[1]:
+                for b in range(nb):
+                    for g in range(group):
+                        s[b, h * group + g, r] = _logit(_dot(q[b, h, g], sk[h, r]), scale, softcap)
+                continue
+            if r < klo and r < kr:
+                sc = _row(h, r, (kn, kc, kf, kr), (kn, kc, 0, 0), kcent, kbits, v)
+            for b in range(nb):
+                if r >= klo or r >= kr:
+                    sc = _own_row(h, r, b, klo, mid, n, (kn, kc, kf, kr), okn, okc, tkn, tkc, kcent, kbits, tkcent,
+                                  tkbits, v)
+                _score(s[b], h, r, qr[b], bias[b], coef[b], cs, sc, v, scale, softcap)
+    for job in prange(nb * hkv * group):
+        _softmax(s[job // (hkv * group)], job % (hkv * group))
+    part = np.zeros((nb, hkv, CHUNKS, group, d), np.float32)
+    for job in prange(hkv * CHUNKS):
+        h, c = job // CHUNKS, job % CHUNKS
+        v, sc = np.empty(d, np.float32), np.float32(0.0)
+        for r in range(max(c * step, sk.shape[1]), min(n, (c + 1) * step)):
+            if r < mid and r < vr:
+                sc = _row(h, r, (vn, vc, vf, vr), (vn, vc, 0, 0), vcent, vbits, v)
+            for b in range(nb):
+                if r >= mid or r >= vr:
+                    sc = _own_row(h, r, b, mid, mid, n, (vn, vc, vf, vr), ovn, ovc, tvn, tvc, vcent, vbits, tvcent,
+                                  tvbits, v)
+                for g in range(group):
+                    w = s[b, h * group + g, r] * sc
+                    for i in range(d):
+                        part[b, h, c, g, i] += w * v[i]
+    for b in range(nb):
+        _finish(part[b], s[b], sv, sgn, out[b])
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _own_row(h, r, b, split, mid, n, shared, norms, codes, tier_norms, tier_codes, books, bits, tier_books, tier_bits,
+             v):  # pragma: no cover - jitted
+    """Branch b's row r past the rows its family shares, as `_row` gives it (-> v, its scale): from its
+    recent tier from `split` on (K: klo, V: mid), else from its own main codes after the shared piece."""
+    if r >= split:
+        return _row(h, r - mid, (tier_norms[b], tier_codes[b], 0, n - mid), (tier_norms[b], tier_codes[b], 0, 0),
+                    tier_books, tier_bits, v)
+    return _row(h, r, shared, (norms[b], codes[b], 0, norms.shape[2]), books, bits, v)
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _score(s, h, r, qr, bias, coef, cs, sc, v, scale, softcap):  # pragma: no cover - jitted
+    """KV head h's query heads' logits for coded row r (v, sc as `_row` gave them) -> s (H, N): as
+    `_score_rows` computes them."""
+    group = qr.shape[1]
+    for g in range(group):
+        x = _dot(qr[h, g], v) * sc + bias[h, g]
+        if cs.shape[0] > 0:
+            x += _dot(coef[h, g], cs[r])
+        s[h * group + g, r] = _logit(x, scale, softcap)
+
+
 jitcache.tie(globals(), turboquant, scalars, jitcache)  # inlines turboquant's helpers; compiled with its FASTMATH

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 
 from larqlpy.engines.geometry import LayerGeometry
-from larqlpy.engines.stores.base import AttentionParams, EngineState, attend_block
+from larqlpy.engines.stores.base import AttentionParams, EngineState
+from larqlpy.engines.stores.dispatch import attend_block
 from larqlpy.kernels.matvec import embedding, gated, linear, qkv_rope, residual_norm, rms_norm, stacked
 from larqlpy.model.config import ModelConfig, RopeConfig
 from larqlpy.model.tensors import block_weights

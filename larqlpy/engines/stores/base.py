@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from larqlpy.engines.geometry import LayerGeometry
-from larqlpy.kernels.attention import Span, attend_one, attend_rows, takes
+from larqlpy.kernels.attention import Span, attend_one, takes
 
 QUERY_TILE = 256  # prefill queries attended per tile
 
@@ -178,6 +178,18 @@ class LayerStore:
         keys, values = self.read(self.geometry.read_start(self.end - 1), torch.float32)
         return Span(keys, values, 0, keys.shape[1])
 
+    def family(self) -> object | None:
+        """What a decode step of this store shares with others' (branches of one prompt at one
+        position, reading its rows): steps of one family are attended in one call (`attend_family`).
+        None: attended on its own."""
+        return None
+
+    def attend_family(self, stores: Sequence["LayerStore"], q: torch.Tensor, ks: Sequence[torch.Tensor],
+                      vs: Sequence[torch.Tensor], p: AttentionParams) -> torch.Tensor:
+        """Decode steps of a family (`family`, this store first): q (H, B, D), one step each ->
+        (H, B, D). By default each attends alone."""
+        return torch.cat([s.attend(q[:, i:i + 1].contiguous(), ks[i], vs[i], p) for i, s in enumerate(stores)], dim=1)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> torch.Tensor:
         """Append this block's rows and attend its queries (H, T, D) over what they may read."""
         q_start, t = self.end, q.shape[1]
@@ -198,65 +210,6 @@ class LayerStore:
         return out
 
 
-def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: Sequence[LayerStore], sizes: list[int],
-                 p: AttentionParams, stepped: Sequence[bool] = ()) -> torch.Tensor:
-    """One layer of one block: each sequence's rows (q (H, T, D), k, v (Hkv, T, D), `sizes` rows
-    each, laid end to end) to its own store -- the model's one call into the engines per layer.
-    Decode steps whose store says where its rows are (`decode_rows`) are attended together in one
-    kernel call, and released; every other block, and every store that attends on its own terms,
-    through `store.attend`. A `stepped` sequence's rows are attended one after another, each as a
-    decode step of its own (speculative decoding verifies proposals with the numbers plain decode
-    would give them)."""
-    if any(stepped):
-        return _stepwise(q, k, v, stores, sizes, p, stepped)
-    decode = takes(q)
-    one = len(stores) == 1
-    ks, vs = ((k,), (v,)) if one else (k.split(sizes, dim=1), v.split(sizes, dim=1))  # views, one call each
-    outs, steps, lo = [], [], 0  # steps: (index in outs, row in q, store, its rows)
-    for store, n, kn, vn in zip(stores, sizes, ks, vs):
-        rows = store.decode_rows(kn, vn) if decode and n == 1 else None
-        if rows is None:
-            qn = q if one else q[:, lo:lo + n].contiguous()
-            outs.append(store.attend(qn, kn if one else kn.contiguous(), vn if one else vn.contiguous(), p))
-        else:
-            steps.append((len(outs), lo, store, rows))
-            outs.append(None)
-        lo += n
-    if steps:
-        qs = q if len(steps) == len(outs) else q[:, [s[1] for s in steps]]  # (H, steps, D)
-        got = attend_rows(qs.transpose(0, 1), [s[3] for s in steps], p.scale, p.softcap or 0.0,
-                          (k, v), [s[1] for s in steps]).transpose(0, 1)
-        for _, _, store, _ in steps:
-            store.release()
-        if len(steps) == len(outs):
-            return got
-        for j, (at, _, _, _) in enumerate(steps):
-            outs[at] = got[:, j:j + 1]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-
-def _stepwise(q, k, v, stores, sizes, p, stepped) -> torch.Tensor:
-    """attend_block with the `stepped` sequences' rows taken one decode step at a time, after the
-    others' block (each sequence's output in its own place)."""
-    bounds = [0]
-    for n in sizes:
-        bounds.append(bounds[-1] + n)
-    plain = [i for i, s in enumerate(stepped) if not s]
-    outs: list = [None] * len(sizes)
-    if plain:
-        cols = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in plain])
-        got = attend_block(q[:, cols], k[:, cols], v[:, cols], [stores[i] for i in plain],
-                           [sizes[i] for i in plain], p)
-        at = 0
-        for i in plain:
-            outs[i], at = got[:, at:at + sizes[i]], at + sizes[i]
-    for i in (i for i, s in enumerate(stepped) if s):
-        outs[i] = torch.cat([attend_block(q[:, r:r + 1].contiguous(), k[:, r:r + 1].contiguous(),
-                                          v[:, r:r + 1].contiguous(), [stores[i]], [1], p)
-                             for r in range(bounds[i], bounds[i + 1])], dim=1)
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-
 class QueryTap:
     """A layer store wrapped for a measurement: `on_query(store, q, p)` sees each block's queries
     before the store attends as usual; everything else is the store's."""
@@ -269,6 +222,9 @@ class QueryTap:
 
     def decode_rows(self, k, v):
         return None  # every query goes through attend, where the tap sees it
+
+    def family(self):
+        return None  # attended alone, through attend
 
     def attend(self, q, k, v, p):
         self.on_query(self.store, q, p)
@@ -340,6 +296,12 @@ class EngineState:
     def reserve(self, positions: int) -> None:
         for s in self.layers:
             s.reserve(positions)
+
+    def fork_from(self, parent: "EngineState") -> None:
+        """Become a branch of `parent` (this a fresh state's twin, `parent` holding a prompt): every
+        layer forks (`LayerStore.fork`)."""
+        for mine, theirs in zip(self.layers, parent.layers):
+            mine.fork(theirs)
 
     def keep_rollback(self, n: int) -> None:
         """Let every layer be trimmed back `n` positions (`LayerStore.keep_rollback`)."""

@@ -117,22 +117,73 @@ class CodecStore(RowStore):
     def attend(self, q, k, v, p):
         if q.shape[1] != 1 or not self.fused:
             return super().attend(q, k, v, p)
-        q_start = self.end
         self.append(k, v)
-        start = self.geometry.read_start(q_start)
+        return self._attend_step(q, p)
+
+    def _bounds(self) -> tuple[int, int, int]:
+        """A decode step's (first row read, first from the tier, first whose K is from the tier or
+        exact), by position."""
+        start = self.geometry.read_start(self.end - 1)
         mid = self._recent_from(start)
-        lo = min(mid, self._exact_from(start))  # K rows from here on come from the tier or are exact
+        return start, mid, min(mid, self._exact_from(start))
+
+    def _attend_step(self, q, p):
+        """The step's query (H, 1, D) attending on the codes, its row already appended."""
+        start, mid, lo = self._bounds()
         hkv, (n_heads, _, d), n = self.geometry.n_kv_heads, q.shape, self.end - start
         main = self.codec.sides(self.rows.spans(start, mid))
         tier = self.recent_codec.sides(self.recent.spans(mid, self.end)) if mid < self.end else _no_tier(main)
-        cal = self.codec.calibration
         out = np.empty((hkv, n_heads // hkv, d), np.float32)
-        tq_attend.attend(q[:, 0].float().contiguous().view(out.shape).numpy(),
-                         NO_CALIBRATION if cal is None else cal.kernel_args(start, n), self.codec.k.signs, main, tier,
-                         self._exact_rows(start, lo), (lo - start, mid - start, n), np.float32(p.scale),
-                         np.float32(p.softcap or 0.0), out)
+        tq_attend.attend(q[:, 0].float().contiguous().view(out.shape).numpy(), self._calibration(start, n),
+                         self.codec.k.signs, main, tier, self._exact_rows(start, lo), (lo - start, mid - start, n),
+                         np.float32(p.scale), np.float32(p.softcap or 0.0), out)
         self.release()
         return torch.from_numpy(out).view(n_heads, 1, d).to(q.dtype)
+
+    def _tiers(self, stores, mid: int) -> tuple:
+        """The family's recent-tier rows [mid, end), stacked (B, Hkv, rows, ...), and its codebooks."""
+        codec = self.codec if self.recent is None or mid == self.end else self.recent_codec
+        books = (codec.k.centroids, codec.k.bits, codec.v.centroids, codec.v.bits)
+        if codec is self.codec:  # no tier rows: the main codes' books stand in, of the types the kernel takes
+            nbytes = self.rows.buf["k_code"].shape[2]
+            return (*_stacked([], 0, 0, nbytes, len(stores), self.geometry.n_kv_heads), *books)
+        return (*_stacked([s.recent for s in stores], mid, self.end, 0), *books)
+
+    def _calibration(self, start: int, n: int) -> tuple:
+        cal = self.codec.calibration
+        return NO_CALIBRATION if cal is None else cal.kernel_args(start, n)
+
+    def family(self):
+        """A branch reading its prompt's codes in place, at its position: its siblings at the same
+        position read the same codes, so their steps are attended in one call (a ring, exact keys
+        and the unfused path attend alone)."""
+        if not self.rows.offset or self.rows.keep is not None or not self.fused or self.exact_keys is not None:
+            return None
+        return "codes", next(iter(self.rows.prefix.values())).data_ptr(), self.rows.offset, self.end
+
+    def attend_family(self, stores, q, ks, vs, p):
+        """Branches' decode steps (`family`) in one kernel call: the prompt's codes decoded once for
+        all of them, each branch's own rows and tier apart, each output the bits its own `attend`
+        gives (tq_attend.attend_family)."""
+        if len(stores) == 1:
+            return self.attend(q, ks[0], vs[0], p)
+        for s, k, v in zip(stores, ks, vs):
+            s.append(k, v)
+        start, mid, lo = self._bounds()
+        (n_heads, b, d), hkv, n = q.shape, self.geometry.n_kv_heads, self.end
+        shared = self.codec.sides(self.rows.spans(0, mid))  # the prompt's piece first: the same in every branch
+        a_rows = shared[0][3]
+        own = _stacked([s.rows for s in stores], a_rows, mid, shared[0][1].shape[2])
+        out = np.empty((b, hkv, n_heads // hkv, d), np.float32)
+        tq_attend.attend_family(q.transpose(0, 1).float().contiguous().view(out.shape).numpy(),
+                                self._calibration(0, n), self.codec.k.signs,
+                                (*shared[0][:2], shared[0][2], a_rows, *shared[4][:2], shared[4][2], a_rows,
+                                 shared[2], shared[3], shared[6], shared[7]), own, self._tiers(stores, mid),
+                                self._exact_rows(0, lo)[1:], (lo, mid, n), np.float32(p.scale),
+                                np.float32(p.softcap or 0.0), out)
+        for s in stores:
+            s.release()
+        return torch.from_numpy(out).view(b, n_heads, d).transpose(0, 1).to(q.dtype)
 
     def _exact_rows(self, start: int, lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The fused kernel's exact rows, float32: K of positions [lo, end) and the sinks' K and V."""
@@ -169,6 +220,20 @@ class CodecStore(RowStore):
         if self.sinks is not None:
             sets["sink"] = RowSet(self.sinks, "ACTIVE", self.geometry.kv_dtype, first_positions=self.sink)
         return sets
+
+
+def _stacked(sets: list[Rows], lo: int, hi: int, nbytes: int, empty: int = 0, hkv: int = 0) -> tuple:
+    """Positions [lo, hi) of each code set, stacked: (K norms (B, Hkv, rows), K codes (B, Hkv, rows,
+    bytes), V norms, V codes); of no rows for `empty` branches of `hkv` heads when there are no sets."""
+    names = ("k_norm", "k_code", "v_norm", "v_code")
+    if not sets or hi == lo:
+        b, h = (empty, hkv) if not sets else (len(sets), sets[0].n_kv)
+        return tuple(np.zeros((b, h, 0, nbytes), np.uint8) if "code" in n else np.zeros((b, h, 0), np.float32)
+                     for n in names)
+    runs = [r.spans(lo, hi) for r in sets]  # buffers read in place: a ring's rows in one or two runs
+    return tuple(np.stack([np.concatenate([f[n].numpy()[:, a:a + k] for f, a, k in spans], axis=1)
+                           if len(spans) > 1 else spans[0][0][n].numpy()[:, spans[0][1]:spans[0][1] + spans[0][2]]
+                           for spans in runs]) for n in names)
 
 
 def _no_tier(main: tuple) -> tuple:
