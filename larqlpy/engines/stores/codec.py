@@ -145,9 +145,8 @@ class CodecStore(RowStore):
         codec = self.codec if self.recent is None or mid == self.end else self.recent_codec
         books = (codec.k.centroids, codec.k.bits, codec.v.centroids, codec.v.bits)
         if codec is self.codec:  # no tier rows: the main codes' books stand in, of the types the kernel takes
-            nbytes = self.rows.buf["k_code"].shape[2]
-            return (*_stacked([], 0, 0, nbytes, len(stores), self.geometry.n_kv_heads), *books)
-        return (*_stacked([s.recent for s in stores], mid, self.end, 0), *books)
+            return (*_no_rows(len(stores), self.geometry.n_kv_heads, self.rows.buf["k_code"].shape[2]), *books)
+        return (*_stacked([s.recent for s in stores], mid, self.end), *books)
 
     def _calibration(self, start: int, n: int) -> tuple:
         cal = self.codec.calibration
@@ -169,18 +168,18 @@ class CodecStore(RowStore):
             return self.attend(q, ks[0], vs[0], p)
         for s, k, v in zip(stores, ks, vs):
             s.append(k, v)
-        start, mid, lo = self._bounds()
+        _, mid, lo = self._bounds()  # a growing layer: rows from position 0
         (n_heads, b, d), hkv, n = q.shape, self.geometry.n_kv_heads, self.end
         shared = self.codec.sides(self.rows.spans(0, mid))  # the prompt's piece first: the same in every branch
         a_rows = shared[0][3]
-        own = _stacked([s.rows for s in stores], a_rows, mid, shared[0][1].shape[2])
+        own = _stacked([s.rows for s in stores], a_rows, mid) if mid > a_rows else \
+            _no_rows(b, hkv, shared[0][1].shape[2])
         out = np.empty((b, hkv, n_heads // hkv, d), np.float32)
         tq_attend.attend_family(q.transpose(0, 1).float().contiguous().view(out.shape).numpy(),
                                 self._calibration(0, n), self.codec.k.signs,
-                                (*shared[0][:2], shared[0][2], a_rows, *shared[4][:2], shared[4][2], a_rows,
-                                 shared[2], shared[3], shared[6], shared[7]), own, self._tiers(stores, mid),
-                                self._exact_rows(0, lo)[1:], (lo, mid, n), np.float32(p.scale),
-                                np.float32(p.softcap or 0.0), out)
+                                (*shared[0], *shared[4], shared[2], shared[3], shared[6], shared[7]), own,
+                                self._tiers(stores, mid), self._exact_rows(0, lo)[1:], (lo, mid, n),
+                                np.float32(p.scale), np.float32(p.softcap or 0.0), out)
         for s in stores:
             s.release()
         return torch.from_numpy(out).view(b, n_heads, d).transpose(0, 1).to(q.dtype)
@@ -222,18 +221,22 @@ class CodecStore(RowStore):
         return sets
 
 
-def _stacked(sets: list[Rows], lo: int, hi: int, nbytes: int, empty: int = 0, hkv: int = 0) -> tuple:
-    """Positions [lo, hi) of each code set, stacked: (K norms (B, Hkv, rows), K codes (B, Hkv, rows,
-    bytes), V norms, V codes); of no rows for `empty` branches of `hkv` heads when there are no sets."""
-    names = ("k_norm", "k_code", "v_norm", "v_code")
-    if not sets or hi == lo:
-        b, h = (empty, hkv) if not sets else (len(sets), sets[0].n_kv)
-        return tuple(np.zeros((b, h, 0, nbytes), np.uint8) if "code" in n else np.zeros((b, h, 0), np.float32)
-                     for n in names)
-    runs = [r.spans(lo, hi) for r in sets]  # buffers read in place: a ring's rows in one or two runs
+_CODE_FIELDS = ("k_norm", "k_code", "v_norm", "v_code")
+
+
+def _stacked(sets: list[Rows], lo: int, hi: int) -> tuple:
+    """Positions [lo, hi) of each code set, read in place (a ring's in one or two runs) and stacked:
+    (K norms (B, Hkv, rows), K codes (B, Hkv, rows, bytes), V norms, V codes)."""
+    runs = [r.spans(lo, hi) for r in sets]
     return tuple(np.stack([np.concatenate([f[n].numpy()[:, a:a + k] for f, a, k in spans], axis=1)
                            if len(spans) > 1 else spans[0][0][n].numpy()[:, spans[0][1]:spans[0][1] + spans[0][2]]
-                           for spans in runs]) for n in names)
+                           for spans in runs]) for n in _CODE_FIELDS)
+
+
+def _no_rows(b: int, hkv: int, nbytes: int) -> tuple:
+    """`_stacked`'s arrays for b branches of no rows."""
+    return tuple(np.zeros((b, hkv, 0, nbytes), np.uint8) if "code" in n else np.zeros((b, hkv, 0), np.float32)
+                 for n in _CODE_FIELDS)
 
 
 def _no_tier(main: tuple) -> tuple:
