@@ -95,11 +95,33 @@ def _logit(x, scale, softcap):  # pragma: no cover - jitted
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _score(s, h, r, qr, bias, coef, cs, sc, v, scale, softcap):  # pragma: no cover - jitted
+    """KV head h's query heads' logits for coded row r (v, sc as `_row` gave them) -> s (H, N)."""
+    group = qr.shape[1]
+    for g in range(group):
+        x = _dot(qr[h, g], v) * sc + bias[h, g]
+        if cs.shape[0] > 0:
+            x += _dot(coef[h, g], cs[r])
+        s[h * group + g, r] = _logit(x, scale, softcap)
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _add_values(part, p, h, r, sc, v):  # pragma: no cover - jitted
+    """Coded value row r (v, sc as `_row` gave them), weighted by KV head h's query heads'
+    probabilities p (H, N), added to their sums part (G, D)."""
+    group = part.shape[0]
+    for g in range(group):
+        w = p[h * group + g, r] * sc
+        for i in range(v.shape[0]):
+            part[g, i] += w * v[i]
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
 def _score_rows(h, lo, hi, q, qr, bias, coef, cs, ka, kb, tka, tkb, keys, sinks, codebooks, bounds, scale, softcap,
                 v, s):  # pragma: no cover - jitted
     """Logits of KV head h's query heads over rows [lo, hi) -> s (H, N)."""
     group, klo, mid = q.shape[1], bounds[0], bounds[1]
-    ns, tiered, turns = sinks.shape[1], tka[3] + tkb[3] > 0, cs.shape[0] > 0
+    ns, tiered = sinks.shape[1], tka[3] + tkb[3] > 0
     for r in range(lo, hi):
         if r < ns or (r >= klo and not (tiered and r >= mid)):
             row = sinks[h, r] if r < ns else keys[h, r - klo]
@@ -110,11 +132,7 @@ def _score_rows(h, lo, hi, q, qr, bias, coef, cs, ka, kb, tka, tkb, keys, sinks,
             sc = _row(h, r, ka, kb, codebooks[0], codebooks[1], v)
         else:
             sc = _row(h, r - mid, tka, tkb, codebooks[4], codebooks[5], v)
-        for g in range(group):
-            x = _dot(qr[h, g], v) * sc + bias[h, g]
-            if turns:
-                x += _dot(coef[h, g], cs[r])
-            s[h * group + g, r] = _logit(x, scale, softcap)
+        _score(s, h, r, qr, bias, coef, cs, sc, v, scale, softcap)
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -135,16 +153,13 @@ def _softmax(s, head):  # pragma: no cover - jitted
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
 def _sum_rows(h, lo, hi, p, va, vb, tva, tvb, codebooks, bounds, ns, v, part):  # pragma: no cover - jitted
     """KV head h's rows [lo, hi) of coded values, weighted, -> part (G, D) in the rotated domain."""
-    group, mid = part.shape[0], bounds[1]
+    mid = bounds[1]
     for r in range(max(lo, ns), hi):
         if r < mid:
             sc = _row(h, r, va, vb, codebooks[2], codebooks[3], v)
         else:
             sc = _row(h, r - mid, tva, tvb, codebooks[6], codebooks[7], v)
-        for g in range(group):
-            w = p[h * group + g, r] * sc
-            for i in range(v.shape[0]):
-                part[g, i] += w * v[i]
+        _add_values(part, p, h, r, sc, v)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -202,7 +217,6 @@ def _finish(part, p, sink_v, sgn, out):  # pragma: no cover - jitted
                     out[h, g, i] += w * sink_v[h, r, i]
 
 
-
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap, out):  # pragma: no cover - jitted
     """`attend` for B branches of one prompt at one position, in one call: q (B, Hkv, G, D) -> out (B,
@@ -257,10 +271,7 @@ def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap,
                 if r >= mid or r >= vr:
                     sc = _own_row(h, r, b, mid, mid, n, (vn, vc, vf, vr), ovn, ovc, tvn, tvc, vcent, vbits, tvcent,
                                   tvbits, v)
-                for g in range(group):
-                    w = s[b, h * group + g, r] * sc
-                    for i in range(d):
-                        part[b, h, c, g, i] += w * v[i]
+                _add_values(part[b, h, c], s[b], h, r, sc, v)
     for b in range(nb):
         _finish(part[b], s[b], sv, sgn, out[b])
 
@@ -275,17 +286,6 @@ def _own_row(h, r, b, split, mid, n, shared, norms, codes, tier_norms, tier_code
                     tier_books, tier_bits, v)
     return _row(h, r, shared, (norms[b], codes[b], 0, norms.shape[2]), books, bits, v)
 
-
-@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _score(s, h, r, qr, bias, coef, cs, sc, v, scale, softcap):  # pragma: no cover - jitted
-    """KV head h's query heads' logits for coded row r (v, sc as `_row` gave them) -> s (H, N): as
-    `_score_rows` computes them."""
-    group = qr.shape[1]
-    for g in range(group):
-        x = _dot(qr[h, g], v) * sc + bias[h, g]
-        if cs.shape[0] > 0:
-            x += _dot(coef[h, g], cs[r])
-        s[h * group + g, r] = _logit(x, scale, softcap)
 
 
 jitcache.tie(globals(), turboquant, scalars, jitcache)  # inlines turboquant's helpers; compiled with its FASTMATH

@@ -104,9 +104,9 @@ class GGUFCodes:
         large matrix (a tied embedding) is never held both as the file's blocks and as codes. A
         matrix whose rows are permuted (llama's q, k) goes whole."""
         _, shape, _, nbytes = self.ckpt.file.tensors[name]
-        step = max(TILE, CHUNK_BYTES // max(1, nbytes // shape[0]) // TILE * TILE)
         if not np.array_equal(rows, np.arange(shape[0])):
-            step = shape[0]
+            return [(0, shape[0])]
+        step = max(TILE, CHUNK_BYTES // max(1, nbytes // shape[0]) // TILE * TILE)
         return [(r0, min(r0 + step, shape[0])) for r0 in range(0, shape[0], step)]
 
     def kind(self, hf: str) -> tuple:
@@ -141,9 +141,9 @@ class GGUFCodes:
         for name in names:
             qtype, shape, _, _ = file.tensors[name]
             rows = file.arch.restore(name, np.arange(shape[0]), config)  # destination row i takes source row rows[i]
+            raw = self.ckpt.raw(name)
             for r0, r1 in self._chunks(name, rows):
-                unpack_tiled(self.ckpt.raw(name), qtype, shape, rows[r0:r1], lo + r0, codes, scale, minimum, seen,
-                             (bits, base), outer)
+                unpack_tiled(raw, qtype, shape, rows[r0:r1], lo + r0, codes, scale, minimum, seen, (bits, base), outer)
                 self.ckpt.release(name, r1)  # copied out: the file's pages behind it are not kept
             lo += shape[0]
         if n % TILE and not PLANES[bits]:  # the padding rows hold the zero code (5, 6 bits: code 0)
