@@ -107,8 +107,9 @@ def test_a_branch_decodes_the_bits_of_a_sequence_that_never_forked(tiny, preset)
 def test_branches_stepped_together_decode_the_bits_of_sequences_that_never_forked(tiny, preset, monkeypatch):
     """Three branches of one prompt in one batch, each fed its own tokens: the stores that read the
     prompt's codes in place attend together (`LayerStore.attend_family`: codes/v1's one kernel call
-    for the family) and every branch's logits are those of a sequence of its own, bit for bit --
-    through its recent tier's wrap and its own rows joining the main codes."""
+    for the family, its rows in one stack) and every branch's logits are those of a sequence of its
+    own, bit for bit -- through its recent tier's wrap, its own rows joining the main codes, and a
+    branch leaving the family halfway. A branch in a stack holds the bytes of one stepped alone."""
     from larqlpy.kernels import tq_attend
 
     families = []
@@ -119,7 +120,7 @@ def test_branches_stepped_together_decode_the_bits_of_sequences_that_never_forke
     parent = new_state(spec, tiny.geometries(), tiny.device)
     prefill(tiny, parent, ids, 64)
     plain = [new_state(spec, tiny.geometries(), tiny.device) for _ in range(3)]
-    children = [new_state(spec, tiny.geometries(), tiny.device) for _ in range(3)]
+    children = [new_state(spec, tiny.geometries(), tiny.device) for _ in range(4)]  # the last steps alone
     for state in plain:
         prefill(tiny, state, ids, 64)
     for child in children:
@@ -127,11 +128,14 @@ def test_branches_stepped_together_decode_the_bits_of_sequences_that_never_forke
     together = any(s.family() is not None for s in children[0].layers)
     assert together == (preset[0] == "codec/v1")  # codes read in place by a fused kernel; not exact keys
     for t in range(24):
-        tokens = [torch.tensor([40 + (t * (b + 1)) % 50]) for b in range(3)]
+        b = 3 if t < 12 else 2
+        tokens = [torch.tensor([40 + (t * (i + 1)) % 50]) for i in range(b)]
         got = tiny.forward_many([(tok, s, "last") for tok, s in zip(tokens, children)])
         want = tiny.forward_many([(tok, s, "last") for tok, s in zip(tokens, plain)])
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"step {t}"
-    assert bool(families) == together and all(b == 3 for b in families)
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), f"step {t}"
+        assert torch.equal(tiny.forward_many([(tokens[0], children[3], "last")])[0], got[0])
+    assert bool(families) == together and sorted(set(families)) == ([2, 3] if together else [])
+    assert children[0].resident_bytes() == children[3].resident_bytes()
 
 
 def test_a_codec_branch_holds_only_its_own_codes(smol, long_text):

@@ -48,17 +48,19 @@ def _calibrated(q, inv_scale, mean, qk, bias):  # pragma: no cover - jitted
 def calibrate_row(k, first, mean, scale, turning, cs, out):  # pragma: no cover - jitted
     """A decode step's keys k (Hkv, D) at position `first` -> (k - m_p) * scale, op for op what
     calibration.KeyCalibration.apply computes in torch (so a step's codes are a block's); cs: the
-    [cos | sin] table, turning (Hkv, D) or empty."""
-    hkv, d = k.shape
-    half = d // 2
-    for h in range(hkv):
+    [cos | sin] table, turning (Hkv, D) or empty. k may hold several branches' rows at that
+    position, (B * Hkv, D), branch after branch."""
+    rows, d = k.shape
+    hkv, half = mean.shape[0], d // 2
+    for r in range(rows):
+        h = r % hkv
         for i in range(d):
             m = mean[h, i]
             if turning.shape[0]:
                 c, s_ = cs[first, i % half], cs[first, half + i % half]
                 a, b = turning[h, i % half], turning[h, half + i % half]
                 m = (a * c - b * s_) + m if i < half else (b * c + a * s_) + m
-            out[h, i] = (k[h, i] - m) * scale[h, i]
+            out[r, i] = (k[r, i] - m) * scale[h, i]
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -222,11 +224,13 @@ def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap,
     """`attend` for B branches of one prompt at one position, in one call: q (B, Hkv, G, D) -> out (B,
     Hkv, G, D). shared: the prompt's K and V code pieces every branch reads (norms, codes, first row,
     rows as arrays and ints: K's four, then V's) and the four codebooks (K centroids, K bits, V, V
-    bits); own: each branch's own rows of the main codes past them, (K norms (B, Hkv, R), K codes
-    (B, Hkv, R, bytes), V norms, V codes); tier: each branch's recent-tier rows, the same four, and
-    its codebooks; sinks: (K, V (Hkv, ns, D)) exact, the same in every branch; bounds (klo, mid, N)
-    the same in every branch. A shared row is decoded once for all; each branch's numbers are op for
-    op those `attend` gives it alone (the same sums in the same order), so the same bits."""
+    bits); own: each branch's own rows of the main codes past them, from buffer row 0 (K norms
+    (B, Hkv, R), K codes (B, Hkv, R, bytes), V norms, V codes); tier: each branch's recent-tier
+    ring, the same four, its codebooks, and the slot of its first row read and how many are read
+    before the ring wraps to slot 0 (the same in every branch: one position, one ring size);
+    sinks: (K, V (Hkv, ns, D)) exact, the same in every branch; bounds (klo, mid, N) the same in
+    every branch. A shared row is decoded once for all; each branch's numbers are op for op those
+    `attend` gives it alone (the same sums in the same order), so the same bits."""
     nb, hkv, group, d = q.shape
     n, cs, klo, mid = bounds[2], cal[3], bounds[0], bounds[1]
     qk, qr, coef = np.empty(q.shape, np.float32), np.empty(q.shape, np.float32), np.empty(q.shape, np.float32)
@@ -238,7 +242,7 @@ def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap,
         shared[7]
     kcent, kbits, vcent, vbits = shared[8], shared[9], shared[10], shared[11]
     okn, okc, ovn, ovc, tkn, tkc, tvn, tvc = own[0], own[1], own[2], own[3], tier[0], tier[1], tier[2], tier[3]
-    tkcent, tkbits, tvcent, tvbits = tier[4], tier[5], tier[6], tier[7]
+    tkcent, tkbits, tvcent, tvbits, tfirst, trun = tier[4], tier[5], tier[6], tier[7], tier[8], tier[9]
     sk, sv = sinks[0], sinks[1]
     s = np.empty((nb, hkv * group, n), np.float32)
     step = (n + CHUNKS - 1) // CHUNKS
@@ -255,8 +259,8 @@ def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap,
                 sc = _row(h, r, (kn, kc, kf, kr), (kn, kc, 0, 0), kcent, kbits, v)
             for b in range(nb):
                 if r >= klo or r >= kr:
-                    sc = _own_row(h, r, b, klo, mid, n, (kn, kc, kf, kr), okn, okc, tkn, tkc, kcent, kbits, tkcent,
-                                  tkbits, v)
+                    sc = _own_row(h, r, b, klo, mid, n, (kn, kc, kf, kr), okn, okc, tkn, tkc, tfirst, trun, kcent,
+                                  kbits, tkcent, tkbits, v)
                 _score(s[b], h, r, qr[b], bias[b], coef[b], cs, sc, v, scale, softcap)
     for job in prange(nb * hkv * group):
         _softmax(s[job // (hkv * group)], job % (hkv * group))
@@ -269,21 +273,21 @@ def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap,
                 sc = _row(h, r, (vn, vc, vf, vr), (vn, vc, 0, 0), vcent, vbits, v)
             for b in range(nb):
                 if r >= mid or r >= vr:
-                    sc = _own_row(h, r, b, mid, mid, n, (vn, vc, vf, vr), ovn, ovc, tvn, tvc, vcent, vbits, tvcent,
-                                  tvbits, v)
+                    sc = _own_row(h, r, b, mid, mid, n, (vn, vc, vf, vr), ovn, ovc, tvn, tvc, tfirst, trun, vcent,
+                                  vbits, tvcent, tvbits, v)
                 _add_values(part[b, h, c], s[b], h, r, sc, v)
     for b in range(nb):
         _finish(part[b], s[b], sv, sgn, out[b])
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _own_row(h, r, b, split, mid, n, shared, norms, codes, tier_norms, tier_codes, books, bits, tier_books, tier_bits,
-             v):  # pragma: no cover - jitted
+def _own_row(h, r, b, split, mid, n, shared, norms, codes, tier_norms, tier_codes, tier_first, tier_run, books, bits,
+             tier_books, tier_bits, v):  # pragma: no cover - jitted
     """Branch b's row r past the rows its family shares, as `_row` gives it (-> v, its scale): from its
     recent tier from `split` on (K: klo, V: mid), else from its own main codes after the shared piece."""
-    if r >= split:
-        return _row(h, r - mid, (tier_norms[b], tier_codes[b], 0, n - mid), (tier_norms[b], tier_codes[b], 0, 0),
-                    tier_books, tier_bits, v)
+    if r >= split:  # the ring's rows from slot `tier_first`, `tier_run` of them before it wraps to slot 0
+        return _row(h, r - mid, (tier_norms[b], tier_codes[b], tier_first, tier_run),
+                    (tier_norms[b], tier_codes[b], 0, n - mid - tier_run), tier_books, tier_bits, v)
     return _row(h, r, shared, (norms[b], codes[b], 0, norms.shape[2]), books, bits, v)
 
 

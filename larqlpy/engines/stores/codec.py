@@ -16,7 +16,7 @@ from larqlpy.engines.stores.base import EngineState, Scratch
 from larqlpy.engines.stores.calibration import NO_CALIBRATION, require_calibration
 from larqlpy.engines.stores.kvcodec import KVCodec
 from larqlpy.engines.stores.kvdtype import torch_dtype
-from larqlpy.engines.stores.rows import Rows, RowSet, RowStore
+from larqlpy.engines.stores.rows import Rows, RowSet, RowStore, stack_sets
 from larqlpy.kernels import tq_attend
 from larqlpy.kernels.rowcodec import TurboQuantCodec, row_codec
 
@@ -140,13 +140,17 @@ class CodecStore(RowStore):
         self.release()
         return torch.from_numpy(out).view(n_heads, 1, d).to(q.dtype)
 
-    def _tiers(self, stores, mid: int) -> tuple:
-        """The family's recent-tier rows [mid, end), stacked (B, Hkv, rows, ...), and its codebooks."""
-        codec = self.codec if self.recent is None or mid == self.end else self.recent_codec
-        books = (codec.k.centroids, codec.k.bits, codec.v.centroids, codec.v.bits)
-        if codec is self.codec:  # no tier rows: the main codes' books stand in, of the types the kernel takes
-            return (*_no_rows(len(stores), self.geometry.n_kv_heads, self.rows.buf["k_code"].shape[2]), *books)
-        return (*_stacked([s.recent for s in stores], mid, self.end), *books)
+    def _tier_args(self, tier: dict | None, mid: int, b: int) -> tuple:
+        """The family's recent tiers for the kernel: their stack (B, Hkv, ring, ...) with its codebooks,
+        the slot of position `mid` and the rows from it before the ring wraps; no rows without a tier."""
+        hkv = self.geometry.n_kv_heads
+        if tier is None:  # the main codes' books stand in, of the types the kernel takes
+            c = self.codec
+            return (*_no_rows(b, hkv, self.rows.buf["k_code"].shape[2]), c.k.centroids, c.k.bits, c.v.centroids,
+                    c.v.bits, 0, 0)
+        c, first = self.recent_codec, self.recent.slot(mid)
+        return (*_as_branches(tier, hkv), c.k.centroids, c.k.bits, c.v.centroids, c.v.bits, first,
+                min(self.end - mid, self.recent.ring - first))
 
     def _calibration(self, start: int, n: int) -> tuple:
         cal = self.codec.calibration
@@ -158,31 +162,45 @@ class CodecStore(RowStore):
         and the unfused path attend alone)."""
         if not self.rows.offset or self.rows.keep is not None or not self.fused or self.exact_keys is not None:
             return None
-        return "codes", next(iter(self.rows.prefix.values())).data_ptr(), self.rows.offset, self.end
+        return ("codes", next(iter(self.rows.prefix.values())).data_ptr(), self.rows.offset, self.end,
+                None if self.recent is None else self.recent.ring)
 
     def attend_family(self, stores, q, ks, vs, p):
         """Branches' decode steps (`family`) in one kernel call: the prompt's codes decoded once for
-        all of them, each branch's own rows and tier apart, each output the bits its own `attend`
-        gives (tq_attend.attend_family)."""
+        all of them, each branch's own rows and tier read in place from the family's stacks, each
+        output the bits its own `attend` gives (tq_attend.attend_family)."""
         if len(stores) == 1:
             return self.attend(q, ks[0], vs[0], p)
-        for s, k, v in zip(stores, ks, vs):
-            s.append(k, v)
+        own, tier = self._append_family(stores, ks, vs)
         _, mid, lo = self._bounds()  # a growing layer: rows from position 0
         (n_heads, b, d), hkv, n = q.shape, self.geometry.n_kv_heads, self.end
         shared = self.codec.sides(self.rows.spans(0, mid))  # the prompt's piece first: the same in every branch
-        a_rows = shared[0][3]
-        own = _stacked([s.rows for s in stores], a_rows, mid) if mid > a_rows else \
-            _no_rows(b, hkv, shared[0][1].shape[2])
         out = np.empty((b, hkv, n_heads // hkv, d), np.float32)
         tq_attend.attend_family(q.transpose(0, 1).float().contiguous().view(out.shape).numpy(),
                                 self._calibration(0, n), self.codec.k.signs,
-                                (*shared[0], *shared[4], shared[2], shared[3], shared[6], shared[7]), own,
-                                self._tiers(stores, mid), self._exact_rows(0, lo)[1:], (lo, mid, n),
-                                np.float32(p.scale), np.float32(p.softcap or 0.0), out)
+                                (*shared[0], *shared[4], shared[2], shared[3], shared[6], shared[7]),
+                                _as_branches(own, hkv), self._tier_args(tier, mid, b), self._exact_rows(0, lo)[1:],
+                                (lo, mid, n), np.float32(p.scale), np.float32(p.softcap or 0.0), out)
         for s in stores:
             s.release()
         return torch.from_numpy(out).view(b, n_heads, d).transpose(0, 1).to(q.dtype)
+
+    def _append_family(self, stores, ks, vs) -> tuple[dict, dict | None]:
+        """The branches' step rows, as `_append_step` appends each: every set's row claimed, then all
+        branches' keys calibrated, and each code set written, in one kernel call each, into the
+        family's stacks (rows.stack_sets). Returns the stacks of the main codes and of the tier."""
+        first = self.end
+        groups = [[s.rows for s in stores]] + ([[s.recent for s in stores]] if self.recent is not None else [])
+        slots = [{r.claim_row() for r in group} for group in groups]  # first: claiming may grow the buffers
+        assert all(len(slot) == 1 for slot in slots), "a family's rows take one slot"
+        stacks = [stack_sets(group) for group in groups]
+        v, keys = torch.cat(vs), self.codec.calibrate(torch.cat(ks), first)  # (B * Hkv, 1, D)
+        for codec, stack, slot in zip((self.codec, self.recent_codec), stacks, slots):
+            codec.encode_into(keys, v, stack, slot.pop())
+        for s, k, v in zip(stores, ks, vs):
+            s._append_exact(k, v, first)
+            s.end = s.rows.end
+        return stacks[0], stacks[1] if len(stacks) > 1 else None
 
     def _exact_rows(self, start: int, lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The fused kernel's exact rows, float32: K of positions [lo, end) and the sinks' K and V."""
@@ -224,17 +242,14 @@ class CodecStore(RowStore):
 _CODE_FIELDS = ("k_norm", "k_code", "v_norm", "v_code")
 
 
-def _stacked(sets: list[Rows], lo: int, hi: int) -> tuple:
-    """Positions [lo, hi) of each code set, read in place (a ring's in one or two runs) and stacked:
-    (K norms (B, Hkv, rows), K codes (B, Hkv, rows, bytes), V norms, V codes)."""
-    runs = [r.spans(lo, hi) for r in sets]
-    return tuple(np.stack([np.concatenate([f[n].numpy()[:, a:a + k] for f, a, k in spans], axis=1)
-                           if len(spans) > 1 else spans[0][0][n].numpy()[:, spans[0][1]:spans[0][1] + spans[0][2]]
-                           for spans in runs]) for n in _CODE_FIELDS)
+def _as_branches(stack: dict, hkv: int) -> tuple:
+    """A family's stack (rows.stack_sets) as the kernel reads it: (K norms (B, Hkv, cap), K codes
+    (B, Hkv, cap, bytes), V norms, V codes), in place."""
+    return tuple(stack[n].view(-1, hkv, *stack[n].shape[1:]).numpy() for n in _CODE_FIELDS)
 
 
 def _no_rows(b: int, hkv: int, nbytes: int) -> tuple:
-    """`_stacked`'s arrays for b branches of no rows."""
+    """`_as_branches`'s arrays for b branches of no rows."""
     return tuple(np.zeros((b, hkv, 0, nbytes), np.uint8) if "code" in n else np.zeros((b, hkv, 0), np.float32)
                  for n in _CODE_FIELDS)
 

@@ -46,6 +46,7 @@ class Rows:
         self.slack = 0  # ring only: rows held past `keep`, so that a trim can go back this far
         self.floor = 0  # ring only: the oldest position whose slot no newer row has taken
         self._buf_bytes: int | None = None  # the buffers' allocation, counted again when they change
+        self.stack: tuple[dict[str, torch.Tensor], int] | None = None  # buffers in a family's stack (`stack_sets`)
 
     @property
     def ring(self) -> int | None:
@@ -116,7 +117,7 @@ class Rows:
             new = torch.zeros((self.n_kv, cap, *old.shape[2:]), dtype=old.dtype, device=self.device)
             new[:, :n] = old[:, :n]
             self.buf[name] = new
-        self._buf_bytes = None
+        self._buf_bytes, self.stack = None, None
 
     def reserve(self, rows: int) -> None:
         """Allocate room for the rows up to position `rows` now, exactly: later appends up to there
@@ -215,7 +216,7 @@ class Rows:
         cap = max(self.min_capacity, end) if self.keep is None else min(self.ring, max(self.min_capacity, end))
         self.buf = {name: torch.zeros((self.n_kv, cap, *shape), dtype=dtype, device=self.device)
                     for name, (shape, dtype) in self.fields.items()}
-        self._buf_bytes = None
+        self._buf_bytes, self.stack = None, None
         for lo, values in pieces:
             self._write(lo, {k: v.to(self.device) for k, v in values.items()})
         self.base, self.end, self.floor = base, end, base
@@ -246,12 +247,37 @@ class Rows:
 
     def nbytes(self) -> int:
         """Bytes of the allocations held: a token's metrics ask for them every step."""
-        if self._buf_bytes is None:
-            self._buf_bytes = sum(b.untyped_storage().nbytes() for b in self.buf.values())
+        if self._buf_bytes is None:  # its own slice of a family's stack, not the stack
+            self._buf_bytes = sum(b.nbytes for b in self.buf.values())
         live = self._buf_bytes
         if self.pending:
             live += sum(v.untyped_storage().nbytes() for v in self.pending.values())
         return live
+
+
+def stack_sets(sets: list[Rows]) -> dict[str, torch.Tensor]:
+    """Row sets of one layout at one position (branches' own rows growing from one offset, or their
+    rings of one size) as one buffer per field, (B * Hkv, capacity, ...), set b's rows at
+    [b * Hkv, (b + 1) * Hkv): a kernel reads and writes all branches' rows in one call. The first
+    time, each set's buffers become views of the stack (at the largest capacity of the sets, which
+    never moves a ring's slots); it is found again while no set has replaced its buffers."""
+    first, n_kv = sets[0], sets[0].n_kv
+    held = first.stack
+    if held is not None and next(iter(held[0].values())).shape[0] == len(sets) * n_kv and \
+            all(r.stack is not None and r.stack[0] is held[0] and r.stack[1] == b for b, r in enumerate(sets)):
+        return held[0]
+    assert all(r.end == first.end and r.ring == first.ring and r.offset == first.offset and r.pending is None
+               for r in sets), "stacked sets share one layout"
+    cap = max(r.capacity for r in sets)
+    stack = {}
+    for name, old in first.buf.items():
+        stack[name] = torch.zeros((len(sets) * n_kv, cap, *old.shape[2:]), dtype=old.dtype, device=old.device)
+        for b, r in enumerate(sets):
+            stack[name][b * n_kv:(b + 1) * n_kv, :r.capacity] = r.buf[name]
+    for b, r in enumerate(sets):
+        r.buf = {name: f[b * n_kv:(b + 1) * n_kv] for name, f in stack.items()}
+        r.stack, r._buf_bytes = (stack, b), None
+    return stack
 
 
 @dataclass(frozen=True)
