@@ -227,6 +227,26 @@ def test_decode_attention_of_many_sequences_in_one_call(softcap):
                            together[s])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_decode_attention_at_every_head_size_and_row_dtype(dtype, d):
+    """Head sizes of 64, 128 and 256 are scored and summed 16 rows at a time (rowdots.py), others
+    two rows at a time: over 16-bit and float32 rows, and row counts that are and are not a multiple
+    of 16 (a chunk's padding adds nothing), each agrees with float64 over the rows as stored, and
+    gives in a batch the bits it gives alone."""
+    g = torch.Generator().manual_seed(d)
+    lengths = [1, 17, 128, 300]
+    rows = [(torch.randn(2, n, d, generator=g).to(dtype), torch.randn(2, n, d, generator=g).to(dtype))
+            for n in lengths]
+    q = torch.randn(len(lengths), 6, d, generator=g)
+    scale = d ** -0.5
+    together = attend_rows(q, [Span(k, v, 0, k.shape[1]) for k, v in rows], scale)
+    for s, (k, v) in enumerate(rows):
+        want = _attention64(q[s], k.float(), v.float(), scale, 0.0)
+        assert (together[s].double() - want).abs().max() < 1e-5, lengths[s]
+        assert torch.equal(attend_rows(q[s:s + 1], [Span(k, v, 0, k.shape[1])], scale)[0], together[s])
+
+
 @pytest.mark.parametrize("split", [128, 256, 77, 1])
 def test_a_query_over_pieces_of_rows_is_one_sequence(split):
     """A branch's query reads its prompt's shared rows, then its own (two buffers): split at a whole

@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from numba import carray, njit, prange
 
-from larqlpy.kernels import jitcache, scalars
+from larqlpy.kernels import jitcache, rowdots, scalars
 from larqlpy.kernels.jitcache import FASTMATH
+from larqlpy.kernels.rowdots import LANES, dot16, sum16
 from larqlpy.kernels.scalars import exp, f32_at, from_bf16, from_half, to_bf16, to_half, u16_at
 
 CHUNK = 128  # rows per work item: enough to pay for its set-up, few enough to spread a long sequence
@@ -68,12 +69,18 @@ def _dots(q, h0, group, k, r0, r1, sc, i, scale, d):  # pragma: no cover - jitte
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _scores(q, h0, group, k, k16, at, kind, scale, wide, sc, d):  # pragma: no cover - jitted
-    """sc[g, i] = scale * q[h0 + g] . K row at[i], for the `group` query heads sharing one KV head: a
-    row is read (a 16-bit one widened into `wide`) once for all of them. An odd last row is scored
-    paired with itself, so every row's score comes from the same arithmetic. Callers pass d as a
-    literal where they can, so LLVM unrolls the head's loop."""
-    n = at.shape[0]
+def _scores(q, h0, group, k, k16, at, n, kind, scale, wide, sc, d):  # pragma: no cover - jitted
+    """sc[g, i] = scale * q[h0 + g] . K row at[i], i < n, for the `group` query heads sharing one KV
+    head. Head sizes of 64, 128 and 256 are scored 16 rows at a time (rowdots.py; `at` is padded to
+    a multiple of 16 with its last row, and sc is as wide). Others two rows at a time, a row read (a
+    16-bit one widened into `wide`) once for all the heads, an odd last row paired with itself, so
+    every row's score comes from the same arithmetic; callers pass d as a literal where they can, so
+    LLVM unrolls the head's loop."""
+    if d == 64 or d == 128 or d == 256:
+        for g in range(group):
+            for i in range(0, n, LANES):
+                dot16(sc, g * sc.shape[1] + i, q, (h0 + g) * d, k, k16, at, i, kind, d, scale)
+        return
     for i in range(0, n, 2):
         i1 = min(i + 1, n - 1)
         if kind == F32:
@@ -85,17 +92,25 @@ def _scores(q, h0, group, k, k16, at, kind, scale, wide, sc, d):  # pragma: no c
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _values(p, h0, group, v, v16, at, kind, wide, acc, d):  # pragma: no cover - jitted
-    """acc[h0 + g] += sum_i p[g, i] * V row at[i], each row read once for the group's heads."""
+def _values(p, h0, group, v, v16, at, n, kind, wide, acc, d):  # pragma: no cover - jitted
+    """acc[h0 + g] += sum_i p[g, i] * V row at[i], i < n. Head sizes of 64, 128 and 256: 16 rows at a
+    time per query head, its sums held in registers (rowdots.py; p's columns past n are zeroed, so
+    `at`'s padding adds nothing). Others: each row read once for the group's heads."""
+    if d == 64 or d == 128 or d == 256:
+        p[:, n:] = 0.0
+        for g in range(group):
+            for i in range(0, n, LANES):
+                sum16(acc, (h0 + g) * d, p, g * p.shape[1] + i, v, v16, at, i, kind, d)
+        return
     if kind == F32:
-        for i in range(at.shape[0]):
+        for i in range(n):
             r = at[i]
             for g in range(group):
                 e = p[g, i]
                 for j in range(d):
                     acc[h0 + g, j] += e * v[r, j]
         return
-    for i in range(at.shape[0]):
+    for i in range(n):
         _widen(v16, at[i], kind, wide[0])
         for g in range(group):
             e = p[g, i]
@@ -131,10 +146,13 @@ def _chunk(q, where, s, c, kv, lo, hi, scale, softcap, m, total, acc):  # pragma
     rows = where[s, 6] if where[s, 6] > 0 else where[s, 5] + where[s, 2]  # the buffer's rows read from
     group = h // n_kv
     h0, qq, out = kv * group, q[where[s, 9]], acc[c]
-    at = np.empty(hi - lo, np.int64)
+    n = hi - lo
+    padded = (n + LANES - 1) // LANES * LANES
+    at = np.empty(padded, np.int64)
     for i in range(lo, hi):
         at[i - lo] = _physical(where, s, i)
-    sc = np.empty((group, hi - lo + 1), np.float32)  # + 1: an odd last row's pair
+    at[n:] = at[n - 1]
+    sc = np.empty((group, padded + 1), np.float32)  # + 1: an odd last row's pair
     wide = np.empty((2, d), np.float32)  # 16-bit rows, widened
     k = carray(f32_at(where[s, 0] + 4 * kv * stride), (rows, d))  # this KV head's rows, contiguous
     v = carray(f32_at(where[s, 1] + 4 * kv * stride), (rows, d))
@@ -143,21 +161,23 @@ def _chunk(q, where, s, c, kv, lo, hi, scale, softcap, m, total, acc):  # pragma
     kv_rows = (k, k16, v, v16, at, kind, wide)
     top, sums = m[c, h0:h0 + group], total[c, h0:h0 + group]
     if d == 64:
-        _softmax_rows(qq, h0, group, kv_rows, scale, softcap, sc, top, sums, out, 64)
+        _softmax_rows(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, 64)
     elif d == 128:
-        _softmax_rows(qq, h0, group, kv_rows, scale, softcap, sc, top, sums, out, 128)
+        _softmax_rows(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, 128)
+    elif d == 256:
+        _softmax_rows(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, 256)
     else:
-        _softmax_rows(qq, h0, group, kv_rows, scale, softcap, sc, top, sums, out, d)
+        _softmax_rows(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, d)
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _softmax_rows(q, h0, group, kv_rows, scale, softcap, sc, top, total, out, d):  # pragma: no cover - jitted
+def _softmax_rows(q, h0, group, kv_rows, n, scale, softcap, sc, top, total, out, d):  # pragma: no cover - jitted
     """Scores, their exponentials (running maximum and sum into top, total) and the weighted values
-    of one chunk's rows for the group's query heads; d a literal where the caller can make it one."""
+    of one chunk's n rows for the group's query heads; d a literal where the caller can make it one."""
     k, k16, v, v16, at, kind, wide = kv_rows
-    _scores(q, h0, group, k, k16, at, kind, scale, wide, sc, d)
-    _exponentials(sc[:, :at.shape[0]], softcap, top, total)
-    _values(sc, h0, group, v, v16, at, kind, wide, out, d)
+    _scores(q, h0, group, k, k16, at, n, kind, scale, wide, sc, d)
+    _exponentials(sc[:, :n], softcap, top, total)
+    _values(sc, h0, group, v, v16, at, n, kind, wide, out, d)
 
 
 @njit(inline="always", cache=True, error_model="numpy")
@@ -324,4 +344,4 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     return attend_rows(q.transpose(0, 1), [Span(k, v, 0, k.shape[1])], scale, softcap).transpose(0, 1)
 
 
-jitcache.tie(globals(), scalars, jitcache)  # inlines scalars' helpers; compiled with its FASTMATH
+jitcache.tie(globals(), scalars, rowdots, jitcache)  # inlines their helpers and intrinsics; compiled with its FASTMATH
