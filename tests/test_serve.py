@@ -222,9 +222,13 @@ def test_json_object_and_penalties_through_the_server(client):
     # its own system message: no kept state of another test serves it (a prefix prefilled in other
     # chunks differs in the last bits, and greedy picks under penalties follow those)
     own = [{"role": "system", "content": "You reply with one short JSON object."}, *ASK]
-    c = client.chat.completions.create(model=NAME, messages=own, response_format={"type": "json_object"},
+    # json_object bounds nothing, so it is asked a question whose greedy answer is short on every CPU:
+    # the closest pick is 0.76 nats clear (ASK's free invention has a near-tie, 0.004 nats, whose
+    # rounding decides between a closed object and 160 tokens of one key)
+    capital = [own[0], {"role": "user", "content": 'Give the capital of France as JSON with the key "capital".'}]
+    c = client.chat.completions.create(model=NAME, messages=capital, response_format={"type": "json_object"},
                                        temperature=0, max_tokens=160)
-    assert c.choices[0].finish_reason == "stop" and isinstance(json.loads(c.choices[0].message.content), dict)
+    assert c.choices[0].finish_reason == "stop" and json.loads(c.choices[0].message.content) == {"capital": "Paris"}
     # Penalties push a 135M model off its answer (into 160 tokens of one key on some CPUs' rounding),
     # so under them the grammar bounds the object: every output closes, and the penalties apply.
     bounded = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
