@@ -38,8 +38,9 @@ from larqlpy.kernels import cpu  # noqa: E402
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
-def load_copy(path: Path):
-    spec = importlib.util.spec_from_file_location("attention_against", path)
+def load_copy(path: Path, name: str = "attention_against"):
+    """Another copy of a kernel module, loaded under its own name beside this one."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

@@ -129,7 +129,7 @@ def test_calibrated_store_reconstructs_by_algebra_and_fused_equals_scratch(windo
     fused, plain = make(), make(fused=False)
     p = AttentionParams(scale=0.125)
     ks = []
-    for t in (3, 1, 1, 4, 1, 1, 1):
+    for t in (3, 1, 1, 40, 1, 4, 1, 1, 1):  # past 16 rows: the fused kernel's blocks of 16, and a short one
         q, k, v = (torch.randn(h, t, 64, generator=gen) for h in (4, 2, 2))
         a = fused.attend(q, k, v, p)
         b = plain.attend(q, k, v, p)  # decode to scratch, then plain attention

@@ -61,15 +61,18 @@ def test_packing_layout():
     assert torch.equal(codec.unpack_values(c3), codec.centroids[idx])
 
 
-def test_attending_on_codes_equals_decoding_them():
-    g = LayerGeometry(0, None, 2, 64)
-    codec = TurboQuantCodec(64, 4, CPU)
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_attending_on_codes_equals_decoding_them(d):
+    """The fused kernel (16 rows at a time for head sizes 64, 128 and 256, one at a time for others)
+    against decoding the codes and attending on them, through blocks of 16 and a short last one."""
+    g = LayerGeometry(0, None, 2, d)
+    codec = TurboQuantCodec(d, 4, CPU)
     fused = CodecStore(g, CPU, codec=KVCodec(codec, codec), keep=None, scratch=Scratch(CPU))
     plain = CodecStore(g, CPU, codec=KVCodec(codec, codec), keep=None, scratch=Scratch(CPU), fused=False)
-    p = AttentionParams(scale=0.125)
+    p = AttentionParams(scale=d ** -0.5)
     gen = torch.Generator().manual_seed(1)
-    for t in (5, 1, 1, 3, 1):
-        q, k, v = (torch.randn(h, t, 64, generator=gen) for h in (4, 2, 2))
+    for t in (5, 1, 1, 3, 1, 40, 1, 1):
+        q, k, v = (torch.randn(h, t, d, generator=gen) for h in (4, 2, 2))
         a = fused.attend(q, k, v, p)
         b = plain.attend(q, k, v, p)  # the decode-to-scratch path
         assert (a - b).abs().max().item() < 1e-4

@@ -18,6 +18,7 @@ from larqlpy.engines.presets import SPREAD, option_texts
 from larqlpy.engines.registry import parse_engine_spec
 from larqlpy.engines.stores.rows import Rows
 from larqlpy.errors import LarqlError
+from larqlpy.kernels import tq_attend
 from larqlpy.kernels.attention import CHUNK
 from larqlpy.prepare import prepare_all
 from larqlpy.request import Request
@@ -103,15 +104,24 @@ def test_a_branch_decodes_the_bits_of_a_sequence_that_never_forked(tiny, preset)
             assert rows.offset == 0 and g.window  # a sliding layer's ring is copied
 
 
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory):
+    """The same at head size 64, which the codec's kernel scores and sums 16 rows at a time."""
+    root = tmp_path_factory.mktemp("fork64")
+    make_tiny(root, seed=0, head_dim=64, query_pre_attn_scalar=64)
+    return load(root, device="cpu", weights="int8", key_calibration=False).model
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("preset", FORKING, ids=lambda p: p[0] + ":" + ",".join(option_texts(p)))
-def test_branches_stepped_together_decode_the_bits_of_sequences_that_never_forked(tiny, preset, monkeypatch):
+def test_branches_stepped_together_decode_the_bits_of_sequences_that_never_forked(request, head_dim, preset,
+                                                                                 monkeypatch):
     """Three branches of one prompt in one batch, each fed its own tokens: the stores that read the
     prompt's codes in place attend together (`LayerStore.attend_family`: codes/v1's one kernel call
     for the family, its rows in one stack) and every branch's logits are those of a sequence of its
     own, bit for bit -- through its recent tier's wrap, its own rows joining the main codes, and a
     branch leaving the family halfway. A branch in a stack holds the bytes of one stepped alone."""
-    from larqlpy.kernels import tq_attend
-
+    tiny = request.getfixturevalue("tiny" if head_dim == 16 else "tiny64")
     families = []
     real = tq_attend.attend_family
     monkeypatch.setattr(tq_attend, "attend_family", lambda *a: families.append(a[0].shape[0]) or real(*a))

@@ -9,6 +9,7 @@ vectors are summed across their lanes together, as a tree of shuffles and adds t
 r's sum in lane r: 15 adds for 16 rows instead of 4 each. The V rows' weighted sums stay in
 registers across the 16 rows. The order of every sum is fixed by this code, not by the compiler,
 so every path through it gets the same bits. Figures: docs/benchmarks.md ("Decode attention").
+The codec's kernel (tq_attend.py) runs the same two over blocks of 16 rows decoded from codes.
 """
 
 from __future__ import annotations

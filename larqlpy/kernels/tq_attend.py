@@ -19,9 +19,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from larqlpy.kernels import jitcache, scalars, turboquant
+from larqlpy.kernels import jitcache, rowdots, scalars, turboquant
 from larqlpy.kernels.scalars import exp
 from larqlpy.kernels.jitcache import FASTMATH
+from larqlpy.kernels.rowdots import F32, LANES, dot16, sum16
 from larqlpy.kernels.turboquant import _fwht, _row
 
 CHUNKS = 16  # parts of a head's rows scored and summed in parallel
@@ -118,23 +119,98 @@ def _add_values(part, p, h, r, sc, v):  # pragma: no cover - jitted
             part[g, i] += w * v[i]
 
 
+@njit(inline="always", cache=True, error_model="numpy")
+def _blocked(d):  # pragma: no cover - jitted
+    """Head sizes rowdots.py takes 16 rows at a time; others a row at a time (`_score`, `_add_values`)."""
+    return d == 64 or d == 128 or d == 256
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def _scratch(d):  # pragma: no cover - jitted
+    """A work item's 16 decoded rows (zeroed: a short block's unused rows are weighted by 0, never
+    NaN), their scales, two rows of 16 dot products, the weights of 16 value rows, the rows'
+    indices 0..15, and no 16-bit view."""
+    at = np.arange(LANES)
+    return (np.zeros((LANES, d), np.float32), np.empty(LANES, np.float32), np.empty(LANES, np.float32),
+            np.empty(LANES, np.float32), np.empty(LANES, np.float32), at, np.empty((0, 0), np.uint16))
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def _positions(n):  # pragma: no cover - jitted
+    """Row indices into the [cos | sin] table for 16 rows from any r < n: r.., clamped to n - 1."""
+    return np.minimum(np.arange(n + LANES), n - 1)
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _score_block(s, h, r0, m, qr, bias, coef, cs, pos, work, scale, softcap):  # pragma: no cover - jitted
+    """`_score` for m <= 16 coded rows from r0, decoded into work's rows with their scales: each query
+    head's 16 dot products at once (rowdots.dot16), then the same epilogue a row at a time; other
+    head sizes a row at a time."""
+    rows, scl, dots, turns, _, at, none = work
+    _, group, d = qr.shape
+    if not _blocked(d):
+        for j in range(m):
+            _score(s, h, r0 + j, qr, bias, coef, cs, scl[j], rows[j], scale, softcap)
+        return
+    one = np.float32(1.0)
+    for g in range(group):
+        dot16(dots, 0, qr, (h * group + g) * d, rows, none, at, 0, F32, d, one)
+        if cs.shape[0] > 0:
+            dot16(turns, 0, coef, (h * group + g) * d, cs, none, pos, r0, F32, d, one)
+        for j in range(m):
+            x = dots[j] * scl[j] + bias[h, g]
+            if cs.shape[0] > 0:
+                x += turns[j]
+            s[h * group + g, r0 + j] = _logit(x, scale, softcap)
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _sum_block(part, p, h, r0, m, work):  # pragma: no cover - jitted
+    """`_add_values` for m <= 16 coded rows from r0 decoded into work's rows: each query head's
+    weighted sum of the 16 held in registers (rowdots.sum16; weights past m are 0); other head sizes
+    a row at a time."""
+    rows, scl, _, _, w, at, none = work
+    group, d = part.shape
+    if not _blocked(d):
+        for j in range(m):
+            _add_values(part, p, h, r0 + j, scl[j], rows[j])
+        return
+    for g in range(group):
+        for j in range(LANES):
+            w[j] = p[h * group + g, r0 + j] * scl[j] if j < m else np.float32(0.0)
+        sum16(part, g * d, w, 0, rows, none, at, 0, F32, d)
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def _exact_key(r, ns, klo, mid, tiered):  # pragma: no cover - jitted
+    return r < ns or (r >= klo and not (tiered and r >= mid))
+
+
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
 def _score_rows(h, lo, hi, q, qr, bias, coef, cs, ka, kb, tka, tkb, keys, sinks, codebooks, bounds, scale, softcap,
-                v, s):  # pragma: no cover - jitted
-    """Logits of KV head h's query heads over rows [lo, hi) -> s (H, N)."""
-    group, klo, mid = q.shape[1], bounds[0], bounds[1]
-    ns, tiered = sinks.shape[1], tka[3] + tkb[3] > 0
-    for r in range(lo, hi):
-        if r < ns or (r >= klo and not (tiered and r >= mid)):
+                pos, work, s):  # pragma: no cover - jitted
+    """Logits of KV head h's query heads over rows [lo, hi) -> s (H, N): exact rows one at a time,
+    coded ones in blocks of up to 16 in a row (`_score_block`; one for other head sizes)."""
+    group, d, klo, mid = q.shape[1], q.shape[2], bounds[0], bounds[1]
+    ns, tiered, rows, scl = sinks.shape[1], tka[3] + tkb[3] > 0, work[0], work[1]
+    width = LANES if _blocked(d) else 1
+    r = lo
+    while r < hi:
+        if _exact_key(r, ns, klo, mid, tiered):
             row = sinks[h, r] if r < ns else keys[h, r - klo]
             for g in range(group):
                 s[h * group + g, r] = _logit(_dot(q[h, g], row), scale, softcap)
+            r += 1
             continue
-        if r < klo:
-            sc = _row(h, r, ka, kb, codebooks[0], codebooks[1], v)
-        else:
-            sc = _row(h, r - mid, tka, tkb, codebooks[4], codebooks[5], v)
-        _score(s, h, r, qr, bias, coef, cs, sc, v, scale, softcap)
+        m = 0
+        while m < width and r + m < hi and not _exact_key(r + m, ns, klo, mid, tiered):
+            if r + m < klo:
+                scl[m] = _row(h, r + m, ka, kb, codebooks[0], codebooks[1], rows[m])
+            else:
+                scl[m] = _row(h, r + m - mid, tka, tkb, codebooks[4], codebooks[5], rows[m])
+            m += 1
+        _score_block(s, h, r, m, qr, bias, coef, cs, pos, work, scale, softcap)
+        r += m
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -153,15 +229,19 @@ def _softmax(s, head):  # pragma: no cover - jitted
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _sum_rows(h, lo, hi, p, va, vb, tva, tvb, codebooks, bounds, ns, v, part):  # pragma: no cover - jitted
-    """KV head h's rows [lo, hi) of coded values, weighted, -> part (G, D) in the rotated domain."""
-    mid = bounds[1]
-    for r in range(max(lo, ns), hi):
-        if r < mid:
-            sc = _row(h, r, va, vb, codebooks[2], codebooks[3], v)
-        else:
-            sc = _row(h, r - mid, tva, tvb, codebooks[6], codebooks[7], v)
-        _add_values(part, p, h, r, sc, v)
+def _sum_rows(h, lo, hi, p, va, vb, tva, tvb, codebooks, bounds, ns, work, part):  # pragma: no cover - jitted
+    """KV head h's rows [lo, hi) of coded values, weighted, -> part (G, D) in the rotated domain, in
+    blocks of up to 16 rows (`_sum_block`; one for other head sizes)."""
+    mid, rows, scl = bounds[1], work[0], work[1]
+    width = LANES if _blocked(part.shape[1]) else 1
+    for r in range(max(lo, ns), hi, width):
+        m = min(width, hi - r)
+        for j in range(m):
+            if r + j < mid:
+                scl[j] = _row(h, r + j, va, vb, codebooks[2], codebooks[3], rows[j])
+            else:
+                scl[j] = _row(h, r + j - mid, tva, tvb, codebooks[6], codebooks[7], rows[j])
+        _sum_block(part, p, h, r, m, work)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -184,17 +264,18 @@ def attend(q, cal, sgn, main, tier, exact, bounds, scale, softcap, out):  # prag
     _prepare(q, qk, cal[2], sgn, qr, coef)
     s = np.empty((hkv * group, n), np.float32)
     step = (n + CHUNKS - 1) // CHUNKS
+    pos = _positions(n)
     for job in prange(hkv * CHUNKS):
         h, c = job // CHUNKS, job % CHUNKS
         _score_rows(h, c * step, min(n, (c + 1) * step), q, qr, bias, coef, cs, ka, kb, tka, tkb, keys, sinks,
-                    codebooks, bounds, scale, softcap, np.empty(d, np.float32), s)
+                    codebooks, bounds, scale, softcap, pos, _scratch(d), s)
     for head in prange(hkv * group):
         _softmax(s, head)
     part = np.zeros((hkv, CHUNKS, group, d), np.float32)
     for job in prange(hkv * CHUNKS):
         h, c = job // CHUNKS, job % CHUNKS
         _sum_rows(h, c * step, min(n, (c + 1) * step), s, va, vb, tva, tvb, codebooks, bounds, sinks.shape[1],
-                  np.empty(d, np.float32), part[h, c])
+                  _scratch(d), part[h, c])
     _finish(part, s, sink_v, sgn, out)
 
 
@@ -244,40 +325,51 @@ def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap,
     okn, okc, ovn, ovc, tkn, tkc, tvn, tvc = own[0], own[1], own[2], own[3], tier[0], tier[1], tier[2], tier[3]
     tkcent, tkbits, tvcent, tvbits, tfirst, trun = tier[4], tier[5], tier[6], tier[7], tier[8], tier[9]
     sk, sv = sinks[0], sinks[1]
-    s = np.empty((nb, hkv * group, n), np.float32)
-    step = (n + CHUNKS - 1) // CHUNKS
+    s, ns = np.empty((nb, hkv * group, n), np.float32), sk.shape[1]
+    step, pos, width = (n + CHUNKS - 1) // CHUNKS, _positions(n), LANES if _blocked(d) else 1
     for job in prange(hkv * CHUNKS):  # the pieces taken apart: a parallel loop takes arrays, not tuples of them
         h, c = job // CHUNKS, job % CHUNKS
-        v, sc = np.empty(d, np.float32), np.float32(0.0)
-        for r in range(c * step, min(n, (c + 1) * step)):
-            if r < sk.shape[1]:
-                for b in range(nb):
-                    for g in range(group):
-                        s[b, h * group + g, r] = _logit(_dot(q[b, h, g], sk[h, r]), scale, softcap)
-                continue
-            if r < klo and r < kr:
-                sc = _row(h, r, (kn, kc, kf, kr), (kn, kc, 0, 0), kcent, kbits, v)
+        lo, hi, work = c * step, min(n, (c + 1) * step), _scratch(d)
+        for r in range(lo, min(hi, ns)):
             for b in range(nb):
-                if r >= klo or r >= kr:
-                    sc = _own_row(h, r, b, klo, mid, n, (kn, kc, kf, kr), okn, okc, tkn, tkc, tfirst, trun, kcent,
-                                  kbits, tkcent, tkbits, v)
-                _score(s[b], h, r, qr[b], bias[b], coef[b], cs, sc, v, scale, softcap)
+                for g in range(group):
+                    s[b, h * group + g, r] = _logit(_dot(q[b, h, g], sk[h, r]), scale, softcap)
+        for r in range(max(lo, ns), hi, width):
+            m = min(width, hi - r)
+            for b in range(-1, nb):  # the shared rows, then each branch's own and its scores
+                _family_block(h, r, m, b, klo, mid, n, (kn, kc, kf, kr), okn, okc, tkn, tkc, tfirst, trun, kcent,
+                              kbits, tkcent, tkbits, work)
+                if b >= 0:
+                    _score_block(s[b], h, r, m, qr[b], bias[b], coef[b], cs, pos, work, scale, softcap)
     for job in prange(nb * hkv * group):
         _softmax(s[job // (hkv * group)], job % (hkv * group))
     part = np.zeros((nb, hkv, CHUNKS, group, d), np.float32)
     for job in prange(hkv * CHUNKS):
         h, c = job // CHUNKS, job % CHUNKS
-        v, sc = np.empty(d, np.float32), np.float32(0.0)
-        for r in range(max(c * step, sk.shape[1]), min(n, (c + 1) * step)):
-            if r < mid and r < vr:
-                sc = _row(h, r, (vn, vc, vf, vr), (vn, vc, 0, 0), vcent, vbits, v)
-            for b in range(nb):
-                if r >= mid or r >= vr:
-                    sc = _own_row(h, r, b, mid, mid, n, (vn, vc, vf, vr), ovn, ovc, tvn, tvc, tfirst, trun, vcent,
-                                  vbits, tvcent, tvbits, v)
-                _add_values(part[b, h, c], s[b], h, r, sc, v)
+        lo, hi, work = c * step, min(n, (c + 1) * step), _scratch(d)
+        for r in range(max(lo, ns), hi, width):
+            m = min(width, hi - r)
+            for b in range(-1, nb):
+                _family_block(h, r, m, b, mid, mid, n, (vn, vc, vf, vr), ovn, ovc, tvn, tvc, tfirst, trun, vcent,
+                              vbits, tvcent, tvbits, work)
+                if b >= 0:
+                    _sum_block(part[b, h, c], s[b], h, r, m, work)
     for b in range(nb):
         _finish(part[b], s[b], sv, sgn, out[b])
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _family_block(h, r, m, b, split, mid, n, shared, norms, codes, tier_norms, tier_codes, tier_first, tier_run, books,
+                  bits, tier_books, tier_bits, work):  # pragma: no cover - jitted
+    """Rows r..r+m-1 of KV head h decoded into work's rows and scales: those the family shares when
+    b < 0 (decoded once for all), else branch b's own (`_own_row`), the shared ones left as they are."""
+    for j in range(m):
+        own = r + j >= split or r + j >= shared[3]
+        if b < 0 and not own:
+            work[1][j] = _row(h, r + j, shared, (shared[0], shared[1], 0, 0), books, bits, work[0][j])
+        elif b >= 0 and own:
+            work[1][j] = _own_row(h, r + j, b, split, mid, n, shared, norms, codes, tier_norms, tier_codes,
+                                  tier_first, tier_run, books, bits, tier_books, tier_bits, work[0][j])
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -292,4 +384,5 @@ def _own_row(h, r, b, split, mid, n, shared, norms, codes, tier_norms, tier_code
 
 
 
-jitcache.tie(globals(), turboquant, scalars, jitcache)  # inlines turboquant's helpers; compiled with its FASTMATH
+# inlines turboquant's and rowdots' helpers; compiled with its FASTMATH
+jitcache.tie(globals(), turboquant, rowdots, scalars, jitcache)
