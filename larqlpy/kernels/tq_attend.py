@@ -12,6 +12,8 @@ fixed q . mean and the turning part of q . m_p (calibration.py), sum_i cos(p f_i
 over the layer's [cos | sin] table. Values from both code sets are summed in the rotated domain
 and rotated back once. Rows are cut into CHUNKS parts by their count alone, so where a run is split
 between pieces never changes the sums, and a branch decodes the bits of a sequence that never forked.
+For head sizes 64, 128 and 256 a part's coded rows are decoded 16 at a time into a block, scored and
+summed by rowdots.py's two; a family decodes a block's shared rows once for all its branches.
 """
 
 from __future__ import annotations
@@ -133,6 +135,15 @@ def _scratch(d):  # pragma: no cover - jitted
     at = np.arange(LANES)
     return (np.zeros((LANES, d), np.float32), np.empty(LANES, np.float32), np.empty(LANES, np.float32),
             np.empty(LANES, np.float32), np.empty(LANES, np.float32), at, np.empty((0, 0), np.uint16))
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def _step(n, d):  # pragma: no cover - jitted
+    """Rows a work item takes: n cut into CHUNKS parts by the count alone, rounded up to whole blocks
+    of 16 where the head size takes blocks, so no block but a head's last is short (the last parts
+    may be short or empty)."""
+    step = (n + CHUNKS - 1) // CHUNKS
+    return (step + LANES - 1) // LANES * LANES if _blocked(d) else step
 
 
 @njit(inline="always", cache=True, error_model="numpy")
@@ -263,7 +274,7 @@ def attend(q, cal, sgn, main, tier, exact, bounds, scale, softcap, out):  # prag
     _calibrated(q, cal[0], cal[1], qk, bias)
     _prepare(q, qk, cal[2], sgn, qr, coef)
     s = np.empty((hkv * group, n), np.float32)
-    step = (n + CHUNKS - 1) // CHUNKS
+    step = _step(n, d)
     pos = _positions(n)
     for job in prange(hkv * CHUNKS):
         h, c = job // CHUNKS, job % CHUNKS
@@ -326,7 +337,7 @@ def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap,
     tkcent, tkbits, tvcent, tvbits, tfirst, trun = tier[4], tier[5], tier[6], tier[7], tier[8], tier[9]
     sk, sv = sinks[0], sinks[1]
     s, ns = np.empty((nb, hkv * group, n), np.float32), sk.shape[1]
-    step, pos, width = (n + CHUNKS - 1) // CHUNKS, _positions(n), LANES if _blocked(d) else 1
+    step, pos, width = _step(n, d), _positions(n), LANES if _blocked(d) else 1
     for job in prange(hkv * CHUNKS):  # the pieces taken apart: a parallel loop takes arrays, not tuples of them
         h, c = job // CHUNKS, job % CHUNKS
         lo, hi, work = c * step, min(n, (c + 1) * step), _scratch(d)
