@@ -27,11 +27,10 @@ from numba import carray, njit, prange
 
 from larqlpy.kernels import jitcache, rowdots, scalars
 from larqlpy.kernels.jitcache import FASTMATH
-from larqlpy.kernels.rowdots import LANES, dot16, sum16
+from larqlpy.kernels.rowdots import BF16, F16, F32, LANES, blocked, dot16, sum16
 from larqlpy.kernels.scalars import exp, f32_at, from_bf16, from_half, to_bf16, to_half, u16_at
 
 CHUNK = 128  # rows per work item: enough to pay for its set-up, few enough to spread a long sequence
-F32, F16, BF16 = 0, 1, 2  # the rows' element kind (where[s, 8])
 KINDS = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 
 
@@ -76,7 +75,7 @@ def _scores(q, h0, group, k, k16, at, n, kind, scale, wide, sc, d):  # pragma: n
     16-bit one widened into `wide`) once for all the heads, an odd last row paired with itself, so
     every row's score comes from the same arithmetic; callers pass d as a literal where they can, so
     LLVM unrolls the head's loop."""
-    if d == 64 or d == 128 or d == 256:
+    if blocked(d):
         for g in range(group):
             for i in range(0, n, LANES):
                 dot16(sc, g * sc.shape[1] + i, q, (h0 + g) * d, k, k16, at, i, kind, d, scale)
@@ -96,7 +95,7 @@ def _values(p, h0, group, v, v16, at, n, kind, wide, acc, d):  # pragma: no cove
     """acc[h0 + g] += sum_i p[g, i] * V row at[i], i < n. Head sizes of 64, 128 and 256: 16 rows at a
     time per query head, its sums held in registers (rowdots.py; p's columns past n are zeroed, so
     `at`'s padding adds nothing). Others: each row read once for the group's heads."""
-    if d == 64 or d == 128 or d == 256:
+    if blocked(d):
         p[:, n:] = 0.0
         for g in range(group):
             for i in range(0, n, LANES):

@@ -15,10 +15,10 @@ The codec's kernel (tq_attend.py) runs the same two over blocks of 16 rows decod
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic
 
-F32, F16, BF16 = 0, 1, 2  # attention.py's element kinds
+F32, F16, BF16 = 0, 1, 2  # a row's element kind (attention.py's where[s, 8]; tq_attend's decoded rows are F32)
 LANES = 16
 I16, I32, I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
 FV = ir.VectorType(ir.FloatType(), LANES)
@@ -117,7 +117,13 @@ def _splat(builder, x):
     return builder.shuffle_vector(v, ir.Constant(FV, ir.Undefined), ir.Constant(ir.VectorType(I32, LANES), [0] * LANES))
 
 
-HEAD_DIMS = (64, 128, 256)  # the head sizes done here; others take attention.py's loops
+HEAD_DIMS = (64, 128, 256)  # the head sizes done here; others take the callers' loops
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def blocked(d):  # pragma: no cover - jitted
+    """Whether head size d is one of HEAD_DIMS (folded away where d is a literal)."""
+    return d == 64 or d == 128 or d == 256
 
 
 def _intrinsic(body, with_scale: bool):

@@ -24,7 +24,7 @@ from numba import njit, prange
 from larqlpy.kernels import jitcache, rowdots, scalars, turboquant
 from larqlpy.kernels.scalars import exp
 from larqlpy.kernels.jitcache import FASTMATH
-from larqlpy.kernels.rowdots import F32, LANES, dot16, sum16
+from larqlpy.kernels.rowdots import F32, LANES, blocked, dot16, sum16
 from larqlpy.kernels.turboquant import _fwht, _row
 
 CHUNKS = 16  # parts of a head's rows scored and summed in parallel
@@ -122,12 +122,6 @@ def _add_values(part, p, h, r, sc, v):  # pragma: no cover - jitted
 
 
 @njit(inline="always", cache=True, error_model="numpy")
-def _blocked(d):  # pragma: no cover - jitted
-    """Head sizes rowdots.py takes 16 rows at a time; others a row at a time (`_score`, `_add_values`)."""
-    return d == 64 or d == 128 or d == 256
-
-
-@njit(inline="always", cache=True, error_model="numpy")
 def _scratch(d):  # pragma: no cover - jitted
     """A work item's 16 decoded rows (zeroed: a short block's unused rows are weighted by 0, never
     NaN), their scales, two rows of 16 dot products, the weights of 16 value rows, the rows'
@@ -143,7 +137,7 @@ def _step(n, d):  # pragma: no cover - jitted
     of 16 where the head size takes blocks, so no block but a head's last is short (the last parts
     may be short or empty)."""
     step = (n + CHUNKS - 1) // CHUNKS
-    return (step + LANES - 1) // LANES * LANES if _blocked(d) else step
+    return (step + LANES - 1) // LANES * LANES if blocked(d) else step
 
 
 @njit(inline="always", cache=True, error_model="numpy")
@@ -159,7 +153,7 @@ def _score_block(s, h, r0, m, qr, bias, coef, cs, pos, work, scale, softcap):  #
     head sizes a row at a time."""
     rows, scl, dots, turns, _, at, none = work
     _, group, d = qr.shape
-    if not _blocked(d):
+    if not blocked(d):
         for j in range(m):
             _score(s, h, r0 + j, qr, bias, coef, cs, scl[j], rows[j], scale, softcap)
         return
@@ -182,7 +176,7 @@ def _sum_block(part, p, h, r0, m, work):  # pragma: no cover - jitted
     a row at a time."""
     rows, scl, _, _, w, at, none = work
     group, d = part.shape
-    if not _blocked(d):
+    if not blocked(d):
         for j in range(m):
             _add_values(part, p, h, r0 + j, scl[j], rows[j])
         return
@@ -204,7 +198,7 @@ def _score_rows(h, lo, hi, q, qr, bias, coef, cs, ka, kb, tka, tkb, keys, sinks,
     coded ones in blocks of up to 16 in a row (`_score_block`; one for other head sizes)."""
     group, d, klo, mid = q.shape[1], q.shape[2], bounds[0], bounds[1]
     ns, tiered, rows, scl = sinks.shape[1], tka[3] + tkb[3] > 0, work[0], work[1]
-    width = LANES if _blocked(d) else 1
+    width = LANES if blocked(d) else 1
     r = lo
     while r < hi:
         if _exact_key(r, ns, klo, mid, tiered):
@@ -244,7 +238,7 @@ def _sum_rows(h, lo, hi, p, va, vb, tva, tvb, codebooks, bounds, ns, work, part)
     """KV head h's rows [lo, hi) of coded values, weighted, -> part (G, D) in the rotated domain, in
     blocks of up to 16 rows (`_sum_block`; one for other head sizes)."""
     mid, rows, scl = bounds[1], work[0], work[1]
-    width = LANES if _blocked(part.shape[1]) else 1
+    width = LANES if blocked(part.shape[1]) else 1
     for r in range(max(lo, ns), hi, width):
         m = min(width, hi - r)
         for j in range(m):
@@ -337,7 +331,7 @@ def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap,
     tkcent, tkbits, tvcent, tvbits, tfirst, trun = tier[4], tier[5], tier[6], tier[7], tier[8], tier[9]
     sk, sv = sinks[0], sinks[1]
     s, ns = np.empty((nb, hkv * group, n), np.float32), sk.shape[1]
-    step, pos, width = _step(n, d), _positions(n), LANES if _blocked(d) else 1
+    step, pos, width = _step(n, d), _positions(n), LANES if blocked(d) else 1
     for job in prange(hkv * CHUNKS):  # the pieces taken apart: a parallel loop takes arrays, not tuples of them
         h, c = job // CHUNKS, job % CHUNKS
         lo, hi, work = c * step, min(n, (c + 1) * step), _scratch(d)
