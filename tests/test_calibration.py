@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,6 +28,7 @@ from larqlpy.errors import LarqlError
 from larqlpy.config import GenerationConfig
 from larqlpy.decode.sequence import Sequence
 from larqlpy.decode.stream import generate_step
+from larqlpy.kernels import tq_step
 from larqlpy.kernels.rowcodec import TurboQuantCodec
 from larqlpy.weights import calibration_file
 from larqlpy.weights.info import describe
@@ -164,8 +166,17 @@ def test_a_decode_steps_calibrated_keys_are_a_blocks_bit_for_bit(turning):
     cal = KeyCalibration.of(mean, scale, torch.randn(2, 64, generator=gen) if turning else None, freq)
     k = torch.randn(2, 700, 64, generator=gen) * 4
     block = cal.apply(k, 5)
+    codec = TurboQuantCodec(64, 4, torch.device("cpu"))
+    codes = codec.encode(block.reshape(-1, 64))
+    (norms, got), values = ((np.zeros((2, 1), np.float32), np.zeros((2, 1, 32), np.uint8)) for _ in "kv")
     for p in (0, 1, 2, 77, 699):
         assert torch.equal(cal.apply_row(k[:, p:p + 1], 5 + p), block[:, p:p + 1]), p
+        # a step's one kernel call: calibrated and encoded, the codes of the block's rows
+        row = k[:, p:p + 1].contiguous().numpy()
+        tq_step.append_step(row, row, cal.step_args(5 + p), codec.signs,
+                            ((codec.boundaries, 4, codec.boundaries, 4, norms, got, *values),), (0,))
+        assert np.array_equal(got[:, 0], codes["code"].view(2, 700, 32)[:, p].numpy()), p
+        assert np.array_equal(norms[:, 0], codes["norm"].view(2, 700)[:, p].numpy()), p
 
 
 def test_a_tier_covering_every_row_equals_the_wider_codec(cal_dir):

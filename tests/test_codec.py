@@ -9,10 +9,11 @@ import torch
 from larqlpy.engines import new_state, parse_engine_spec
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.stores.base import AttentionParams, Scratch
+from larqlpy.engines.stores.calibration import NO_CALIBRATION
 from larqlpy.engines.stores.codec import CodecStore
 from larqlpy.engines.stores.kvcodec import KVCodec
 from larqlpy.errors import LarqlError
-from larqlpy.kernels import codebooks
+from larqlpy.kernels import codebooks, tq_step
 from larqlpy.kernels.lloyd_max import gaussian_codebook
 from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
 from larqlpy.kernels.turboquant_torch import TorchCodec
@@ -80,18 +81,27 @@ def test_attending_on_codes_equals_decoding_them(d):
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
 def test_a_decode_steps_codes_written_in_place_equal_a_blocks(bits):
-    """Decode steps encode their row straight into the store's buffers (`encode_into`, no threads);
-    a prefill block encodes many rows in parallel chunks (`encode`). A speculative verification and
-    a resumed state mix the two, so they must give the same bytes."""
-    codec = TurboQuantCodec(64, bits, CPU)
+    """Decode steps encode their row straight into the store's buffers (tq_step.append_step, one
+    call for K and V and every code set); a prefill block encodes many rows in parallel chunks
+    (`encode`). A speculative verification and a resumed state mix the two, so they must give the
+    same bytes."""
+    codec, wide = TurboQuantCodec(64, bits, CPU), TurboQuantCodec(64, 8, CPU)
     x = torch.randn(300, 2, 64, generator=torch.Generator().manual_seed(bits)) * 3
     x[7, 1] = 0.0
-    block = codec.encode(x.reshape(-1, 64))
-    norms, codes = torch.zeros(2, 300), torch.zeros(2, 300, codec.fields["code"][0][0], dtype=torch.uint8)
+    v = x.flip(0).contiguous()
+    sets = []
+    for c in (codec, wide):
+        nbytes = c.fields["code"][0][0]
+        bufs = [np.zeros((2, 300, nbytes)[:n], t) for _ in "kv" for n, t in ((2, np.float32), (3, np.uint8))]
+        sets.append((c.boundaries, c.bits, c.boundaries, c.bits, *bufs))
     for r in range(300):
-        codec.encode_into(x[r], norms, codes, r)
-    assert torch.equal(norms.T.reshape(-1), block["norm"])
-    assert torch.equal(codes.transpose(0, 1).reshape(600, -1), block["code"])
+        tq_step.append_step(x[r, :, None].numpy(), v[r, :, None].numpy(), NO_CALIBRATION, codec.signs, tuple(sets),
+                            (r, 299 - r))
+    for c, got, order in ((codec, sets[0], slice(None)), (wide, sets[1], slice(None, None, -1))):
+        for rows, (norms, codes) in ((x, got[4:6]), (v, got[6:8])):
+            block = c.encode(rows.reshape(-1, 64))
+            assert np.array_equal(norms[:, order].T.reshape(-1), block["norm"].numpy())
+            assert np.array_equal(codes[:, order].transpose(1, 0, 2).reshape(600, -1), block["code"].numpy())
 
 
 def test_a_wrapped_ring_is_read_in_place_as_two_runs():

@@ -12,7 +12,7 @@ from pathlib import Path
 WORK = r"""
 import hashlib, json
 import numpy as np, torch
-from larqlpy.kernels import tq_attend, turboquant as tq
+from larqlpy.kernels import tq_attend, tq_step, turboquant as tq
 from larqlpy.kernels.attention import attend_one
 from larqlpy.kernels.matvec import gemv_f32
 from larqlpy.kernels.qweight import PackedWeight
@@ -34,6 +34,12 @@ for n, d, g, bits in [(40, 32, 2, 2), (300, 64, 4, 4)]:
                      (np.zeros((2, 0, d), np.float32), sink, sink), (n, n, n + 6), np.float32(0.125),
                      np.float32(30.0), out)
     hashes[f"tq_attend {n}x{d} {bits}"] = hashlib.sha256(out.tobytes()).hexdigest()
+    rows = [np.zeros((4, 1) + shape, t) for _ in "kv" for shape, t in (((), np.float32), ((d * bits // 8,), np.uint8))]
+    k, v = rng.standard_normal((2, 2, 2, d), dtype=np.float32)  # two branches' step rows, written as codes
+    bounds = tq.codebook(bits)[1]
+    tq_step.append_step(k, v, (cal[1], cal[0], cal[2], cal[3][:1]), tq.signs(d), ((bounds, bits, bounds, bits, *rows),),
+                        (0,))
+    hashes[f"tq_step {d} {bits}"] = hashlib.sha256(b"".join(r.tobytes() for r in rows)).hexdigest()
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     q, k, v = torch.randn(4, 1, 64), torch.randn(2, 333, 64).to(dtype), torch.randn(2, 333, 64).to(dtype)

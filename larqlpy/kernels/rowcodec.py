@@ -17,7 +17,7 @@ from larqlpy.kernels import turboquant as tq
 from larqlpy.kernels.turboquant_torch import TorchCodec
 
 
-CodeSpan = tuple[dict[str, torch.Tensor], int, int]  # whole (Hkv, capacity, ...) buffers, first row, rows
+CodeSpan = tuple[dict[str, np.ndarray], int, int]  # whole (Hkv, capacity, ...) buffers, first row, rows
 
 
 class RowCodec:
@@ -69,17 +69,11 @@ class TurboQuantCodec(RowCodec):
                   self.centroids, self.bits, out.numpy())
         return out
 
-    # -- decode steps on the CPU: rows written in place, attention on codes (kernels/tq_attend.py) --
-    def encode_into(self, x: torch.Tensor, norms: torch.Tensor, codes: torch.Tensor, slot: int) -> None:
-        """One row per KV head, x (Hkv, d), into row `slot` of a store's buffers (Hkv, cap, ...):
-        the bits `encode` gives."""
-        tq.encode_into(x.float().contiguous().numpy(), self.signs, self.boundaries, self.bits, norms.numpy(),
-                       codes.numpy(), slot)
-
-    def side(self, spans: list[CodeSpan]) -> tuple:
-        """The kernel's view of code spans (one or two read as one run): (piece a, piece b, centroids,
-        bits), a piece (norms (Hkv, cap), codes (Hkv, cap, bytes), first row, rows) read in place."""
-        pieces = [(f["norm"].numpy(), f["code"].numpy(), first, n) for f, first, n in spans]
+    # -- decode steps on the CPU: attention on codes (kernels/tq_attend.py) --
+    def side(self, pieces: list[tuple]) -> tuple:
+        """The kernel's view of code pieces (one or two read as one run), each (norms (Hkv, cap), codes
+        (Hkv, cap, bytes), first row, rows), numpy buffers read in place: (piece a, piece b,
+        centroids, bits)."""
         assert 1 <= len(pieces) <= 2 and all(x.flags.c_contiguous for p in pieces for x in p[:2])
         b = pieces[1] if len(pieces) == 2 else (*pieces[0][:2], 0, 0)
         return pieces[0], b, self.centroids, self.bits

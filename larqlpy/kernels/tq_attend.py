@@ -47,25 +47,6 @@ def _calibrated(q, inv_scale, mean, qk, bias):  # pragma: no cover - jitted
             bias[h, g] = b
 
 
-@njit(cache=True, error_model="numpy")
-def calibrate_row(k, first, mean, scale, turning, cs, out):  # pragma: no cover - jitted
-    """A decode step's keys k (Hkv, D) at position `first` -> (k - m_p) * scale, op for op what
-    calibration.KeyCalibration.apply computes in torch (so a step's codes are a block's); cs: the
-    [cos | sin] table, turning (Hkv, D) or empty. k may hold several branches' rows at that
-    position, (B * Hkv, D), branch after branch."""
-    rows, d = k.shape
-    hkv, half = mean.shape[0], d // 2
-    for r in range(rows):
-        h = r % hkv
-        for i in range(d):
-            m = mean[h, i]
-            if turning.shape[0]:
-                c, s_ = cs[first, i % half], cs[first, half + i % half]
-                a, b = turning[h, i % half], turning[h, half + i % half]
-                m = (a * c - b * s_) + m if i < half else (b * c + a * s_) + m
-            out[r, i] = (k[r, i] - m) * scale[h, i]
-
-
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
 def _prepare(q, qk, turning, sgn, qr, coef):  # pragma: no cover - jitted
     """Per query head: the rotated query of the coded keys, and the turning mean's coefficients

@@ -18,6 +18,7 @@ The torch twin (`turboquant_torch.py`) performs the same operations in the same 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -30,12 +31,14 @@ from larqlpy.kernels.jitcache import FASTMATH
 SIGN_SEED = 0x7475726271  # "turbq"
 
 
+@functools.cache  # every layer's codecs, made again for each request's state, share them (never written)
 def signs(d: int) -> np.ndarray:
     """The fixed +-1 diagonal of the randomized Hadamard transform for dimension d."""
     rng = np.random.default_rng(SIGN_SEED + d)
     return (rng.integers(0, 2, size=d) * 2 - 1).astype(np.float32)
 
 
+@functools.cache
 def codebook(bits: int) -> tuple[np.ndarray, np.ndarray]:
     """(centroids, boundaries) in float32; boundaries are computed in float64 and rounded once."""
     c = np.asarray(CENTROIDS[bits], dtype=np.float64)
@@ -137,16 +140,6 @@ def encode(x, sgn, boundaries, bits, norms, codes):  # pragma: no cover - jitted
         idx = np.empty(d, np.int32)
         for r in range(c * CHUNK, min(n, (c + 1) * CHUNK)):
             norms[r] = _encode_row(x[r], sgn, boundaries, bits, v, idx, codes[r])
-
-
-@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def encode_into(x, sgn, boundaries, bits, norms, codes, slot):  # pragma: no cover - jitted
-    """A decode step's row per KV head, x (Hkv, d), straight into row `slot` of a store's buffers
-    norms (Hkv, cap), codes (Hkv, cap, bytes): the bits `encode` gives, without threads."""
-    d = x.shape[1]
-    v, idx = np.empty(d, np.float32), np.empty(d, np.int32)
-    for h in range(x.shape[0]):
-        norms[h, slot] = _encode_row(x[h], sgn, boundaries, bits, v, idx, codes[h, slot])
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")

@@ -184,11 +184,12 @@ class LayerStore:
         None: attended on its own."""
         return None
 
-    def attend_family(self, stores: Sequence["LayerStore"], q: torch.Tensor, ks: Sequence[torch.Tensor],
-                      vs: Sequence[torch.Tensor], p: AttentionParams) -> torch.Tensor:
-        """Decode steps of a family (`family`, this store first): q (H, B, D), one step each ->
-        (H, B, D). By default each attends alone."""
-        return torch.cat([s.attend(q[:, i:i + 1].contiguous(), ks[i], vs[i], p) for i, s in enumerate(stores)], dim=1)
+    def attend_family(self, stores: Sequence["LayerStore"], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      p: AttentionParams) -> torch.Tensor:
+        """Decode steps of a family (`family`, this store first): q (H, B, D), k, v (Hkv, B, D), one
+        step each -> (H, B, D). By default each attends alone."""
+        return torch.cat([s.attend(*(x[:, i:i + 1].contiguous() for x in (q, k, v)), p) for i, s in enumerate(stores)],
+                         dim=1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> torch.Tensor:
         """Append this block's rows and attend its queries (H, T, D) over what they may read."""

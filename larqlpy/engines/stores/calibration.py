@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.errors import LarqlError
-from larqlpy.kernels import tq_attend
+from larqlpy.kernels import tq_step
 
 
 class _Turns:
@@ -35,6 +36,7 @@ class _Turns:
     def __init__(self, freq: torch.Tensor):
         self.freq = freq
         self.cs = torch.empty(0, 2 * freq.shape[0], device=freq.device)
+        self.array = self.cs.numpy() if freq.device.type == "cpu" else None  # `cs` for the CPU's kernels
 
     @classmethod
     def of(cls, freq: torch.Tensor) -> "_Turns":
@@ -51,8 +53,15 @@ class _Turns:
                     p = max(2 * self.cs.shape[0], first + n, 1024)
                     ang = torch.arange(p, device=self.freq.device).float()[:, None] * self.freq[None, :]
                     self.cs = torch.cat((ang.cos(), ang.sin()), dim=-1)
+                    self.array = self.cs.numpy() if self.cs.device.type == "cpu" else None
                 cs = self.cs
         return cs[first:first + n]
+
+    def rows_array(self, first: int, n: int) -> np.ndarray:
+        """`rows` as a numpy view (CPU)."""
+        if first + n > self.array.shape[0]:
+            self.rows(first, n)
+        return self.array[first:first + n]
 
 
 def _turns(freq: torch.Tensor | None) -> _Turns | None:
@@ -116,22 +125,33 @@ class KeyCalibration:
         given; it may be y)."""
         return torch.div(y, self.scale[:, None], out=out).add_(self.means(first, y.shape[1]))
 
+    @cached_property
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        """(1 / scale, mean, turning or empty, scale) as numpy views, made once (CPU)."""
+        turning = NONE if self.turning is None else self.turning.numpy()
+        return self.inv_scale.numpy(), self.mean.numpy(), turning, self.scale.numpy()
+
+    def _cs(self, first: int, n: int) -> np.ndarray:
+        return NONE if self.turning is None else self.turns.rows_array(first, n)
+
     def kernel_args(self, first: int, n: int) -> tuple[np.ndarray, ...]:
         """For the fused decode kernel (kernels/tq_attend.py), rows at positions first..first+n-1:
         (1 / scale, mean, turning (Hkv, D), [cos | sin] rows (n, D)), the last two empty when no head
         turns. CPU only."""
-        if self.turning is None:
-            return self.inv_scale.numpy(), self.mean.numpy(), NONE, NONE
-        return self.inv_scale.numpy(), self.mean.numpy(), self.turning.numpy(), self.turns.rows(first, n).numpy()
+        return *self._arrays[:3], self._cs(first, n)
+
+    def step_args(self, first: int) -> tuple[np.ndarray, ...]:
+        """For a decode step's keys at position `first` (kernels/tq_step.py): (mean, scale, turning
+        (Hkv, D), the position's [cos | sin] row (1, D)), the last two empty when no head turns."""
+        _, mean, turning, scale = self._arrays
+        return mean, scale, turning, self._cs(first, 1)
 
     def apply_row(self, k: torch.Tensor, first: int) -> torch.Tensor:
         """`apply` for a decode step's keys (Hkv, 1, D) on the CPU, in one kernel call: the bits of
         torch's ops."""
-        out = np.empty(k.shape[::2], np.float32)
-        cs = NONE if self.turning is None else self.turns.rows(0, first + 1).numpy()
-        tq_attend.calibrate_row(k[:, 0].float().contiguous().numpy(), first, self.mean.numpy(), self.scale.numpy(),
-                                NONE if self.turning is None else self.turning.numpy(), cs, out)
-        return torch.from_numpy(out)[:, None]
+        out = np.empty(k.shape, np.float32)
+        tq_step.calibrate_rows(k.float().contiguous().numpy(), *self.step_args(first), out)
+        return torch.from_numpy(out)
 
 
 NONE = np.zeros((0, 0), np.float32)  # a part the kernel is not given

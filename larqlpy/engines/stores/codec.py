@@ -16,8 +16,9 @@ from larqlpy.engines.stores.base import EngineState, Scratch
 from larqlpy.engines.stores.calibration import NO_CALIBRATION, require_calibration
 from larqlpy.engines.stores.kvcodec import KVCodec
 from larqlpy.engines.stores.kvdtype import torch_dtype
-from larqlpy.engines.stores.rows import Rows, RowSet, RowStore, stack_sets
-from larqlpy.kernels import tq_attend
+from larqlpy.engines.stores.rows import Rows, RowSet, RowStore
+from larqlpy.engines.stores.stack import Stack, stack_sets
+from larqlpy.kernels import tq_attend, tq_step
 from larqlpy.kernels.rowcodec import TurboQuantCodec, row_codec
 
 
@@ -43,7 +44,12 @@ class CodecStore(RowStore):
         self.recent = Rows(hkv, recent_codec.fields, device, recent) if recent else None
         self.sink = sink
         self.sinks = Rows(hkv, {"k": row, "v": row}, device, min_capacity=sink) if sink else None
-        self.fused = fused and codec.fused and (recent_codec is None or recent_codec.fused)
+        # codes written and read in place by the CPU kernels (tq_step, tq_attend); `fused` reads them so
+        self.in_place = codec.fused and (recent_codec is None or recent_codec.fused)
+        self.fused = fused and self.in_place
+        self._sink_arrays_at: tuple | None = None  # (K buffer, start, rows, arrays): `_sink_arrays`
+        self._no_rows = np.zeros((hkv, 0, d), np.float32)  # no exact rows, as the kernels take them
+        self._sets = self._row_sets()  # a token's metrics read them every step
 
     def meta(self):
         cal = self.codec.calibration
@@ -66,18 +72,33 @@ class CodecStore(RowStore):
         if self.sinks is not None and first < self.sink:
             n = min(self.sink - first, k.shape[1])
             self.sinks.append({"k": k[:, :n].to(self.exact_dtype), "v": v[:, :n].to(self.exact_dtype)})
+            self._sink_arrays_at = None
+
+    def _code_sets(self) -> list[tuple[KVCodec, Rows]]:
+        return [(c, r) for c, r in ((self.codec, self.rows), (self.recent_codec, self.recent)) if r is not None]
 
     def _append_step(self, k, v):
         """A decode step's row: its codes written straight into a claimed row of each code set (a
         ring's oldest row makes way at once, so the tier holds the newest `recent` rows, this one
         among them), the keys calibrated once for both (the tier's calibration is the layer's)."""
-        first, keys = self.end, self.codec.calibrate(k, self.end)
-        for codec, rows in ((self.codec, self.rows), (self.recent_codec, self.recent)):
-            if rows is not None:
-                slot = rows.claim_row()  # first: claiming may grow (replace) the buffers
+        first, sets = self.end, self._code_sets()
+        slots = [rows.claim_row() for _, rows in sets]  # first: claiming may grow (replace) the buffers
+        if self.in_place:
+            self._encode_step(k, v, first, [(c, r.arrays()) for c, r in sets], slots)
+        else:
+            keys = self.codec.calibrate(k, first)
+            for (codec, rows), slot in zip(sets, slots):
                 codec.encode_into(keys, v, rows.buf, slot)
         self._append_exact(k, v, first)
         self.end = self.rows.end
+
+    def _encode_step(self, k, v, first: int, sets: list[tuple[KVCodec, dict]], slots: list[int]) -> None:
+        """Rows k, v (Hkv, B, D) of position `first` (a step's, or a family's B branches') into row
+        slots[i] of each code set's numpy buffers (branch after branch), calibrated, in one kernel call."""
+        cal = self.codec.calibration
+        tq_step.append_step(k.float().contiguous().numpy(), v.float().contiguous().numpy(),
+                            NO_CALIBRATION if cal is None else cal.step_args(first), self.codec.k.signs,
+                            tuple(codec.code_set(arrays) for codec, arrays in sets), tuple(slots))
 
     def _exact_from(self, start: int) -> int:
         """First position whose K row is exact (end when none is)."""
@@ -131,12 +152,13 @@ class CodecStore(RowStore):
         """The step's query (H, 1, D) attending on the codes, its row already appended."""
         start, mid, lo = self._bounds()
         hkv, (n_heads, _, d), n = self.geometry.n_kv_heads, q.shape, self.end - start
-        main = self.codec.sides(self.rows.spans(start, mid))
-        tier = self.recent_codec.sides(self.recent.spans(mid, self.end)) if mid < self.end else _no_tier(main)
+        main = self.codec.sides(self.rows.spans(start, mid, arrays=True))
+        tier = self.recent_codec.sides(self.recent.spans(mid, self.end, arrays=True)) if mid < self.end \
+            else _no_tier(main)
         out = np.empty((hkv, n_heads // hkv, d), np.float32)
         tq_attend.attend(q[:, 0].float().contiguous().view(out.shape).numpy(), self._calibration(start, n),
-                         self.codec.k.signs, main, tier, self._exact_rows(start, lo), (lo - start, mid - start, n),
-                         np.float32(p.scale), np.float32(p.softcap or 0.0), out)
+                         self.codec.k.signs, main, tier, (self._exact_keys(lo), *self._sink_arrays(start)),
+                         (lo - start, mid - start, n), np.float32(p.scale), np.float32(p.softcap or 0.0), out)
         self.release()
         return torch.from_numpy(out).view(n_heads, 1, d).to(q.dtype)
 
@@ -149,7 +171,7 @@ class CodecStore(RowStore):
             return (*_no_rows(b, hkv, self.rows.buf["k_code"].shape[2]), c.k.centroids, c.k.bits, c.v.centroids,
                     c.v.bits, 0, 0)
         c, first = self.recent_codec, self.recent.slot(mid)
-        return (*_as_branches(tier, hkv), c.k.centroids, c.k.bits, c.v.centroids, c.v.bits, first,
+        return (*_as_branches(tier), c.k.centroids, c.k.bits, c.v.centroids, c.v.bits, first,
                 min(self.end - mid, self.recent.ring - first))
 
     def _calibration(self, start: int, n: int) -> tuple:
@@ -162,56 +184,62 @@ class CodecStore(RowStore):
         and the unfused path attend alone)."""
         if not self.rows.offset or self.rows.keep is not None or not self.fused or self.exact_keys is not None:
             return None
-        return ("codes", next(iter(self.rows.prefix.values())).data_ptr(), self.rows.offset, self.end,
+        return ("codes", id(self.rows.prefix["k_code"]), self.rows.offset, self.end,
                 None if self.recent is None else self.recent.ring)
 
-    def attend_family(self, stores, q, ks, vs, p):
+    def attend_family(self, stores, q, k, v, p):
         """Branches' decode steps (`family`) in one kernel call: the prompt's codes decoded once for
         all of them, each branch's own rows and tier read in place from the family's stacks, each
         output the bits its own `attend` gives (tq_attend.attend_family)."""
         if len(stores) == 1:
-            return self.attend(q, ks[0], vs[0], p)
-        own, tier = self._append_family(stores, ks, vs)
+            return self.attend(q, k, v, p)
+        own, tier = self._append_family(stores, k, v)
         _, mid, lo = self._bounds()  # a growing layer: rows from position 0
         (n_heads, b, d), hkv, n = q.shape, self.geometry.n_kv_heads, self.end
-        shared = self.codec.sides(self.rows.spans(0, mid))  # the prompt's piece first: the same in every branch
+        shared = self.codec.sides(self.rows.spans(0, mid, arrays=True))  # the prompt's piece first: in every branch
         out = np.empty((b, hkv, n_heads // hkv, d), np.float32)
         tq_attend.attend_family(q.transpose(0, 1).float().contiguous().view(out.shape).numpy(),
                                 self._calibration(0, n), self.codec.k.signs,
                                 (*shared[0], *shared[4], shared[2], shared[3], shared[6], shared[7]),
-                                _as_branches(own, hkv), self._tier_args(tier, mid, b), self._exact_rows(0, lo)[1:],
+                                _as_branches(own), self._tier_args(tier, mid, b), self._sink_arrays(0),
                                 (lo, mid, n), np.float32(p.scale), np.float32(p.softcap or 0.0), out)
         for s in stores:
             s.release()
         return torch.from_numpy(out).view(b, n_heads, d).transpose(0, 1).to(q.dtype)
 
-    def _append_family(self, stores, ks, vs) -> tuple[dict, dict | None]:
-        """The branches' step rows, as `_append_step` appends each: every set's row claimed, then all
-        branches' keys calibrated, and each code set written, in one kernel call each, into the
-        family's stacks (rows.stack_sets). Returns the stacks of the main codes and of the tier."""
-        first = self.end
+    def _append_family(self, stores, k, v) -> tuple[Stack, Stack | None]:
+        """The branches' step rows k, v (Hkv, B, D), as `_append_step` appends each: every set's row
+        claimed, then written, calibrated, in one kernel call into the family's stacks
+        (stack.stack_sets). Returns the stacks of the main codes and of the tier."""
+        first, sets = self.end, self._code_sets()
         groups = [[s.rows for s in stores]] + ([[s.recent for s in stores]] if self.recent is not None else [])
         slots = [{r.claim_row() for r in group} for group in groups]  # first: claiming may grow the buffers
         assert all(len(slot) == 1 for slot in slots), "a family's rows take one slot"
         stacks = [stack_sets(group) for group in groups]
-        v, keys = torch.cat(vs), self.codec.calibrate(torch.cat(ks), first)  # (B * Hkv, 1, D)
-        for codec, stack, slot in zip((self.codec, self.recent_codec), stacks, slots):
-            codec.encode_into(keys, v, stack, slot.pop())
-        for s, k, v in zip(stores, ks, vs):
-            s._append_exact(k, v, first)
+        self._encode_step(k, v, first, [(codec, stack.arrays()) for (codec, _), stack in zip(sets, stacks)],
+                          [slot.pop() for slot in slots])
+        for i, s in enumerate(stores):
+            if first < self.sink:
+                s._append_exact(k[:, i:i + 1], v[:, i:i + 1], first)
             s.end = s.rows.end
         return stacks[0], stacks[1] if len(stacks) > 1 else None
 
-    def _exact_rows(self, start: int, lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The fused kernel's exact rows, float32: K of positions [lo, end) and the sinks' K and V."""
-        hkv, d = self.geometry.n_kv_heads, self.geometry.head_dim
-        none = np.zeros((hkv, 0, d), np.float32)
-        keys = self.exact_keys.read(lo, self.end)["k"] if self.exact_keys is not None and lo < self.end else None
-        assert keys is None or self.recent is None, "exact keys and a recent tier are never configured together"
-        ns = self._sink_end(start) - start
-        sinks = self.sinks.read(start, start + ns) if ns else {}
-        return tuple(none if x is None else x.float().contiguous().numpy()
-                     for x in (keys, sinks.get("k"), sinks.get("v")))
+    def _exact_keys(self, lo: int) -> np.ndarray:
+        """The fused kernel's exact K rows, positions [lo, end), float32 (none without them)."""
+        if self.exact_keys is None or lo >= self.end:
+            return self._no_rows
+        assert self.recent is None, "exact keys and a recent tier are never configured together"
+        return self.exact_keys.read(lo, self.end)["k"].float().contiguous().numpy()
+
+    def _sink_arrays(self, start: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sinks' K and V rows a read from `start` sees, float32: made again only when they change."""
+        ns, buf = self._sink_end(start) - start, None if self.sinks is None else self.sinks.buf["k"]
+        held = self._sink_arrays_at
+        if held is None or held[0] is not buf or held[1:3] != (start, ns):
+            rows = self.sinks.read(start, start + ns) if ns else {}
+            arrays = tuple(rows[t].float().contiguous().numpy() if ns else self._no_rows for t in "kv")
+            held = self._sink_arrays_at = (buf, start, ns, arrays)
+        return held[3]
 
     def fork(self, other):
         """Growing codes are shared whole: attention reads the prompt's codes and the branch's own as
@@ -229,6 +257,9 @@ class CodecStore(RowStore):
                 rows.commit()
 
     def row_sets(self):
+        return self._sets
+
+    def _row_sets(self) -> dict[str, RowSet]:
         sets = {"main": RowSet(self.rows, "QUANTIZED", self.codec.label)}
         if self.exact_keys is not None:
             sets["exact_keys"] = RowSet(self.exact_keys, "ACTIVE", self.geometry.kv_dtype)
@@ -242,10 +273,11 @@ class CodecStore(RowStore):
 _CODE_FIELDS = ("k_norm", "k_code", "v_norm", "v_code")
 
 
-def _as_branches(stack: dict, hkv: int) -> tuple:
-    """A family's stack (rows.stack_sets) as the kernel reads it: (K norms (B, Hkv, cap), K codes
+def _as_branches(stack: Stack) -> tuple:
+    """A family's stack (stack.stack_sets) as the kernel reads it: (K norms (B, Hkv, cap), K codes
     (B, Hkv, cap, bytes), V norms, V codes), in place."""
-    return tuple(stack[n].view(-1, hkv, *stack[n].shape[1:]).numpy() for n in _CODE_FIELDS)
+    branches = stack.branches()
+    return tuple(branches[n] for n in _CODE_FIELDS)
 
 
 def _no_rows(b: int, hkv: int, nbytes: int) -> tuple:

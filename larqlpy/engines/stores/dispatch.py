@@ -30,12 +30,12 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: Sequ
     one = len(stores) == 1
     ks, vs = ((k,), (v,)) if one else (k.split(sizes, dim=1), v.split(sizes, dim=1))  # views, one call each
     outs, steps, lo = [], [], 0  # steps: (index in outs, row in q, store, its rows)
-    families: dict = {}  # family -> [(index in outs, row in q, store, k, v)]
+    families: dict = {}  # family -> [(index in outs, row in q, store)]
     for store, n, kn, vn in zip(stores, sizes, ks, vs):
         rows = store.decode_rows(kn, vn) if decode and n == 1 else None
         family = store.family() if decode and n == 1 and rows is None and not one else None
         if family is not None:
-            families.setdefault(family, []).append((len(outs), lo, store, kn.contiguous(), vn.contiguous()))
+            families.setdefault(family, []).append((len(outs), lo, store))
             outs.append(None)
         elif rows is None:
             qn = q if one else q[:, lo:lo + n].contiguous()
@@ -44,7 +44,12 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: Sequ
             steps.append((len(outs), lo, store, rows))
             outs.append(None)
         lo += n
-    _attend_families(families, q, p, outs)
+    if len(families) == 1 and len(outs) == len(next(iter(families.values()))):  # n choices of one prompt
+        return _attend_family(next(iter(families.values())), q, k, v, p)
+    for members in families.values():
+        got = _attend_family(members, q, k, v, p)
+        for j, m in enumerate(members):
+            outs[m[0]] = got[:, j:j + 1]
     if steps:
         qs = q if len(steps) == len(outs) else q[:, [s[1] for s in steps]]  # (H, steps, D)
         got = attend_rows(qs.transpose(0, 1), [s[3] for s in steps], p.scale, p.softcap or 0.0,
@@ -58,13 +63,17 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: Sequ
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def _attend_families(families: dict, q: torch.Tensor, p: AttentionParams, outs: list) -> None:
-    """Each family's steps in its one call, their outputs into their places in `outs`."""
-    for members in families.values():
-        got = members[0][2].attend_family([m[2] for m in members], q[:, [m[1] for m in members]],
-                                          [m[3] for m in members], [m[4] for m in members], p)
-        for j, m in enumerate(members):
-            outs[m[0]] = got[:, j:j + 1]
+def _attend_family(members: list, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   p: AttentionParams) -> torch.Tensor:
+    """A family's steps (members: (index in outs, row in q, store)) in its one call -> (H, B, D)."""
+    rows = [m[1] for m in members]
+    if rows == list(range(rows[0], rows[0] + len(rows))):  # one run of columns: views, no gather
+        cols = slice(rows[0], rows[0] + len(rows))
+        qf, kf, vf = q[:, cols], k[:, cols], v[:, cols]
+    else:
+        at = torch.tensor(rows)
+        qf, kf, vf = (x.index_select(1, at) for x in (q, k, v))
+    return members[0][2].attend_family([m[2] for m in members], qf, kf, vf, p)
 
 
 def _stepwise(q, k, v, stores, sizes, p, stepped) -> torch.Tensor:

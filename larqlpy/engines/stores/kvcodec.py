@@ -10,6 +10,7 @@ its own).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from larqlpy.engines.stores.calibration import KeyCalibration
@@ -65,12 +66,9 @@ class KVCodec:
 
     def encode_into(self, keys: torch.Tensor, v: torch.Tensor, buf: dict[str, torch.Tensor], slot: int) -> None:
         """A decode step's calibrated keys (`calibrate`) and values (Hkv, 1, D) into row `slot` of a
-        store's buffers: the codes `encode` gives, written in place by fused codecs (CPU)."""
+        store's buffers: the codes `encode` gives (fused codecs write theirs in one kernel call
+        instead: `code_set`)."""
         for t, x in (("k", keys), ("v", v)):
-            codec = self.codecs[t]
-            if codec.fused:
-                codec.encode_into(x[:, 0], buf[f"{t}_norm"], buf[f"{t}_code"], slot)
-                continue
             for name, val in self._encode(t, x).items():
                 buf[name][:, slot] = val[:, 0]
 
@@ -95,9 +93,15 @@ class KVCodec:
 
     # -- attending on codes (fused codecs, CPU) --------------------------------------------------
     def sides(self, spans: list[CodeSpan]) -> tuple:
-        """Code spans (`Rows.spans`) as the fused kernel reads them: K's side, then V's
+        """Code spans (`Rows.spans`, numpy arrays) as the fused kernel reads them: K's side, then V's
         (`TurboQuantCodec.side`), eight items."""
         out = []
         for t, codec in self.codecs.items():
-            out += codec.side([({name: f[f"{t}_{name}"] for name in codec.fields}, first, n) for f, first, n in spans])
+            out += codec.side([(f[f"{t}_norm"], f[f"{t}_code"], first, n) for f, first, n in spans])
         return tuple(out)
+
+    def code_set(self, arrays: dict[str, np.ndarray]) -> tuple:
+        """A code set's buffers (numpy, rows first) with the codebooks that write them: where
+        kernels/tq_step.py's one call writes a decode step's rows (fused codecs)."""
+        return (self.k.boundaries, self.k.bits, self.v.boundaries, self.v.bits, arrays["k_norm"], arrays["k_code"],
+                arrays["v_norm"], arrays["v_code"])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from larqlpy.engines.stores.base import LayerStore
@@ -36,17 +37,41 @@ class Rows:
         # min_capacity: the first allocation; a set that never holds more (e.g. a few sink rows) says so
         self.n_kv, self.fields, self.device, self.keep = n_kv, fields, device, keep
         self.min_capacity = min_capacity
+        self.stack = None  # the family's stack.Stack that holds these buffers (stack.stack_sets)
         self.buf = {name: torch.zeros((n_kv, 0, *shape), dtype=dtype, device=device)
                     for name, (shape, dtype) in fields.items()}
         self.base = self.end = 0
         # growing only: buffer row 0 is position `offset`; before it, the first `offset` rows of `prefix`
         # (another state's whole buffers)
-        self.offset, self.prefix = 0, None
+        self.offset, self.prefix, self._prefix_arrays = 0, None, None
         self.pending: dict[str, torch.Tensor] | None = None  # ring only: the current block's rows
         self.slack = 0  # ring only: rows held past `keep`, so that a trim can go back this far
         self.floor = 0  # ring only: the oldest position whose slot no newer row has taken
-        self._buf_bytes: int | None = None  # the buffers' allocation, counted again when they change
-        self.stack: tuple[dict[str, torch.Tensor], int] | None = None  # buffers in a family's stack (`stack_sets`)
+
+    @property
+    def buf(self) -> dict[str, torch.Tensor]:
+        return self._buf
+
+    @buf.setter
+    def buf(self, fields: dict[str, torch.Tensor]) -> None:
+        self._buf = fields
+        self._replaced()
+
+    def _replaced(self) -> None:
+        """The buffers were replaced: their numpy views (`arrays`) and allocation (`nbytes`) are taken
+        again, and a family's stack no longer holds them."""
+        self._arrays = self._buf_bytes = None
+        self._capacity = next(iter(self._buf.values())).shape[1]
+        if self.stack is not None:
+            self.stack.live = False
+            self.stack = None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The buffers as numpy arrays, views made once while the buffers stay: a decode kernel reads
+        them every step (CPU; codes and norms)."""
+        if self._arrays is None:
+            self._arrays = {name: f.numpy() for name, f in self._buf.items()}
+        return self._arrays
 
     @property
     def ring(self) -> int | None:
@@ -69,7 +94,7 @@ class Rows:
 
     @property
     def capacity(self) -> int:
-        return next(iter(self.buf.values())).shape[1]
+        return self._capacity
 
     def append(self, values: dict[str, torch.Tensor]) -> None:
         t = next(iter(values.values())).shape[1]
@@ -87,15 +112,16 @@ class Rows:
         """Room for the row at position `end`, which the caller writes straight into the buffers (a
         decode kernel); the row counts as stored at once. Returns its buffer row."""
         assert self.pending is None, "claim beside a pending block"
-        cap, held = self.capacity, self.end - self.offset
-        if held >= cap and (self.keep is None or cap < self.ring):  # full: grow (a ring up to its size)
-            self._reserve(held + 1)
-        slot = self.slot(self.end)
+        held, keep = self.end - self.offset, self.keep  # a decode step per layer and set: kept lean
+        if held >= self._capacity and (keep is None or self._capacity < keep + self.slack):  # full: grow
+            self._reserve(held + 1)  # (a ring up to its size)
         self.end += 1
-        if self.keep is not None:
-            self.base = max(0, self.end - self.keep)
-            self.floor = max(self.floor, self.end - self.ring)
-        return slot
+        if keep is None:
+            return held
+        ring = keep + self.slack
+        self.base = max(0, self.end - keep)
+        self.floor = max(self.floor, self.end - ring)
+        return (self.end - 1) % ring
 
     def slot(self, position: int) -> int:
         """The buffer row of a retained position (at or past `offset`)."""
@@ -116,8 +142,8 @@ class Rows:
         for name, old in self.buf.items():
             new = torch.zeros((self.n_kv, cap, *old.shape[2:]), dtype=old.dtype, device=self.device)
             new[:, :n] = old[:, :n]
-            self.buf[name] = new
-        self._buf_bytes, self.stack = None, None
+            self._buf[name] = new
+        self._replaced()
 
     def reserve(self, rows: int) -> None:
         """Allocate room for the rows up to position `rows` now, exactly: later appends up to there
@@ -155,20 +181,25 @@ class Rows:
             return [self.read(lo, hi)]
         return [{name: f[:, first:first + n] for name, f in fields.items()} for fields, first, n in self.spans(lo, hi)]
 
-    def spans(self, lo: int, hi: int) -> list[tuple[dict[str, torch.Tensor], int, int]]:
+    def spans(self, lo: int, hi: int, arrays: bool = False) -> list[tuple[dict, int, int]]:
         """Positions [lo, hi) for kernels that read buffers in place, as (whole buffers, first buffer
         row, rows) in order: a branch's shared prompt rows and its own, or a wrapped ring's two runs
-        (one span otherwise). Decode steps read them: a ring holds no pending block then."""
+        (one span otherwise); the buffers as numpy arrays with `arrays`. Decode steps read them: a ring
+        holds no pending block then."""
         self._check(lo, hi)
+        buf = self.arrays() if arrays else self.buf
         if self.keep is not None:
             assert self.pending is None, "a pending block's rows are not in the ring yet"
             a, n = self.slot(lo), hi - lo
-            return [(self.buf, a, n)] if a + n <= self.ring else [(self.buf, a, self.ring - a),
-                                                                  (self.buf, 0, n - self.ring + a)]
-        out = [(self.prefix, lo, min(hi, self.offset) - lo)] if lo < self.offset else []
+            return [(buf, a, n)] if a + n <= self.ring else [(buf, a, self.ring - a), (buf, 0, n - self.ring + a)]
+        out = []
+        if lo < self.offset:
+            if arrays and self._prefix_arrays is None:
+                self._prefix_arrays = {name: f.numpy() for name, f in self.prefix.items()}
+            out.append((self._prefix_arrays if arrays else self.prefix, lo, min(hi, self.offset) - lo))
         if hi > self.offset or not out:
             first = max(lo, self.offset) - self.offset
-            out.append((self.buf, first, max(hi, self.offset) - self.offset - first))
+            out.append((buf, first, max(hi, self.offset) - self.offset - first))
         return out
 
     def _check(self, lo: int, hi: int) -> None:
@@ -212,11 +243,10 @@ class Rows:
 
     def restore(self, base: int, end: int, pieces: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
         """Refill from saved rows: `pieces` are (first position, fields) covering [base, end)."""
-        self.pending, self.offset, self.prefix = None, 0, None
+        self.pending, self.offset, self.prefix, self._prefix_arrays = None, 0, None, None
         cap = max(self.min_capacity, end) if self.keep is None else min(self.ring, max(self.min_capacity, end))
         self.buf = {name: torch.zeros((self.n_kv, cap, *shape), dtype=dtype, device=self.device)
                     for name, (shape, dtype) in self.fields.items()}
-        self._buf_bytes, self.stack = None, None
         for lo, values in pieces:
             self._write(lo, {k: v.to(self.device) for k, v in values.items()})
         self.base, self.end, self.floor = base, end, base
@@ -240,6 +270,7 @@ class Rows:
         assert self.keep is None and rows.keep is None and rows.pending is None and upto <= rows.end
         self.prefix = dict(rows.buf) if rows.offset == 0 else \
             {name: f.contiguous() for name, f in rows.read(0, upto).items()}  # a branch of a branch: joined once
+        self._prefix_arrays = None
         self.offset, self.base, self.end = upto, 0, upto
         tail = rows.read(upto, rows.end)
         self._reserve(rows.end - upto, exact=True)
@@ -253,31 +284,6 @@ class Rows:
         if self.pending:
             live += sum(v.untyped_storage().nbytes() for v in self.pending.values())
         return live
-
-
-def stack_sets(sets: list[Rows]) -> dict[str, torch.Tensor]:
-    """Row sets of one layout at one position (branches' own rows growing from one offset, or their
-    rings of one size) as one buffer per field, (B * Hkv, capacity, ...), set b's rows at
-    [b * Hkv, (b + 1) * Hkv): a kernel reads and writes all branches' rows in one call. The first
-    time, each set's buffers become views of the stack (at the largest capacity of the sets, which
-    never moves a ring's slots); it is found again while no set has replaced its buffers."""
-    first, n_kv = sets[0], sets[0].n_kv
-    held = first.stack
-    if held is not None and next(iter(held[0].values())).shape[0] == len(sets) * n_kv and \
-            all(r.stack is not None and r.stack[0] is held[0] and r.stack[1] == b for b, r in enumerate(sets)):
-        return held[0]
-    assert all(r.end == first.end and r.ring == first.ring and r.offset == first.offset and r.pending is None
-               for r in sets), "stacked sets share one layout"
-    cap = max(r.capacity for r in sets)
-    stack = {}
-    for name, old in first.buf.items():
-        stack[name] = torch.zeros((len(sets) * n_kv, cap, *old.shape[2:]), dtype=old.dtype, device=old.device)
-        for b, r in enumerate(sets):
-            stack[name][b * n_kv:(b + 1) * n_kv, :r.capacity] = r.buf[name]
-    for b, r in enumerate(sets):
-        r.buf = {name: f[b * n_kv:(b + 1) * n_kv] for name, f in stack.items()}
-        r.stack, r._buf_bytes = (stack, b), None
-    return stack
 
 
 @dataclass(frozen=True)
