@@ -22,14 +22,27 @@ from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.qweight import PackedPart, PackedWeight
 
 
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _dot_f32(w, x):  # pragma: no cover - jitted
+    acc = np.float32(0.0)
+    for j in range(w.shape[0]):
+        acc += w[j] * x[j]
+    return acc
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def _gemv_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - jitted
-    n, k = w.shape
-    for i in prange(n):
-        acc = np.float32(0.0)
-        for j in range(k):
-            acc += w[i, j] * x[j]
-        out[i] = acc
+    for i in prange(w.shape[0]):
+        out[i] = _dot_f32(w[i], x)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
+def _gemm_few_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - jitted
+    """A few rows x (M, k): each weight row streamed from memory once for all of them (torch's GEMM
+    at M = 2..8 costs 2-3x its M = 1 here), each product the same loop `_gemv_f32` runs."""
+    for i in prange(w.shape[0]):
+        for m in range(x.shape[0]):
+            out[m, i] = _dot_f32(w[i], x[m])
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -242,13 +255,29 @@ def gemv_f32(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch
     return out
 
 
+FEW_ROWS = 8  # up to this many float32 rows: gemm_few_f32 (decode steps of a batch, n choices)
+
+
+def gemm_few_f32(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """A few float32 rows x (M <= FEW_ROWS, in) times w (out, in) on the CPU: numba's loop reading w
+    once for every row, or torch's F.linear, whichever this machine measured faster for the shape."""
+    path = path or choose(f"f32 GEMM {x.shape[0]}x{w.shape[0]}x{w.shape[1]}", {
+        "numba": lambda: gemm_few_f32(x, w, "numba"), "torch": lambda: F.linear(x, w)})
+    if path == "torch":
+        return F.linear(x, w)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    _gemm_few_f32(w.numpy(), x.contiguous().numpy(), out.numpy())
+    return out
+
+
 def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ w.T for x (T, in), w (out, in) float or packed. One CPU float32 row: gemv_f32."""
+    """x @ w.T for x (T, in), w (out, in) float or packed. A few CPU float32 rows: gemv_f32 (one) or
+    gemm_few_f32."""
     if isinstance(w, (PackedWeight, PackedPart)):
         return w.matmul(x)
-    if x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 \
-            and w.is_contiguous():
-        return gemv_f32(x, w)
+    if x.shape[0] <= FEW_ROWS and x.device.type == "cpu" and x.dtype == torch.float32 and \
+            w.dtype == torch.float32 and w.is_contiguous():
+        return gemv_f32(x, w) if x.shape[0] == 1 else gemm_few_f32(x, w)
     return F.linear(x, w)
 
 
