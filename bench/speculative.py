@@ -62,6 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--draft", type=Path, required=True)
+    ap.add_argument("--draft-weights", default=None, help="the draft's weights (default: what its file holds)")
     ap.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--draft-p-min", type=float, nargs="+", default=[0.75, 0.0],
                     help="the draft's confidence floors measured (0.75: the default; 0: always K)")
@@ -69,8 +70,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="tokens per code answer")
     ap.add_argument("--edit-tokens", type=int, default=256, help="tokens of the edited file measured")
     args = ap.parse_args()
-    print(f"CPU: {cpu_name()}, 2 threads")
-    target = attach_draft(load(args.target, device="cpu"), load(args.draft, device="cpu"))
+    print(f"CPU: {cpu_name()}, 2 threads; draft weights {args.draft_weights or 'as its file holds'}")
+    target = attach_draft(load(args.target, device="cpu"), load(args.draft, device="cpu", weights=args.draft_weights))
     llama = LlamaCpp(args.target, 8192)
     rows: dict[str, list[float]] = {}
     same = []

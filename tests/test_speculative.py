@@ -29,7 +29,7 @@ from larqlpy.errors import LarqlError
 from larqlpy.prepare import prepare
 from larqlpy.request import Request
 from larqlpy.runner import execute, execute_many
-from larqlpy.weights.loader import attach_draft, load
+from larqlpy.weights.loader import attach_draft, load, load_with_draft
 from serving import ENV, EXE, Server
 from tiny import make_tiny
 
@@ -227,6 +227,10 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny_pair, smol_pair):
         execute(smol_pair, Request.from_dict({"prompt": "x", "lookup": 3}))
     with pytest.raises(LarqlError, match="draft_tokens"):
         Request.from_dict({"prompt": "x", "draft_tokens": 99})
+    with pytest.raises(LarqlError, match="`draft_weights` needs `draft`"):  # before any weights load
+        load_with_draft(smol_gguf(), draft_weights="int4")
+    with pytest.raises(LarqlError, match="`draft_weights`: expected one of"):
+        load_with_draft(smol_gguf(), smol_gguf(), draft_weights="q4")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -235,6 +239,8 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny_pair, smol_pair):
     (["--draft-p-min", "0.5"], "--draft-p-min needs --draft"),
     (["--draft", "models/gemma-3-270m", "--lookup", "4"], "two ways to propose"),
     (["--lookup", "99"], "--lookup must be in 0..32"),
+    (["--draft-weights", "int4"], "--draft-weights needs --draft"),
+    (["--draft", "models/gemma-3-270m", "--draft-weights", "int5"], "--draft-weights: expected one of"),
 ])
 def test_speculation_flags_are_refused_in_one_line(real_dir, args, message):
     r = subprocess.run([*EXE, "run", str(real_dir), "hi", "-n", "2", *args], capture_output=True, text=True, env=ENV,
@@ -253,6 +259,19 @@ def test_run_reports_speculation_in_stats_and_json(smol_dir):
     plain = subprocess.run([*EXE, "run", str(smol_gguf()), CODE, "-n", "24", "--json"], capture_output=True,
                            text=True, env=ENV, timeout=600)
     assert json.loads(plain.stdout)["tokens"] == json.loads(r.stdout)["tokens"]
+
+
+def test_a_draft_at_weights_of_its_own_gives_plain_decode(smol_dir):
+    """`--draft-weights`: the draft packed as asked (here SmolLM2's directory at int8 beside its own
+    GGUF at the file's bits); it only proposes, so the output is the target's plain decode."""
+    args = [*EXE, "run", str(smol_gguf()), CODE, "-n", "24", "--json"]
+    r = subprocess.run([*args, "--draft", str(smol_dir), "--draft-weights", "int8"], capture_output=True, text=True,
+                       env=ENV, timeout=600)
+    assert r.returncode == 0, r.stderr
+    plain = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=600)
+    drafted = json.loads(r.stdout)
+    assert drafted["tokens"] == json.loads(plain.stdout)["tokens"]
+    assert drafted["stats"]["accepted_tokens"] > 0
 
 
 def test_the_server_drafts_and_reports_it():

@@ -14,8 +14,9 @@ from typing import Optional
 
 import typer
 
-from larqlpy.cli.common import (ALLOW_UNUSED, DEVICE, DRAFT, DRAFT_TOKENS, DTYPE, KV_DTYPE, MONITOR, MONITOR_PLOT,
-                                WEIGHTS, check_paths, err, model_home, monitored, size_flag, speculation, started)
+from larqlpy.cli.common import (ALLOW_UNUSED, DEVICE, DRAFT, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, KV_DTYPE, MONITOR,
+                                MONITOR_PLOT, WEIGHTS, check_paths, err, model_home, monitored, size_flag, speculation,
+                                started)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write, check_output, read_bytes
@@ -49,6 +50,7 @@ def batch(
     allow_unused_tensors: bool = ALLOW_UNUSED,
     draft: Optional[Path] = DRAFT,
     draft_tokens: Optional[int] = DRAFT_TOKENS,
+    draft_weights: Optional[str] = DRAFT_WEIGHTS,
 ):
     """Run one request per input line; one result per output line, in input order.
 
@@ -60,14 +62,14 @@ def batch(
     budget, part = checked(model, infile, output, workers, ray_address, actors, actor_cpus, worker_model,
                            resume_output, kv_budget, shard, parallel, monitor, monitor_plot)
     check_kv_dtype(kv_dtype)
-    speculation(draft, draft_tokens, 0)
+    speculation(draft, draft_tokens, 0, draft_weights=draft_weights)
     items = read_lines(infile, part)
     from larqlpy.tools.batch_run import Setup, cores
 
     procs = actors if ray_address is not None else workers
     run = _Run(Setup(str(model), device, dtype, weights, kv_dtype, parallel, budget // procs if budget else None,
                      max(1, cores() // workers) if workers > 1 else None, allow_unused_tensors,
-                     str(draft) if draft else None, draft_tokens),
+                     str(draft) if draft else None, draft_tokens, draft_weights),
                workers, ray_address, actors, actor_cpus, worker_model)
     if resume_output:
         failed = run.resumed(output, items, quiet, monitor, monitor_plot)

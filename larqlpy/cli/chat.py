@@ -15,8 +15,8 @@ from typing import List, Optional
 import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT,
-                                DRAFT_P_MIN, DRAFT_TOKENS, DTYPE, ENGINE, KV_DTYPE, LOOKUP, WEIGHTS, err, error_line,
-                                fmt_bytes, load_model, speculation)
+                                DRAFT_P_MIN, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, ENGINE, KV_DTYPE, LOOKUP, WEIGHTS, err,
+                                error_line, fmt_bytes, load_model, speculation)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.config import GenerationConfig, SamplingConfig
 from larqlpy.errors import LarqlError
@@ -44,6 +44,7 @@ def chat(
     as_json: bool = typer.Option(False, "--json", help="one JSON line per turn instead of streamed text"),
     draft: Optional[Path] = DRAFT,
     draft_tokens: Optional[int] = DRAFT_TOKENS,
+    draft_weights: Optional[str] = DRAFT_WEIGHTS,
     draft_p_min: Optional[float] = DRAFT_P_MIN,
     lookup: int = LOOKUP,
     device: str = DEVICE,
@@ -58,7 +59,7 @@ def chat(
     req = Request.from_dict(dict(prompt="", engine=engine, continuation=continuation, options=list(continuation_option),
                                  kv_budget=kv_budget, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                  top_p=top_p, seed=seed, stop=list(stop), prefill_chunk=GenerationConfig.prefill_chunk,
-                                 **speculation(draft, draft_tokens, lookup, draft_p_min)))
+                                 **speculation(draft, draft_tokens, lookup, draft_p_min, draft_weights)))
     chosen = engine is not None or continuation is not None or continuation_option or kv_budget is not None
     spec = req.spec().stateful("hold a conversation") if chosen else None  # every refusal before the weights load
 
@@ -67,7 +68,7 @@ def chat(
 
     check_kv_dtype(kv_dtype)
     loaded = load_model(model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
-                        allow_unused_tensors=allow_unused_tensors, draft=draft)
+                        allow_unused_tensors=allow_unused_tensors, draft=draft, draft_weights=draft_weights)
     template = str(chat_template) if chat_template is not None else None
     ChatTemplate.for_tokenizer(loaded.tokenizer, template)  # a model without one is refused before the first turn
     session = ChatSession(loaded, spec, req.gen, template, system)

@@ -60,13 +60,15 @@ FLAGS = {
     "logit_bias": "--logit-bias", "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
     "repetition_penalty": "--repetition-penalty", "repeat_last_n": "--repeat-last-n", "tools": "--tools",
     "tool_choice": "--tool-choice", "messages": "--chat", "draft_tokens": "--draft-tokens", "lookup": "--lookup",
-    "draft_p_min": "--draft-p-min",
+    "draft_p_min": "--draft-p-min", "draft_weights": "--draft-weights",
 }
 
 # Speculative decoding (docs/speculative.md)
 DRAFT = typer.Option(None, "--draft", help="a smaller model of the same vocabulary (directory or .gguf) that "
                      "proposes tokens the model verifies in one pass; the output is the model's own")
 DRAFT_TOKENS = typer.Option(None, "--draft-tokens", help="with --draft: tokens proposed per step (default 4)")
+DRAFT_WEIGHTS = typer.Option(None, "--draft-weights", help="with --draft: the draft's weights, as --weights "
+                             "(default: what its files hold; int4 is packed once into a cache beside it)")
 DRAFT_P_MIN = typer.Option(None, "--draft-p-min", help="with --draft: stop proposing at a token the draft gives "
                            "less than this probability (default 0.75; 0: always --draft-tokens)")
 LOOKUP = typer.Option(0, "--lookup", help="prompt lookup: propose up to N tokens that followed an earlier "
@@ -152,7 +154,8 @@ def started() -> None:
     gc.enable()
 
 
-def load_model(model: Path, draft: Optional[Path] = None, draft_tokens: Optional[int] = None, **kw):
+def load_model(model: Path, draft: Optional[Path] = None, draft_tokens: Optional[int] = None,
+               draft_weights: Optional[str] = None, **kw):
     """`model.loader.load(model, **kw)` on the CPUs this process may use, with its `--draft` model
     beside it, and then start-up is over (`started`)."""
     from larqlpy.kernels.threads import use_cores
@@ -162,15 +165,16 @@ def load_model(model: Path, draft: Optional[Path] = None, draft_tokens: Optional
     model_home(model)  # a GGUF's metadata, read once, says so
     if draft is not None:
         model_home(draft)
-    loaded = load_with_draft(model, draft, draft_tokens, **kw)
+    loaded = load_with_draft(model, draft, draft_tokens, draft_weights, **kw)
     started()
     return loaded
 
 
 def speculation(draft: Optional[Path], draft_tokens: Optional[int], lookup: int,
-                draft_p_min: Optional[float] = None) -> dict:
+                draft_p_min: Optional[float] = None, draft_weights: Optional[str] = None) -> dict:
     """The request's speculative decoding flags, checked before any weights load."""
-    for flag, value in (("--draft-tokens", draft_tokens), ("--draft-p-min", draft_p_min)):
+    for flag, value in (("--draft-tokens", draft_tokens), ("--draft-p-min", draft_p_min),
+                        ("--draft-weights", draft_weights)):
         if value is not None and draft is None:
             raise LarqlError(f"{flag} needs --draft")
     if draft is not None and lookup:

@@ -10,11 +10,11 @@ from typing import List, Optional
 import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT,
-                                DRAFT_P_MIN, DRAFT_TOKENS, DTYPE, ENGINE, FREQUENCY_PENALTY, GRAMMAR, JSON_SCHEMA,
-                                KV_DTYPE, LOGIT_BIAS, LOGPROBS, LOOKUP, MONITOR, MONITOR_PLOT, PRESENCE_PENALTY, REGEX,
-                                REPEAT_LAST_N, REPETITION_PENALTY, TOOL_CHOICE, TOOLS, WEIGHTS, check_paths, cli_text,
-                                err, fmt_bytes, load_model, model_home, monitored, read_prompt, shaping, speculation,
-                                tool_flags)
+                                DRAFT_P_MIN, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, ENGINE, FREQUENCY_PENALTY, GRAMMAR,
+                                JSON_SCHEMA, KV_DTYPE, LOGIT_BIAS, LOGPROBS, LOOKUP, MONITOR, MONITOR_PLOT,
+                                PRESENCE_PENALTY, REGEX, REPEAT_LAST_N, REPETITION_PENALTY, TOOL_CHOICE, TOOLS, WEIGHTS,
+                                check_paths, cli_text, err, fmt_bytes, load_model, model_home, monitored, read_prompt,
+                                shaping, speculation, tool_flags)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
@@ -61,6 +61,7 @@ def run(
     tool_choice: Optional[str] = TOOL_CHOICE,
     draft: Optional[Path] = DRAFT,
     draft_tokens: Optional[int] = DRAFT_TOKENS,
+    draft_weights: Optional[str] = DRAFT_WEIGHTS,
     draft_p_min: Optional[float] = DRAFT_P_MIN,
     lookup: int = LOOKUP,
     stats: bool = typer.Option(False, "--stats", help="print engine, speeds and KV bytes to stderr"),
@@ -83,11 +84,12 @@ def run(
         **shaping(json_schema, regex, grammar, logprobs, list(logit_bias), frequency_penalty=frequency_penalty,
                   presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
                   repeat_last_n=repeat_last_n), **tool_flags(tools, tool_choice),
-        **speculation(draft, draft_tokens, lookup, draft_p_min)))
+        **speculation(draft, draft_tokens, lookup, draft_p_min, draft_weights)))
     check_paths(monitor, monitor_plot)
     check_kv_dtype(kv_dtype)
     show(generate(model, req, as_json, monitor, monitor_plot, device=device, dtype=dtype, weights=weights,
-                  kv_dtype=kv_dtype, allow_unused_tensors=allow_unused_tensors, draft=draft), as_json, stats)
+                  kv_dtype=kv_dtype, allow_unused_tensors=allow_unused_tensors, draft=draft,
+                  draft_weights=draft_weights), as_json, stats)
 
 
 def generate(model: Path, req, as_json: bool, monitor, monitor_plot, **load) -> dict:

@@ -9,8 +9,9 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import (ALLOW_UNUSED, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT, DRAFT_TOKENS, DTYPE,
-                                ENGINE, KV_DTYPE, WEIGHTS, err, load_model, model_home, speculation)
+from larqlpy.cli.common import (ALLOW_UNUSED, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT, DRAFT_TOKENS,
+                                DRAFT_WEIGHTS, DTYPE, ENGINE, KV_DTYPE, WEIGHTS, err, load_model, model_home,
+                                speculation)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.config import ServeConfig
 from larqlpy.errors import LarqlError
@@ -44,6 +45,7 @@ def serve(
                                    "beyond the live ones before 429"),
     draft: Optional[Path] = DRAFT,
     draft_tokens: Optional[int] = DRAFT_TOKENS,
+    draft_weights: Optional[str] = DRAFT_WEIGHTS,
     device: str = DEVICE,
     dtype: str = DTYPE,
     weights: Optional[str] = WEIGHTS,
@@ -67,7 +69,7 @@ def serve(
                       shutdown_grace_s=shutdown_grace)
     read_config(model_home(model))
     check_kv_dtype(kv_dtype)
-    speculation(draft, draft_tokens, 0)
+    speculation(draft, draft_tokens, 0, draft_weights=draft_weights)
     if state_dir is not None:
         state_dir.mkdir(exist_ok=True)
     if host not in LOOPBACK and api_key is None:
@@ -78,7 +80,8 @@ def serve(
 
     sock = listen(host, port)  # a busy port is refused before the weights load
     loaded = load_model(model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
-                        allow_unused_tensors=allow_unused_tensors, draft=draft, draft_tokens=draft_tokens)
+                        allow_unused_tensors=allow_unused_tensors, draft=draft, draft_tokens=draft_tokens,
+                        draft_weights=draft_weights)
     run_server(loaded, cfg, announce, sock)
 
 

@@ -47,9 +47,9 @@ GEMV_ROWS = 16  # bf16 / float path: up to this many rows run a GEMV, faster the
 NO_MINIMUM = np.zeros((0, 1, TILE), np.float32)
 
 
-def check_format(name: str) -> str:
+def check_format(name: str, param: str = "weights") -> str:
     if name not in FORMATS:
-        raise LarqlError(f"`weights`: expected one of {', '.join(FORMATS)}, got {name!r}")
+        raise LarqlError(f"`{param}`: expected one of {', '.join(FORMATS)}, got {name!r}")
     return name
 
 

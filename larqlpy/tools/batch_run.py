@@ -33,11 +33,12 @@ class Setup:
     allow_unused_tensors: bool = False
     draft: str | None = None  # a draft model for speculative decoding
     draft_tokens: int | None = None  # its proposals a step, for lines that do not say
+    draft_weights: str | None = None  # its weights (None: what its files hold)
 
     def load(self):
         use_cores(self.threads)  # worker processes share the cores this one may use
-        return load_with_draft(self.model, self.draft, self.draft_tokens, device=self.device, dtype=self.dtype,
-                               weights=self.weights, kv_dtype=self.kv_dtype,
+        return load_with_draft(self.model, self.draft, self.draft_tokens, self.draft_weights, device=self.device,
+                               dtype=self.dtype, weights=self.weights, kv_dtype=self.kv_dtype,
                                allow_unused_tensors=self.allow_unused_tensors)
 
     def slots(self, loaded, cores: int) -> int:

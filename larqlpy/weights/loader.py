@@ -250,16 +250,20 @@ def _install_packed(model: Decoder, packed: dict[str, PackedWeight], dev: torch.
 
 
 def load_with_draft(path: str | Path, draft: str | Path | None = None, draft_tokens: int | None = None,
-                    **kw) -> LoadedModel:
+                    draft_weights: str | None = None, **kw) -> LoadedModel:
     """`load(path, **kw)`, and with `draft` a draft model beside it: on the same device, its exact
-    K/V rows in the target's dtype, its weights what its own files hold; `draft_tokens`: its
-    proposals a step for requests that do not say."""
+    K/V rows in the target's dtype, its weights `draft_weights` (None: what its own files hold;
+    `load`'s `weights`); `draft_tokens`: its proposals a step for requests that do not say."""
+    if draft_weights is not None:  # before any weights load
+        if draft is None:
+            raise LarqlError("`draft_weights` needs `draft`")
+        check_format(draft_weights, "draft_weights")
     loaded = load(path, **kw)
     if draft is None:
         return loaded
     loaded.draft_tokens = draft_tokens  # checked where it came in, as a request's `draft_tokens`
     return attach_draft(loaded, load(draft, device=str(loaded.device.type), dtype=kw.get("dtype", "float32"),
-                                     kv_dtype=loaded.kv_dtype))
+                                     weights=draft_weights, kv_dtype=loaded.kv_dtype))
 
 
 def attach_draft(loaded: LoadedModel, draft: LoadedModel) -> LoadedModel:
