@@ -17,23 +17,15 @@ from numba import njit, prange
 
 from larqlpy.kernels.choice import choose
 from larqlpy.kernels import jitcache, scalars
-from larqlpy.kernels.scalars import exp
+from larqlpy.kernels.scalars import dot, exp
 from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.qweight import PackedPart, PackedWeight
-
-
-@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _dot_f32(w, x):  # pragma: no cover - jitted
-    acc = np.float32(0.0)
-    for j in range(w.shape[0]):
-        acc += w[j] * x[j]
-    return acc
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def _gemv_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - jitted
     for i in prange(w.shape[0]):
-        out[i] = _dot_f32(w[i], x)
+        out[i] = dot(w[i], x)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -42,7 +34,7 @@ def _gemm_few_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pra
     at M = 2..8 costs 2-3x its M = 1 here), each product the same loop `_gemv_f32` runs."""
     for i in prange(w.shape[0]):
         for m in range(x.shape[0]):
-            out[m, i] = _dot_f32(w[i], x[m])
+            out[m, i] = dot(w[i], x[m])
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")

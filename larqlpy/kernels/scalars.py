@@ -1,5 +1,5 @@
-"""Scalar helpers the CPU kernels inline: addresses as pointers, 16-bit floats' bits, and an
-exponential LLVM vectorizes."""
+"""Scalar helpers the CPU kernels inline: addresses as pointers, 16-bit floats' bits, an
+exponential LLVM vectorizes, and a float32 dot product."""
 
 from __future__ import annotations
 
@@ -101,6 +101,16 @@ def to_bf16(x):  # pragma: no cover - jitted
         return np.uint16(0x7FC0)
     b = np.int64(float_bits(x))
     return np.uint16(((b + ((b >> 16) & 1) + 0x7FFF) >> 16) & 0xFFFF)
+
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def dot(a, b):  # pragma: no cover - jitted
+    """Two float32 rows' dot product, summed in float32 (fastmath: LLVM vectorizes the sum)."""
+    acc = np.float32(0.0)
+    for i in range(a.shape[0]):
+        acc += a[i] * b[i]
+    return acc
 
 
 jitcache.tie(globals(), jitcache)  # compiled with its FASTMATH

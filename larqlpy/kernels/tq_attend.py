@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit, prange
 
 from larqlpy.kernels import jitcache, rowdots, scalars, turboquant
-from larqlpy.kernels.scalars import exp
+from larqlpy.kernels.scalars import dot, exp
 from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.rowdots import F32, LANES, blocked, dot16, sum16
 from larqlpy.kernels.turboquant import _fwht, _row
@@ -67,14 +67,6 @@ def _prepare(q, qk, turning, sgn, qr, coef):  # pragma: no cover - jitted
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _dot(a, b):  # pragma: no cover - jitted
-    acc = np.float32(0.0)
-    for i in range(a.shape[0]):
-        acc += a[i] * b[i]
-    return acc
-
-
-@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
 def _logit(x, scale, softcap):  # pragma: no cover - jitted
     x *= scale
     return softcap * np.tanh(x / softcap) if softcap > 0 else x
@@ -85,9 +77,9 @@ def _score(s, h, r, qr, bias, coef, cs, sc, v, scale, softcap):  # pragma: no co
     """KV head h's query heads' logits for coded row r (v, sc as `_row` gave them) -> s (H, N)."""
     group = qr.shape[1]
     for g in range(group):
-        x = _dot(qr[h, g], v) * sc + bias[h, g]
+        x = dot(qr[h, g], v) * sc + bias[h, g]
         if cs.shape[0] > 0:
-            x += _dot(coef[h, g], cs[r])
+            x += dot(coef[h, g], cs[r])
         s[h * group + g, r] = _logit(x, scale, softcap)
 
 
@@ -185,7 +177,7 @@ def _score_rows(h, lo, hi, q, qr, bias, coef, cs, ka, kb, tka, tkb, keys, sinks,
         if _exact_key(r, ns, klo, mid, tiered):
             row = sinks[h, r] if r < ns else keys[h, r - klo]
             for g in range(group):
-                s[h * group + g, r] = _logit(_dot(q[h, g], row), scale, softcap)
+                s[h * group + g, r] = _logit(dot(q[h, g], row), scale, softcap)
             r += 1
             continue
         m = 0
@@ -319,7 +311,7 @@ def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap,
         for r in range(lo, min(hi, ns)):
             for b in range(nb):
                 for g in range(group):
-                    s[b, h * group + g, r] = _logit(_dot(q[b, h, g], sk[h, r]), scale, softcap)
+                    s[b, h * group + g, r] = _logit(dot(q[b, h, g], sk[h, r]), scale, softcap)
         for r in range(max(lo, ns), hi, width):
             m = min(width, hi - r)
             for b in range(-1, nb):  # the shared rows, then each branch's own and its scores
