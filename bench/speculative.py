@@ -48,8 +48,8 @@ def edit_prompt(lines: int = 300) -> str:
             "changed file and nothing else.\n\n```python\n" + source + "```")
 
 
-def run(loaded, content: str, tokens: int, **extra) -> dict:
-    req = {"messages": [{"role": "user", "content": content}], "max_tokens": tokens, "stop_at_eos": False,
+def run(loaded, content: str, tokens: int, to_eos: bool = False, **extra) -> dict:
+    req = {"messages": [{"role": "user", "content": content}], "max_tokens": tokens, "stop_at_eos": to_eos,
            "continuation": "canonical/v1", **extra}
     return execute(loaded, Request.from_dict(req))
 
@@ -63,18 +63,27 @@ def main() -> None:
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--draft", type=Path, required=True)
     ap.add_argument("--draft-weights", default=None, help="the draft's weights (default: what its file holds)")
-    ap.add_argument("--draft-tokens", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--draft-tokens", type=int, nargs="*", default=[2, 4], help="none: skip the code prompts")
     ap.add_argument("--draft-p-min", type=float, nargs="+", default=[0.75, 0.0],
                     help="the draft's confidence floors measured (0.75: the default; 0: always K)")
-    ap.add_argument("--lookup", type=int, nargs="+", default=[5, 10])
+    ap.add_argument("--lookup", type=int, nargs="*", default=[5, 10], help="none: skip the edit task")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per code answer")
-    ap.add_argument("--edit-tokens", type=int, default=256, help="tokens of the edited file measured")
+    ap.add_argument("--edit-tokens", type=int, default=4096,
+                    help="at most this many tokens of the edited file; the answer ends at its end of turn")
     args = ap.parse_args()
     print(f"CPU: {cpu_name()}, 2 threads; draft weights {args.draft_weights or 'as its file holds'}")
     target = attach_draft(load(args.target, device="cpu"), load(args.draft, device="cpu", weights=args.draft_weights))
+    same: list[bool] = []
+    if args.draft_tokens:
+        code_prompts(target, args, same)
+    if args.lookup:
+        edit_task(target, args, same)
+    print(f"greedy ids identical to plain decode: {sum(same)} of {len(same)} runs")
+
+
+def code_prompts(target, args, same: list[bool]) -> None:
     llama = LlamaCpp(args.target, 8192)
     rows: dict[str, list[float]] = {}
-    same = []
     for content in CODE_PROMPTS:
         plain = run(target, content, args.tokens, draft_tokens=0)
         rows.setdefault("target alone", []).append(tps(plain))
@@ -96,18 +105,19 @@ def main() -> None:
         print(f"  draft k={k} p_min={p}: {spec / base:.2f}x the target alone (aim >= 1.6x), "
               f"{spec / cpp:.2f}x llama.cpp alone (aim >= 1.3x)")
 
+
+def edit_task(target, args, same: list[bool]) -> None:
+    """The whole answer, to its end of turn: the copy is what lookup pays on, its opening words are not."""
     edit = edit_prompt()
-    plain = run(target, edit, args.edit_tokens, draft_tokens=0)
-    print(f"\nedit task ({plain['prompt_tokens']} prompt tokens, {args.edit_tokens} generated): alone "
-          f"{tps(plain):.2f} tok/s")
+    plain = run(target, edit, args.edit_tokens, to_eos=True, draft_tokens=0)
+    print(f"\nedit task ({plain['prompt_tokens']} prompt tokens, {len(plain['tokens'])} generated, "
+          f"{plain['finish_reason']}): alone {tps(plain):.2f} tok/s", flush=True)
     for n in args.lookup:
-        looked = run(target, edit, args.edit_tokens, draft_tokens=0, lookup=n)
+        looked = run(target, edit, args.edit_tokens, to_eos=True, draft_tokens=0, lookup=n)
         same.append(looked["tokens"] == plain["tokens"])
         print(f"  lookup={n}: {tps(looked):.2f} tok/s = {tps(looked) / tps(plain):.2f}x (aim >= 2x); acceptance "
               f"{looked['stats']['acceptance_rate']:.2f}, {looked['stats']['tokens_per_target_step']:.2f} tokens "
-              "per target step")
-    print(f"greedy ids identical to plain decode: {sum(same)} of {len(same)} runs")
-
+              "per target step", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -27,11 +27,12 @@ from numba import carray, njit, prange
 
 from larqlpy.kernels import jitcache, rowdots, scalars
 from larqlpy.kernels.jitcache import FASTMATH
-from larqlpy.kernels.rowdots import BF16, F16, F32, LANES, blocked, dot16, sum16
+from larqlpy.kernels.rowdots import BF16, F16, F32, LANES, blocked, dot16, sum16, widen16
 from larqlpy.kernels.scalars import exp, f32_at, from_bf16, from_half, to_bf16, to_half, u16_at
 
 CHUNK = 128  # rows per work item: enough to pay for its set-up, few enough to spread a long sequence
 KINDS = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
+BLOCK = np.arange(LANES, dtype=np.int64)  # a widened block's rows, in order
 
 
 @njit(inline="always", cache=True, error_model="numpy")
@@ -76,9 +77,15 @@ def _scores(q, h0, group, k, k16, at, n, kind, scale, wide, sc, d):  # pragma: n
     every row's score comes from the same arithmetic; callers pass d as a literal where they can, so
     LLVM unrolls the head's loop."""
     if blocked(d):
-        for g in range(group):
-            for i in range(0, n, LANES):
-                dot16(sc, g * sc.shape[1] + i, q, (h0 + g) * d, k, k16, at, i, kind, d, scale)
+        if kind == F32 or group == 1:
+            for g in range(group):
+                for i in range(0, n, LANES):
+                    dot16(sc, g * sc.shape[1] + i, q, (h0 + g) * d, k, k16, at, i, kind, d, scale)
+            return
+        for i in range(0, n, LANES):  # 16-bit rows widened once for all the group's heads
+            widen16(wide, k16, at, i, kind, d)
+            for g in range(group):
+                dot16(sc, g * sc.shape[1] + i, q, (h0 + g) * d, wide, k16, BLOCK, 0, F32, d, scale)
         return
     for i in range(0, n, 2):
         i1 = min(i + 1, n - 1)
@@ -97,9 +104,15 @@ def _values(p, h0, group, v, v16, at, n, kind, wide, acc, d):  # pragma: no cove
     `at`'s padding adds nothing). Others: each row read once for the group's heads."""
     if blocked(d):
         p[:, n:] = 0.0
-        for g in range(group):
-            for i in range(0, n, LANES):
-                sum16(acc, (h0 + g) * d, p, g * p.shape[1] + i, v, v16, at, i, kind, d)
+        if kind == F32 or group == 1:
+            for g in range(group):
+                for i in range(0, n, LANES):
+                    sum16(acc, (h0 + g) * d, p, g * p.shape[1] + i, v, v16, at, i, kind, d)
+            return
+        for i in range(0, n, LANES):  # each head's sums still taken block after block, in order
+            widen16(wide, v16, at, i, kind, d)
+            for g in range(group):
+                sum16(acc, (h0 + g) * d, p, g * p.shape[1] + i, wide, v16, BLOCK, 0, F32, d)
         return
     if kind == F32:
         for i in range(n):
@@ -152,7 +165,7 @@ def _chunk(q, where, s, c, kv, lo, hi, scale, softcap, m, total, acc):  # pragma
         at[i - lo] = _physical(where, s, i)
     at[n:] = at[n - 1]
     sc = np.empty((group, padded + 1), np.float32)  # + 1: an odd last row's pair
-    wide = np.empty((2, d), np.float32)  # 16-bit rows, widened
+    wide = np.empty((LANES, d), np.float32)  # 16-bit rows, widened
     k = carray(f32_at(where[s, 0] + 4 * kv * stride), (rows, d))  # this KV head's rows, contiguous
     v = carray(f32_at(where[s, 1] + 4 * kv * stride), (rows, d))
     k16 = carray(u16_at(where[s, 0] + 2 * kv * stride), (rows, d))  # the same, read as 16-bit rows

@@ -162,6 +162,37 @@ def _intrinsic(body, with_scale: bool):
                      typer(typingctx, out, out_off, x, x_off, rows, rows16, at, i, kind, d))
 
 
+@intrinsic
+def widen16(typingctx, out, rows16, at, i, kind, d):
+    """widen16(out, rows16, at, i, kind, d): out (16, d) float32 = 16-bit rows at[i + r] of rows16, r <
+    16 (kind F16 or BF16, d one of HEAD_DIMS: a switch LLVM folds where they are constants). Exact, so
+    the rows score as their 16-bit selves do; done once a block, not once a query head."""
+    sig = types.void(out, rows16, at, types.intp, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        ty = signature.args
+        out_p, src_p, at_p = (_data(context, builder, ty[k], args[k]) for k in (0, 1, 2))
+        key = builder.add(builder.mul(args[4], ir.Constant(I64, 4096)), args[5])
+        end = builder.append_basic_block("end")
+        switch = builder.switch(key, end)
+        for kind in (F16, BF16):
+            for d in HEAD_DIMS:
+                block = builder.append_basic_block(f"k{kind}d{d}")
+                switch.add_case(ir.Constant(I64, kind * 4096 + d), block)
+                with builder.goto_block(block):
+                    for r in range(LANES):
+                        first = builder.mul(_row(builder, at_p, args[3], r), ir.Constant(I64, d))
+                        for c in range(d // LANES):
+                            x = _widened(builder, src_p, builder.add(first, ir.Constant(I64, c * LANES)), kind)
+                            spot = builder.gep(out_p, [ir.Constant(I64, r * d + c * LANES)])
+                            builder.store(x, builder.bitcast(spot, FV.as_pointer()), align=1)
+                    builder.branch(end)
+        builder.position_at_end(end)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # dot16(sc, sc_off, q, q_off, k, k16, at, i, kind, d, scale): sc.flat[sc_off + j] = scale * (q.flat[q_off:
 # q_off + d] . K row at[i + j]) for j < 16
 dot16 = _intrinsic(_dot_body, True)
