@@ -29,20 +29,22 @@ def as_float(v):  # pragma: no cover - replaced by the overload inside jitted co
     raise NotImplementedError
 
 
-# 2^(e - 25) for a float16's exponent field e (2^-24 at 0: subnormals); a table, not ldexp's libm call
-_HALF_POWERS = np.ldexp(np.float32(1), np.maximum(np.arange(31), 1) - 25).astype(np.float32)
+# 2^(e - 25) for a float16's exponent field e (2^-24 at 0: subnormals; inf at 31); a table, not
+# ldexp's libm call. With the two below it keeps _half_bits free of branches: numba's IR inliner
+# warned (NumbaIRAssumptionWarning) on the phis of a branching one inlined into the kernels.
+_HALF_POWERS = np.append(np.ldexp(np.float32(1), np.maximum(np.arange(31), 1) - 25), np.inf).astype(np.float32)
+_NAN_IF = np.array([0.0, np.nan], np.float32)  # added: NaN where the field is 31 and the mantissa not 0
+_SIGNS = np.array([1.0, -1.0], np.float32)
 
 
 @njit(inline="always", cache=True)
 def _half_bits(h):  # pragma: no cover - jitted
-    """float16 bits -> float32, exactly (every float16 is a float32)."""
+    """float16 bits -> float32, exactly (every float16 is a float32): (1024 + m) * 2^(e - 25), m * 2^-24
+    below, products by a power of two."""
     h = np.int32(h)
     e, m = (h >> 10) & 31, h & 1023
-    if e == 31:
-        v = np.float32(np.inf) if m == 0 else np.float32(np.nan)
-    else:  # (1024 + m) * 2^(e - 25), m * 2^-24 below: products by a power of two, exact
-        v = np.float32(m + (1024 if e else 0)) * _HALF_POWERS[e]
-    return -v if h & 0x8000 else v
+    v = np.float32(m + 1024 * np.int32(e != 0)) * _HALF_POWERS[e] + _NAN_IF[np.int32((e == 31) & (m != 0))]
+    return v * _SIGNS[(h >> 15) & 1]
 
 
 @overload(as_float, inline="always")
