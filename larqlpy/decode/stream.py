@@ -41,6 +41,6 @@ def prefill(model, state: EngineState, ids: Ids[int], chunk: int, all_logits: bo
     outs = []
     chunk = min(chunk, state.max_chunk or chunk)
     for lo in range(0, len(ids), chunk):
-        block = torch.tensor(ids[lo:lo + chunk], dtype=torch.long)
+        block = torch.as_tensor(ids[lo:lo + chunk], dtype=torch.long)  # a list, or a tensor of ids
         outs.append(model(block, state, all_logits=all_logits))
     return torch.cat(outs) if all_logits else outs[-1]

@@ -27,7 +27,7 @@ from numba import carray, njit, prange
 
 from larqlpy.kernels import jitcache, rowdots, scalars
 from larqlpy.kernels.jitcache import FASTMATH
-from larqlpy.kernels.rowdots import BF16, F16, F32, LANES, blocked, dot16, sum16, widen16
+from larqlpy.kernels.rowdots import BF16, F16, F32, LANES, dot16, sum16, widen16
 from larqlpy.kernels.scalars import exp, f32_at, from_bf16, from_half, to_bf16, to_half, u16_at
 
 CHUNK = 128  # rows per work item: enough to pay for its set-up, few enough to spread a long sequence
@@ -69,24 +69,27 @@ def _dots(q, h0, group, k, r0, r1, sc, i, scale, d):  # pragma: no cover - jitte
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _scores(q, h0, group, k, k16, at, n, kind, scale, wide, sc, d):  # pragma: no cover - jitted
+def _scores16(q, h0, group, k, k16, at, n, kind, scale, wide, sc, d):  # pragma: no cover - jitted
     """sc[g, i] = scale * q[h0 + g] . K row at[i], i < n, for the `group` query heads sharing one KV
-    head. Head sizes of 64, 128 and 256 are scored 16 rows at a time (rowdots.py; `at` is padded to
-    a multiple of 16 with its last row, and sc is as wide). Others two rows at a time, a row read (a
-    16-bit one widened into `wide`) once for all the heads, an odd last row paired with itself, so
-    every row's score comes from the same arithmetic; callers pass d as a literal where they can, so
-    LLVM unrolls the head's loop."""
-    if blocked(d):
-        if kind == F32 or group == 1:
-            for g in range(group):
-                for i in range(0, n, LANES):
-                    dot16(sc, g * sc.shape[1] + i, q, (h0 + g) * d, k, k16, at, i, kind, d, scale)
-            return
-        for i in range(0, n, LANES):  # 16-bit rows widened once for all the group's heads
-            widen16(wide, k16, at, i, kind, d)
-            for g in range(group):
-                dot16(sc, g * sc.shape[1] + i, q, (h0 + g) * d, wide, k16, BLOCK, 0, F32, d, scale)
+    head, d one of rowdots.HEAD_DIMS (a literal): 16 rows at a time (rowdots.py; `at` is padded to a
+    multiple of 16 with its last row, and sc is as wide). A block of 16-bit rows is widened once for
+    all the group's heads, exactly, so it scores as its float32 values do."""
+    if kind == F32:
+        for g in range(group):
+            for i in range(0, n, LANES):
+                dot16(sc, g * sc.shape[1] + i, q, (h0 + g) * d, k, k16, at, i, F32, d, scale)
         return
+    for i in range(0, n, LANES):  # BLOCK a constant: the widened rows' offsets fold into the code
+        widen16(wide, k16, at, i, kind, d)
+        for g in range(group):
+            dot16(sc, g * sc.shape[1] + i, q, (h0 + g) * d, wide, k16, BLOCK, 0, F32, d, scale)
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _scores_pairs(q, h0, group, k, k16, at, n, kind, scale, wide, sc, d):  # pragma: no cover - jitted
+    """_scores16 for other head sizes: two rows at a time, a row read (a 16-bit one widened into
+    `wide`) once for all the heads, an odd last row paired with itself, so every row's score comes
+    from the same arithmetic."""
     for i in range(0, n, 2):
         i1 = min(i + 1, n - 1)
         if kind == F32:
@@ -98,22 +101,25 @@ def _scores(q, h0, group, k, k16, at, n, kind, scale, wide, sc, d):  # pragma: n
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _values(p, h0, group, v, v16, at, n, kind, wide, acc, d):  # pragma: no cover - jitted
-    """acc[h0 + g] += sum_i p[g, i] * V row at[i], i < n. Head sizes of 64, 128 and 256: 16 rows at a
-    time per query head, its sums held in registers (rowdots.py; p's columns past n are zeroed, so
-    `at`'s padding adds nothing). Others: each row read once for the group's heads."""
-    if blocked(d):
-        p[:, n:] = 0.0
-        if kind == F32 or group == 1:
-            for g in range(group):
-                for i in range(0, n, LANES):
-                    sum16(acc, (h0 + g) * d, p, g * p.shape[1] + i, v, v16, at, i, kind, d)
-            return
-        for i in range(0, n, LANES):  # each head's sums still taken block after block, in order
-            widen16(wide, v16, at, i, kind, d)
-            for g in range(group):
-                sum16(acc, (h0 + g) * d, p, g * p.shape[1] + i, wide, v16, BLOCK, 0, F32, d)
+def _values16(p, h0, group, v, v16, at, n, kind, wide, acc, d):  # pragma: no cover - jitted
+    """acc[h0 + g] += sum_i p[g, i] * V row at[i], i < n, d one of rowdots.HEAD_DIMS: 16 rows at a
+    time per query head, its sums held in registers and taken block after block, in order (p's
+    columns past n are zeroed, so `at`'s padding adds nothing); 16-bit blocks widened as in _scores16."""
+    p[:, n:] = 0.0
+    if kind == F32:
+        for g in range(group):
+            for i in range(0, n, LANES):
+                sum16(acc, (h0 + g) * d, p, g * p.shape[1] + i, v, v16, at, i, F32, d)
         return
+    for i in range(0, n, LANES):
+        widen16(wide, v16, at, i, kind, d)
+        for g in range(group):
+            sum16(acc, (h0 + g) * d, p, g * p.shape[1] + i, wide, v16, BLOCK, 0, F32, d)
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _values_rows(p, h0, group, v, v16, at, n, kind, wide, acc, d):  # pragma: no cover - jitted
+    """_values16 for other head sizes: each row read once for the group's heads."""
     if kind == F32:
         for i in range(n):
             r = at[i]
@@ -172,24 +178,33 @@ def _chunk(q, where, s, c, kv, lo, hi, scale, softcap, m, total, acc):  # pragma
     v16 = carray(u16_at(where[s, 1] + 2 * kv * stride), (rows, d))
     kv_rows = (k, k16, v, v16, at, kind, wide)
     top, sums = m[c, h0:h0 + group], total[c, h0:h0 + group]
-    if d == 64:
-        _softmax_rows(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, 64)
+    if d == 64:  # the head size a literal, so LLVM unrolls its loops
+        _softmax16(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, 64)
     elif d == 128:
-        _softmax_rows(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, 128)
+        _softmax16(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, 128)
     elif d == 256:
-        _softmax_rows(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, 256)
-    else:
-        _softmax_rows(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, d)
+        _softmax16(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, 256)
+    else:  # only here the rowdots intrinsics are not compiled in: a kernel's size is memory once loaded
+        _softmax_pairs(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, d)
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _softmax_rows(q, h0, group, kv_rows, n, scale, softcap, sc, top, total, out, d):  # pragma: no cover - jitted
+def _softmax16(q, h0, group, kv_rows, n, scale, softcap, sc, top, total, out, d):  # pragma: no cover - jitted
     """Scores, their exponentials (running maximum and sum into top, total) and the weighted values
-    of one chunk's n rows for the group's query heads; d a literal where the caller can make it one."""
+    of one chunk's n rows for the group's query heads; d one of rowdots.HEAD_DIMS, a literal."""
     k, k16, v, v16, at, kind, wide = kv_rows
-    _scores(q, h0, group, k, k16, at, n, kind, scale, wide, sc, d)
+    _scores16(q, h0, group, k, k16, at, n, kind, scale, wide, sc, d)
     _exponentials(sc[:, :n], softcap, top, total)
-    _values(sc, h0, group, v, v16, at, n, kind, wide, out, d)
+    _values16(sc, h0, group, v, v16, at, n, kind, wide, out, d)
+
+
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _softmax_pairs(q, h0, group, kv_rows, n, scale, softcap, sc, top, total, out, d):  # pragma: no cover - jitted
+    """_softmax16 for any other head size."""
+    k, k16, v, v16, at, kind, wide = kv_rows
+    _scores_pairs(q, h0, group, k, k16, at, n, kind, scale, wide, sc, d)
+    _exponentials(sc[:, :n], softcap, top, total)
+    _values_rows(sc, h0, group, v, v16, at, n, kind, wide, out, d)
 
 
 @njit(inline="always", cache=True, error_model="numpy")
