@@ -119,5 +119,6 @@ def edit_task(target, args, same: list[bool]) -> None:
               f"{looked['stats']['acceptance_rate']:.2f}, {looked['stats']['tokens_per_target_step']:.2f} tokens "
               "per target step", flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -11,8 +11,9 @@ Python and dispatch instead of eight. The rows stay where each sequence's store 
 the call takes their addresses.
 A sequence's numbers depend on its own rows only, so alone or in a batch they are the same bits.
 
-Rows may be kept in f32, f16 or bf16 (the model's kv_dtype): a 16-bit row is widened to f32 as it is
-read, into one row that stays in L1, then scored by the same arithmetic; the step's own row is
+Rows may be kept in f32, f16 or bf16 (the model's kv_dtype): 16-bit rows are widened to f32 as they
+are read, 16 at a time for all the query heads sharing them (a row at a time for other head sizes),
+into a buffer that stays in L1, then scored by the same arithmetic; the step's own row is
 rounded to the buffer's dtype as it is written (round-to-nearest-even, as torch rounds), so a row
 reads back the same whichever path stored it.
 """
@@ -77,12 +78,12 @@ def _scores16(q, h0, group, k, k16, at, n, kind, scale, wide, sc, d):  # pragma:
     if kind == F32:
         for g in range(group):
             for i in range(0, n, LANES):
-                dot16(sc, g * sc.shape[1] + i, q, (h0 + g) * d, k, k16, at, i, F32, d, scale)
+                dot16(sc, g * sc.shape[1] + i, q, (h0 + g) * d, k, at, i, d, scale)
         return
     for i in range(0, n, LANES):  # BLOCK a constant: the widened rows' offsets fold into the code
         widen16(wide, k16, at, i, kind, d)
         for g in range(group):
-            dot16(sc, g * sc.shape[1] + i, q, (h0 + g) * d, wide, k16, BLOCK, 0, F32, d, scale)
+            dot16(sc, g * sc.shape[1] + i, q, (h0 + g) * d, wide, BLOCK, 0, d, scale)
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -109,12 +110,12 @@ def _values16(p, h0, group, v, v16, at, n, kind, wide, acc, d):  # pragma: no co
     if kind == F32:
         for g in range(group):
             for i in range(0, n, LANES):
-                sum16(acc, (h0 + g) * d, p, g * p.shape[1] + i, v, v16, at, i, F32, d)
+                sum16(acc, (h0 + g) * d, p, g * p.shape[1] + i, v, at, i, d)
         return
     for i in range(0, n, LANES):
         widen16(wide, v16, at, i, kind, d)
         for g in range(group):
-            sum16(acc, (h0 + g) * d, p, g * p.shape[1] + i, wide, v16, BLOCK, 0, F32, d)
+            sum16(acc, (h0 + g) * d, p, g * p.shape[1] + i, wide, BLOCK, 0, d)
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")

@@ -1,6 +1,6 @@
 """Decode attention 16 rows at a time, written as LLVM IR for numba (`@intrinsic`): one query head's
-scores over 16 K rows, and its weighted sum of 16 V rows (float32, float16 or bfloat16 rows,
-widened as they are loaded).
+scores over 16 float32 K rows, and its weighted sum of 16 float32 V rows; and the widening of 16
+float16 or bfloat16 rows into float32, once for all the query heads that read them.
 
 numba's loop over one row's dot product ends in a horizontal sum per row and query head, and its
 loop over V rows stores and reloads the head's sums at every row. Here each of 16 K rows keeps a
@@ -41,9 +41,7 @@ def _load(builder, base, offset, vty):
 
 
 def _widened(builder, base, offset, kind: int):
-    """16 elements of a row from `offset` as float32."""
-    if kind == F32:
-        return _load(builder, base, offset, FV)
+    """16 16-bit elements (kind F16 or BF16) of a row from `offset` as float32."""
     bits = _load(builder, base, offset, ir.VectorType(I16, LANES))
     if kind == F16:
         return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), FV)
@@ -75,34 +73,34 @@ def lane_sums(builder, vectors: list):
     return builder.shuffle_vector(v, v, ir.Constant(mask, [rows.index(r) for r in range(LANES)]))
 
 
-def _dot_body(builder, ptrs, args, kind: int, d: int) -> None:
-    """Emit `dot16` for one element kind and head size."""
+def _dot_body(builder, ptrs, args, d: int) -> None:
+    """Emit `dot16` for one head size."""
     sc_p, q_p, src_p, at_p = ptrs
     fma = _fn(builder, f"llvm.fma.v{LANES}f32", FV, [FV, FV, FV])
     qv = [_load(builder, q_p, builder.add(args[3], ir.Constant(I64, c * LANES)), FV) for c in range(d // LANES)]
     sums = []
     for r in range(LANES):
-        first = builder.mul(_row(builder, at_p, args[7], r), ir.Constant(I64, d))
+        first = builder.mul(_row(builder, at_p, args[6], r), ir.Constant(I64, d))
         acc = None
         for c in range(d // LANES):
-            x = _widened(builder, src_p, builder.add(first, ir.Constant(I64, c * LANES)), kind)
+            x = _load(builder, src_p, builder.add(first, ir.Constant(I64, c * LANES)), FV)
             acc = builder.fmul(x, qv[c]) if acc is None else builder.call(fma, [x, qv[c], acc])
         sums.append(acc)
     out = builder.bitcast(builder.gep(sc_p, [args[1]]), FV.as_pointer())
-    builder.store(builder.fmul(lane_sums(builder, sums), _splat(builder, args[10])), out, align=1)
+    builder.store(builder.fmul(lane_sums(builder, sums), _splat(builder, args[8])), out, align=1)
 
 
-def _sum_body(builder, ptrs, args, kind: int, d: int) -> None:
-    """Emit `sum16` for one element kind and head size."""
+def _sum_body(builder, ptrs, args, d: int) -> None:
+    """Emit `sum16` for one head size."""
     acc_p, p_p, src_p, at_p = ptrs
     fma = _fn(builder, f"llvm.fma.v{LANES}f32", FV, [FV, FV, FV])
     spots = [builder.add(args[1], ir.Constant(I64, c * LANES)) for c in range(d // LANES)]
     sums = [_load(builder, acc_p, spot, FV) for spot in spots]
     for r in range(LANES):
-        first = builder.mul(_row(builder, at_p, args[7], r), ir.Constant(I64, d))
+        first = builder.mul(_row(builder, at_p, args[6], r), ir.Constant(I64, d))
         w = _splat(builder, builder.load(builder.gep(p_p, [builder.add(args[3], ir.Constant(I64, r))])))
         for c in range(d // LANES):
-            x = _widened(builder, src_p, builder.add(first, ir.Constant(I64, c * LANES)), kind)
+            x = _load(builder, src_p, builder.add(first, ir.Constant(I64, c * LANES)), FV)
             sums[c] = builder.call(fma, [w, x, sums[c]])
     for spot, v in zip(spots, sums):
         builder.store(v, builder.bitcast(builder.gep(acc_p, [spot]), FV.as_pointer()), align=1)
@@ -126,40 +124,50 @@ def blocked(d):  # pragma: no cover - jitted
     return d == 64 or d == 128 or d == 256
 
 
-def _intrinsic(body, with_scale: bool):
-    """An intrinsic (out, out_off, x, x_off, rows, rows16, at, i, kind, d[, scale]) whose code for each
-    element kind and head size is `body`, chosen by a switch LLVM folds away where kind and d are
-    constants; rows: the float32 view, rows16 the 16-bit view of the same buffer."""
+def _cases(builder, key, cases) -> None:
+    """A switch on key (i64) to one block per (value, emit) of `cases`, each emitting its code, then
+    joining after: LLVM folds it to one case where key is a constant."""
+    end = builder.append_basic_block("end")
+    switch = builder.switch(key, end)
+    for value, emit in cases:
+        block = builder.append_basic_block(f"case{value}")
+        switch.add_case(ir.Constant(I64, value), block)
+        with builder.goto_block(block):
+            emit()
+            builder.branch(end)
+    builder.position_at_end(end)
 
-    def typer(typingctx, out, out_off, x, x_off, rows, rows16, at, i, kind, d, scale=None):
+
+def _intrinsic(body, with_scale: bool):
+    """An intrinsic (out, out_off, x, x_off, rows, at, i, d[, scale]) over float32 rows whose code for
+    each head size is `body`, chosen by a switch LLVM folds away where d is a constant."""
+
+    def typer(typingctx, out, out_off, x, x_off, rows, at, i, d, scale=None):
         tail = (types.float32,) if with_scale else ()
-        sig = types.void(out, types.intp, x, types.intp, rows, rows16, at, types.intp, types.int64, types.int64,
-                         *tail)
+        sig = types.void(out, types.intp, x, types.intp, rows, at, types.intp, types.int64, *tail)
 
         def codegen(context, builder, signature, args):
-            ty = signature.args
-            out_p, x_p, at_p = (_data(context, builder, ty[k], args[k]) for k in (0, 2, 6))
-            rows_p, rows16_p = (_data(context, builder, ty[k], args[k]) for k in (4, 5))
-            key = builder.add(builder.mul(args[8], ir.Constant(I64, 4096)), args[9])
-            end = builder.append_basic_block("end")
-            switch = builder.switch(key, end)
-            for kind in (F32, F16, BF16):
-                for d in HEAD_DIMS:
-                    block = builder.append_basic_block(f"k{kind}d{d}")
-                    switch.add_case(ir.Constant(I64, kind * 4096 + d), block)
-                    with builder.goto_block(block):
-                        body(builder, (out_p, x_p, rows_p if kind == F32 else rows16_p, at_p), args, kind, d)
-                        builder.branch(end)
-            builder.position_at_end(end)
+            ptrs = tuple(_data(context, builder, signature.args[k], args[k]) for k in (0, 2, 4, 5))
+            _cases(builder, args[7], [(d, lambda d=d: body(builder, ptrs, args, d)) for d in HEAD_DIMS])
             return context.get_dummy_value()
 
         return sig, codegen
 
     if with_scale:
-        return intrinsic(lambda typingctx, out, out_off, x, x_off, rows, rows16, at, i, kind, d, scale:
-                         typer(typingctx, out, out_off, x, x_off, rows, rows16, at, i, kind, d, scale))
-    return intrinsic(lambda typingctx, out, out_off, x, x_off, rows, rows16, at, i, kind, d:
-                     typer(typingctx, out, out_off, x, x_off, rows, rows16, at, i, kind, d))
+        return intrinsic(lambda typingctx, out, out_off, x, x_off, rows, at, i, d, scale:
+                         typer(typingctx, out, out_off, x, x_off, rows, at, i, d, scale))
+    return intrinsic(lambda typingctx, out, out_off, x, x_off, rows, at, i, d:
+                     typer(typingctx, out, out_off, x, x_off, rows, at, i, d))
+
+
+def _widen_body(builder, out_p, src_p, at_p, i, kind: int, d: int) -> None:
+    """Emit `widen16` for one element kind and head size."""
+    for r in range(LANES):
+        first = builder.mul(_row(builder, at_p, i, r), ir.Constant(I64, d))
+        for c in range(d // LANES):
+            x = _widened(builder, src_p, builder.add(first, ir.Constant(I64, c * LANES)), kind)
+            spot = builder.gep(out_p, [ir.Constant(I64, r * d + c * LANES)])
+            builder.store(x, builder.bitcast(spot, FV.as_pointer()), align=1)
 
 
 @intrinsic
@@ -170,32 +178,21 @@ def widen16(typingctx, out, rows16, at, i, kind, d):
     sig = types.void(out, rows16, at, types.intp, types.int64, types.int64)
 
     def codegen(context, builder, signature, args):
-        ty = signature.args
-        out_p, src_p, at_p = (_data(context, builder, ty[k], args[k]) for k in (0, 1, 2))
+        out_p, src_p, at_p = (_data(context, builder, signature.args[k], args[k]) for k in (0, 1, 2))
+
+        def case(kind: int, d: int):
+            return kind * 4096 + d, lambda: _widen_body(builder, out_p, src_p, at_p, args[3], kind, d)
+
         key = builder.add(builder.mul(args[4], ir.Constant(I64, 4096)), args[5])
-        end = builder.append_basic_block("end")
-        switch = builder.switch(key, end)
-        for kind in (F16, BF16):
-            for d in HEAD_DIMS:
-                block = builder.append_basic_block(f"k{kind}d{d}")
-                switch.add_case(ir.Constant(I64, kind * 4096 + d), block)
-                with builder.goto_block(block):
-                    for r in range(LANES):
-                        first = builder.mul(_row(builder, at_p, args[3], r), ir.Constant(I64, d))
-                        for c in range(d // LANES):
-                            x = _widened(builder, src_p, builder.add(first, ir.Constant(I64, c * LANES)), kind)
-                            spot = builder.gep(out_p, [ir.Constant(I64, r * d + c * LANES)])
-                            builder.store(x, builder.bitcast(spot, FV.as_pointer()), align=1)
-                    builder.branch(end)
-        builder.position_at_end(end)
+        _cases(builder, key, [case(kind, d) for kind in (F16, BF16) for d in HEAD_DIMS])
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-# dot16(sc, sc_off, q, q_off, k, k16, at, i, kind, d, scale): sc.flat[sc_off + j] = scale * (q.flat[q_off:
-# q_off + d] . K row at[i + j]) for j < 16
+# dot16(sc, sc_off, q, q_off, k, at, i, d, scale): sc.flat[sc_off + j] = scale * (q.flat[q_off:q_off + d] .
+# float32 K row at[i + j]) for j < 16
 dot16 = _intrinsic(_dot_body, True)
-# sum16(acc, acc_off, p, p_off, v, v16, at, i, kind, d): acc.flat[acc_off:acc_off + d] += sum over j < 16,
-# in order, of p.flat[p_off + j] * V row at[i + j]
+# sum16(acc, acc_off, p, p_off, v, at, i, d): acc.flat[acc_off:acc_off + d] += sum over j < 16, in order,
+# of p.flat[p_off + j] * float32 V row at[i + j]
 sum16 = _intrinsic(_sum_body, False)

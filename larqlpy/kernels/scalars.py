@@ -103,7 +103,6 @@ def to_bf16(x):  # pragma: no cover - jitted
     return np.uint16(((b + ((b >> 16) & 1) + 0x7FFF) >> 16) & 0xFFFF)
 
 
-
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
 def dot(a, b):  # pragma: no cover - jitted
     """Two float32 rows' dot product, summed in float32 (fastmath: LLVM vectorizes the sum)."""

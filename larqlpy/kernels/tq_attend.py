@@ -24,7 +24,7 @@ from numba import njit, prange
 from larqlpy.kernels import jitcache, rowdots, scalars, turboquant
 from larqlpy.kernels.scalars import dot, exp
 from larqlpy.kernels.jitcache import FASTMATH
-from larqlpy.kernels.rowdots import F32, LANES, blocked, dot16, sum16
+from larqlpy.kernels.rowdots import LANES, blocked, dot16, sum16
 from larqlpy.kernels.turboquant import _fwht, _row
 
 CHUNKS = 16  # parts of a head's rows scored and summed in parallel
@@ -97,11 +97,11 @@ def _add_values(part, p, h, r, sc, v):  # pragma: no cover - jitted
 @njit(inline="always", cache=True, error_model="numpy")
 def _scratch(d):  # pragma: no cover - jitted
     """A work item's 16 decoded rows (zeroed: a short block's unused rows are weighted by 0, never
-    NaN), their scales, two rows of 16 dot products, the weights of 16 value rows, the rows'
-    indices 0..15, and no 16-bit view."""
+    NaN), their scales, two rows of 16 dot products, the weights of 16 value rows and the rows'
+    indices 0..15."""
     at = np.arange(LANES)
     return (np.zeros((LANES, d), np.float32), np.empty(LANES, np.float32), np.empty(LANES, np.float32),
-            np.empty(LANES, np.float32), np.empty(LANES, np.float32), at, np.empty((0, 0), np.uint16))
+            np.empty(LANES, np.float32), np.empty(LANES, np.float32), at)
 
 
 @njit(inline="always", cache=True, error_model="numpy")
@@ -124,7 +124,7 @@ def _score_block(s, h, r0, m, qr, bias, coef, cs, pos, work, scale, softcap):  #
     """`_score` for m <= 16 coded rows from r0, decoded into work's rows with their scales: each query
     head's 16 dot products at once (rowdots.dot16), then the same epilogue a row at a time; other
     head sizes a row at a time."""
-    rows, scl, dots, turns, _, at, none = work
+    rows, scl, dots, turns, _, at = work
     _, group, d = qr.shape
     if not blocked(d):
         for j in range(m):
@@ -132,9 +132,9 @@ def _score_block(s, h, r0, m, qr, bias, coef, cs, pos, work, scale, softcap):  #
         return
     one = np.float32(1.0)
     for g in range(group):
-        dot16(dots, 0, qr, (h * group + g) * d, rows, none, at, 0, F32, d, one)
+        dot16(dots, 0, qr, (h * group + g) * d, rows, at, 0, d, one)
         if cs.shape[0] > 0:
-            dot16(turns, 0, coef, (h * group + g) * d, cs, none, pos, r0, F32, d, one)
+            dot16(turns, 0, coef, (h * group + g) * d, cs, pos, r0, d, one)
         for j in range(m):
             x = dots[j] * scl[j] + bias[h, g]
             if cs.shape[0] > 0:
@@ -147,7 +147,7 @@ def _sum_block(part, p, h, r0, m, work):  # pragma: no cover - jitted
     """`_add_values` for m <= 16 coded rows from r0 decoded into work's rows: each query head's
     weighted sum of the 16 held in registers (rowdots.sum16; weights past m are 0); other head sizes
     a row at a time."""
-    rows, scl, _, _, w, at, none = work
+    rows, scl, _, _, w, at = work
     group, d = part.shape
     if not blocked(d):
         for j in range(m):
@@ -156,7 +156,7 @@ def _sum_block(part, p, h, r0, m, work):  # pragma: no cover - jitted
     for g in range(group):
         for j in range(LANES):
             w[j] = p[h * group + g, r0 + j] * scl[j] if j < m else np.float32(0.0)
-        sum16(part, g * d, w, 0, rows, none, at, 0, F32, d)
+        sum16(part, g * d, w, 0, rows, at, 0, d)
 
 
 @njit(inline="always", cache=True, error_model="numpy")
