@@ -77,11 +77,14 @@ def test_tiling_matches_the_layout_the_kernels_read(bits, zero, n):
     else:
         v = padded.reshape(m // TILE, TILE, 12, 2, 4) & 15
         want = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)
-        planes = []  # plane p: a byte per row per octet, bit i = bit 4 + p of input 8o+i
-        for p in range(bits - 4):
-            b = (padded.reshape(m // TILE, TILE, 12, 8) >> (4 + p)) & 1
-            planes.append((b << np.arange(8)).sum(-1).astype(np.uint8).transpose(0, 2, 1))  # (tiles, 12, TILE)
-        want = np.concatenate([want.reshape(m // TILE, 12, TILE * 4)] + planes, axis=2).reshape(m // TILE, 12, -1, 4)
+        if bits > 4:  # a word per row per 4 / p octets: byte i, field 2 (o mod 4/p) + h = high bits of 8o+4h+i
+            p = bits - 4
+            per, slots = 4 // p, TILE * p // 4
+            high = (padded.reshape(m // TILE, TILE, 12 // per, per * 2, 4) >> 4).astype(np.uint32)
+            words = (high << (p * np.arange(per * 2))[:, None]).sum(3).astype(np.uint8)  # (tiles, TILE, 12/per, 4)
+            # rows [a slots, (a + 1) slots) of octet group G lie in octet G per + a's area
+            areas = words.reshape(m // TILE, per, slots, 12 // per, 4).transpose(0, 3, 1, 2, 4)
+            want = np.concatenate([want, areas.reshape(m // TILE, 12, slots, 4)], axis=2)
     assert np.array_equal(tile_codes(u, bits, zero), want)
 
 

@@ -155,10 +155,10 @@ _GATHER = np.uint64(0x0102040810204080)  # byte i's low bit to bit 56 + i of the
 
 
 @njit(inline="always", cache=True)
-def _put(codes, planes, t, o, slot, words, eights, per, bits, base):  # pragma: no cover - jitted
+def _put(codes, t, o, slot, words, eights, per, bits, base):  # pragma: no cover - jitted
     """One block's codes (the decoder's buffer as `words` uint32 and `eights` uint64, less base) into
-    row `slot` of tile t from octet (or quad) o on: a word per 4 (8 bits) or 8 (nibbles) inputs, and a
-    plane byte per 8 inputs beside the nibbles at 5 and 6 bits (`planes`: the codes' bytes). Eight
+    row `slot` of tile t from octet (or quad) o on: a word per 4 (8 bits) or 8 (nibbles) inputs, and at
+    5 and 6 bits the high bits ORed into the row's high word (simd.high_at). Eight
     codes at a time as one integer: every code is at least `base`, so subtracting it from each byte
     borrows nowhere."""
     if bits == 8:
@@ -170,21 +170,25 @@ def _put(codes, planes, t, o, slot, words, eights, per, bits, base):  # pragma: 
         x = eights[w] - less
         nib = x & np.uint64(0x0F0F0F0F0F0F0F0F)
         codes[t, o + w, slot] = np.uint32((nib & np.uint64(0xFFFFFFFF)) | ((nib >> np.uint64(32)) << np.uint64(4)))
-        for p in range(bits - 4):  # 5, 6 bits: plane byte p of the row, its bit i from input 8o+i
-            at = p * TILE + slot
-            bit = (x >> np.uint64(4 + p)) & _BYTES
-            planes[t, o + w, TILE + at // 4, at % 4] = np.uint8((bit * _GATHER) >> np.uint64(56))
+        if bits > 4:  # 5, 6 bits: inputs 8o+i's high bits at field f, 8o+4+i's at f + 1 (simd.high_at)
+            p, ow = bits - 4, o + w
+            per, slots = 4 // p, TILE // (4 // p)
+            f = 2 * (ow % per)
+            high = (x >> np.uint64(4)) & (_BYTES * np.uint64((1 << p) - 1))
+            word = ((high & np.uint64(0xFFFFFFFF)) << np.uint64(f * p)) | \
+                ((high >> np.uint64(32)) << np.uint64((f + 1) * p))
+            codes[t, ow // per * per + slot // slots, TILE + slot % slots] |= np.uint32(word)
 
 
 @njit(parallel=True, cache=True)
-def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, planes, scale, minimum, outer,
+def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, outer,
            seen):  # pragma: no cover
     """Source row i to destination row lo + i of a tiled matrix (codes as words (tiles, k/4 or k/8,
-    TILE + 16 P) at `bits`, the codes less `base`; zeroed beforehand where there are planes); scale /
+    TILE + 16 P) at `bits`, the codes less `base`; zeroed beforehand at 5 and 6 bits); scale /
     minimum tiled too (tiles, groups, TILE): float32, or with `outer` (tiles, blocks, 2, TILE) the
     K-quants' integer sub-block scales, their blocks' d and -dmin in outer; rows: the source row of
     each destination row; seen[t] = (lowest, highest) code written into tile t. A tile's rows go to
-    one thread: rows of one tile share cache lines. `planes`: the codes as bytes."""
+    one thread: rows of one tile share cache lines (and 5- / 6-bit rows their high words)."""
     n = rows.shape[0]
     bpr = raw.shape[1] // size
     gpb = scale.shape[1] // bpr
@@ -201,7 +205,7 @@ def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, planes, scale, min
                 _decode(row, b * size, kind, buf, sc, mn)
                 for j in range(per):
                     low, high = min(low, np.int32(buf[j]) - base), max(high, np.int32(buf[j]) - base)
-                _put(codes, planes, t, b * per // (4 if bits == 8 else 8), slot, words, eights, per, bits, base)
+                _put(codes, t, b * per // (4 if bits == 8 else 8), slot, words, eights, per, bits, base)
                 if outer.shape[0]:  # the integers in place of the products d * sc, dmin * m
                     outer[t, b, 0, slot], outer[t, b, 1, slot] = _outer(row, b * size, kind, sc, mn)
                 for g in range(gpb):
@@ -266,14 +270,14 @@ def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.n
                  width: tuple[int, int] | None = None, outer: np.ndarray | None = None) -> None:
     """unpack(), written as rows lo + i (source row rows[i]) of a tiled matrix (kernels/qweight.py's
     layout at width = (bits, base) -- the type's own 8- or 4-bit codes when None -- : codes
-    (tiles, ..., 4) uint8, zeroed where the width has planes, scale / minimum (tiles, groups, TILE)
+    (tiles, ..., 4) uint8, zeroed at 5 and 6 bits, scale / minimum (tiles, groups, TILE)
     float32, minimum empty when not affine; or, for a K-quant with `outer` (tiles, blocks, 2, TILE)
     uint16, its integer sub-block scales as int8 and each block's float16 d and -dmin in outer); seen
     (tiles, 2) int32 gathers each tile's lowest and highest code."""
     size, per, bits, group, zero, affine = LAYOUTS[qtype]
     bits, base = width or (bits, 0)
     _tiled(np.asarray(raw).reshape(shape[0], -1), KIND[qtype], per, size, bits, base,
-           np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], codes, scale, minimum,
+           np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], scale, minimum,
            NO_OUTER if outer is None else outer, seen)
 
 

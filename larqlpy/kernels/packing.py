@@ -1,6 +1,6 @@
 """Weights packed for the integer kernels, from float32 or from a GGUF's codes: the load-time
 quantization of `int8` and `int4`, and the tiled layout kernels/qweight.py describes (codes per tile
-input-quad- or octet-major, 5- and 6-bit codes with their bit planes, per-group values per tile).
+input-quad- or octet-major, 5- and 6-bit codes with their high bits beside, per-group values per tile).
 Plain numpy and numba: a packed matrix is made here and held by qweight.PackedWeight."""
 
 from __future__ import annotations
@@ -66,21 +66,21 @@ def _to_half(a: np.ndarray) -> np.ndarray:
 
 
 @njit(parallel=True, cache=True)
-def _tile_planes(u, n, bits, out):  # pragma: no cover - jitted
+def _tile_high(u, n, bits, out):  # pragma: no cover - jitted
     """Row-major 5- or 6-bit codes (n, k) -> their tiled layout (tiles, k/8, TILE + 16 P, 4), zeroed
-    beforehand (the last tile's padding rows stay code 0, scale 0)."""
+    beforehand (the last tile's padding rows stay code 0, scale 0); k a multiple of 32."""
     for t in prange(out.shape[0]):
         for r in range(min(TILE, n - t * TILE)):
             row = t * TILE + r
             for o in range(out.shape[1]):
                 for i in range(4):
                     out[t, o, r, i] = (u[row, 8 * o + i] & 15) | ((u[row, 8 * o + 4 + i] & 15) << 4)
-                for p in range(bits - 4):
-                    plane = 0
-                    for i in range(8):
-                        plane |= ((u[row, 8 * o + i] >> (4 + p)) & 1) << i
-                    at = p * TILE + r
-                    out[t, o, TILE + at // 4, at % 4] = plane
+                p = bits - 4  # the high bits into the row's word for this octet (simd.high_at)
+                per, slots = 4 // p, TILE * p // 4
+                for i in range(8):
+                    field = 2 * (o % per) + i // 4
+                    high = (u[row, 8 * o + i] >> 4) << (field * p)
+                    out[t, o // per * per + r // slots, TILE + r % slots, i % 4] |= high
 
 
 @njit(parallel=True, cache=True)
@@ -106,7 +106,7 @@ def tile_codes(u: np.ndarray, bits: int, zero: int = 0) -> np.ndarray:
     nt = -(-n // TILE)
     if PLANES[bits]:
         out = np.zeros(code_shape(nt, k, bits), np.uint8)
-        _tile_planes(np.ascontiguousarray(u), n, bits, out)
+        _tile_high(np.ascontiguousarray(u), n, bits, out)
         return out
     out = np.empty(code_shape(nt, k, bits), np.uint8)
     _tile(np.ascontiguousarray(u).view(np.uint32), n, bits, zero, out.view(np.uint32)[..., 0])

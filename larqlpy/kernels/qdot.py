@@ -246,11 +246,15 @@ def code_at(codes, bits, t, j, r):  # pragma: no cover - jitted
     """Row r of tile t's code for input j, in the tiled layout of `bits` (qweight.py)."""
     if bits == 8:
         return np.int32(codes[t, j // 4, r, j % 4])
-    b = codes[t, j // 8, r, j % 4]
-    u = np.int32(b >> 4) if j % 8 >= 4 else np.int32(b & 15)
-    for p in range(bits - 4):  # 5, 6 bits: the planes after the nibbles
-        at = p * TILE + r
-        u |= np.int32((codes[t, j // 8, TILE + at // 4, at % 4] >> (j % 8)) & 1) << (4 + p)
+    o, half = j // 8, (j % 8) // 4
+    b = codes[t, o, r, j % 4]
+    u = np.int32(b >> 4) if half else np.int32(b & 15)
+    if bits > 4:  # 5, 6 bits: the high bits from the row's word (simd.high_at)
+        p = bits - 4
+        per, slots = 4 // p, TILE * p // 4
+        field = 2 * (o % per) + half
+        high = codes[t, o // per * per + r // slots, TILE + r % slots, j % 4]
+        u |= np.int32((high >> (field * p)) & ((1 << p) - 1)) << 4
     return u
 
 

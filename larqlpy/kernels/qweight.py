@@ -18,8 +18,9 @@ Layout: output rows in tiles of TILE. Integer codes are stored per tile input-qu
 (tiles, k/4, TILE, 4) for 8-bit and (tiles, k/8, TILE, 4) for 4-bit (byte i of a row's word: inputs
 8o+i in the low nibble, 8o+4+i in the high): the four inputs one integer dot-product instruction
 sums sit side by side for each row (qdot.py, simd.py). 5- and 6-bit codes: (tiles, k/8, TILE + 16 P,
-4), the 4-bit layout of their low four bits, then P = 1 or 2 planes of TILE bytes (plane p's byte
-for row r: bit 4 + p of the octet's eight codes, bit i for input 8o+i). bf16: (tiles, k, TILE).
+4), the 4-bit layout of their low four bits, then P = 1 or 2 x TILE bytes of their high bits: a
+32-bit word per row for every 4 / P octets, each byte holding its inputs' high bits in P-bit fields
+that a shift and a mask move beside the nibbles (simd.high_at). bf16: (tiles, k, TILE).
 
 On the CPU integer codes run the qdot kernels (int8 activations, integer dot products) for any number
 of activation rows. bf16, the float path and CUDA dequantize a slab of tiles at a time into float32
@@ -42,7 +43,7 @@ from larqlpy.kernels.simd import ROWS as TILE
 
 FORMATS = ("f32", "bf16", "int8", "int4", "native")
 SLAB_BYTES = 16 << 20  # float32 scratch per dequantized slab in prefill
-PACK_VERSION = 5  # bump when packing changes what a format's codes are: cached packs are rebuilt
+PACK_VERSION = 6  # bump when packing changes what a format's codes are: cached packs are rebuilt
 GEMV_ROWS = 16  # bf16 / float path: up to this many rows run a GEMV, faster there than a slab
 NO_MINIMUM = np.zeros((0, 1, TILE), np.float32)
 
@@ -271,11 +272,8 @@ class PackedWeight:
         if self.bits != 8:
             codes = torch.stack((codes & 15, codes >> 4), dim=2)  # (n, k/8, 2, 4): inputs 8o+i, 8o+4+i
         u = codes.reshape(len(idx), -1).to(torch.int32)
-        for p in range(simd.PLANES[self.bits]):  # the planes' bits above the nibbles
-            at = p * TILE + r
-            plane = self.codes[t, :, TILE + at // 4, at % 4].to(torch.int32)  # (n, k/8)
-            bit = (plane[:, :, None] >> torch.arange(8, device=idx.device)) & 1  # (n, k/8, 8): input 8o+i
-            u = u | (bit.reshape(len(idx), -1) << (4 + p))
+        if simd.PLANES[self.bits]:
+            u = u | (self._high_torch(t, r) << 4)
         g = torch.arange(self.shape[1], device=idx.device) // self.group
 
         def per_group(a: torch.Tensor, which: int) -> torch.Tensor:
@@ -285,6 +283,17 @@ class PackedWeight:
 
         v = per_group(self.scale, 0) * (u - self.zero).float()
         return v if self.minimum is None else v + per_group(self.minimum, 1)
+
+    def _high_torch(self, t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """Rows (t, r)'s codes' bits above the nibbles, (n, k) int32, from their high words (simd.high_at)."""
+        p = simd.PLANES[self.bits]
+        per, slots = 4 // p, TILE * p // 4
+        o = torch.arange(self.codes.shape[1], device=t.device)
+        area = (o // per * per)[None, :] + (r // slots)[:, None]  # (n, k/8): the octet holding the word
+        words = self.codes[t[:, None], area, (TILE + r % slots)[:, None]].to(torch.int32)  # (n, k/8, 4)
+        field = 2 * (o % per)[:, None] + torch.arange(2, device=t.device)[None, :]  # (k/8, 2): inputs 8o+4h+i
+        high = (words[:, :, None, :] >> (field * p)[None, :, :, None]) & ((1 << p) - 1)  # (n, k/8, 2, 4)
+        return high.reshape(len(t), -1)
 
     def _slab(self, t0: int, t1: int) -> torch.Tensor:
         """Tiles [t0, t1) dequantized input-major, (in, rows): the GEMM reads it transposed, no copy."""

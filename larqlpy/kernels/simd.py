@@ -11,9 +11,12 @@ with u the weight codes (unsigned bytes) and xq the int8 activations, and adds t
 float32 outputs (see _make). Layout (qweight.py):
     8-bit codes: per quad of inputs (4j..4j+3), 64 rows x 4 bytes (row r's four codes adjacent);
     4-bit codes: per octet (8j..8j+7), 64 rows x 4 bytes, low nibbles inputs 8j..8j+3, high 8j+4..8j+7;
-    5- and 6-bit codes: per octet, the 4-bit layout of their low four bits, then one (5-bit) or two
-    (6-bit) planes of 64 bytes: plane p's byte for row r holds bit 4 + p of the row's eight codes
-    (bit i: input 8j+i). The planes are spread into the nibbles' bytes before the products.
+    5- and 6-bit codes: per octet, the 4-bit layout of their low four bits, then P = 1 (5-bit) or 2
+    (6-bit) x 64 bytes of high bits (`high_at`): a 32-bit word per row for every 4 / P octets, whose
+    byte i holds, in field f = 2 (o mod 4/P) + h (bits f P .. f P + P - 1), the high bits of input
+    8o + 4h + i -- so a shift and a mask put them beside the nibbles of the same byte. The words of
+    an octet group's rows 0 .. 16P - 1 lie after its first octet's nibbles, the next 16P rows after
+    its second's, and so on.
 Integer sums are exact, so every path that computes them gives the same numbers bit for bit.
 
 Arguments (flat arrays and offsets into them): acc float32 and the offset of row m0's outputs (rows
@@ -34,7 +37,15 @@ from numba.extending import intrinsic
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 ROWS = 64  # the tile: qweight.TILE
-PLANES = {8: 0, 4: 0, 5: 1, 6: 2}  # code width -> its one-bit planes beside the nibbles
+PLANES = {8: 0, 4: 0, 5: 1, 6: 2}  # code width -> its bits above the nibbles (P)
+
+
+def high_at(planes: int, octet: int, row: int) -> tuple[int, int, int]:
+    """Where the high bits of `row`'s codes of `octet` lie in the 5- / 6-bit layout (P = `planes`):
+    (the octet whose area holds the word, the word's slot in that area, the octet's field f in each
+    byte: inputs 8o + i at field f, 8o + 4 + i at f + 1)."""
+    per, slots = 4 // planes, ROWS * planes // 4
+    return octet // per * per + row // slots, row % slots, 2 * (octet % per)
 
 
 def _fn(builder, name: str, ret, args):
@@ -165,25 +176,28 @@ def _make(emit, quads: int, width: int, rows: int, registers: int):
 def _parts(builder, codes_at, width: int, octet: int, v: int, lanes: int):
     """The code bytes of rows v * lanes .. of one octet (4-, 5-, 6-bit) or quad (8-bit) as <lanes x
     i32> vectors: [the codes] for 8 bits, else [inputs 8j..8j+3, inputs 8j+4..8j+7], each byte one
-    code, its high bits (5, 6 bits) taken from the planes: a row's plane byte is repeated into all
-    four bytes of its lane and byte i keeps bit i (first part) or bit 4 + i (second)."""
+    code, its high bits (5, 6 bits) shifted out of the rows' high words and masked into place."""
     vty = ir.VectorType(I32, lanes)
     span = 4 + PLANES[width]  # bytes a row takes per octet (or quad)
     raw = codes_at(octet * ROWS * span + v * lanes * 4, vty)
     if width == 8:
         return [raw]
-    mask = _splat(builder, ir.Constant(I32, 0x0F0F0F0F), vty)
-    parts = [builder.and_(raw, mask), builder.and_(builder.lshr(raw, _splat(builder, ir.Constant(I32, 4), vty)), mask)]
-    bty = ir.VectorType(I8, lanes * 4)
-    zero = ir.Constant(bty, None)
-    for p in range(PLANES[width]):
-        plane = codes_at(octet * ROWS * span + ROWS * 4 + p * ROWS + v * lanes, ir.VectorType(I8, lanes))
-        spread = builder.mul(builder.zext(plane, vty), _splat(builder, ir.Constant(I32, 0x01010101), vty))
-        bit = ir.Constant(bty, [0x10 << p] * (lanes * 4))
-        for h, select in enumerate((0x08040201, 0x80402010)):
-            on = builder.bitcast(builder.and_(spread, _splat(builder, ir.Constant(I32, select), vty)), bty)
-            high = builder.select(builder.icmp_unsigned("!=", on, zero), bit, zero)
-            parts[h] = builder.or_(parts[h], builder.bitcast(high, vty))
+
+    def const(value):
+        return _splat(builder, ir.Constant(I32, value), vty)
+
+    mask = const(0x0F0F0F0F)
+    parts = [builder.and_(raw, mask), builder.and_(builder.lshr(raw, const(4)), mask)]
+    p = PLANES[width]
+    if p:
+        area, slot, field = high_at(p, octet, v * lanes)
+        word = codes_at(area * ROWS * span + ROWS * 4 + slot * 4, vty)
+        top = const(((1 << p) - 1) * 0x10101010)  # the code's bits 4 .. 3 + P in every byte
+        for h in range(2):
+            shift = 4 - (field + h) * p
+            moved = builder.shl(word, const(shift)) if shift > 0 else \
+                builder.lshr(word, const(-shift)) if shift < 0 else word
+            parts[h] = builder.or_(parts[h], builder.and_(moved, top))
     return parts
 
 
