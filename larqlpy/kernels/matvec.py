@@ -138,7 +138,10 @@ NO_WEIGHT = np.zeros(0, np.float32)
 
 
 def _cpu_f32(*ts) -> bool:
-    return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in ts)
+    for t in ts:  # a loop, not all() over a generator: decode asks this ~150 times a token
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:

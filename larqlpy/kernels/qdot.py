@@ -97,10 +97,13 @@ def _quantize_many(x, group, xq, xs, sxq):  # pragma: no cover - jitted
         _quantize_row(x, m, group, xq, xs, sxq)
 
 
+THREADED_ROWS = 16  # past this many rows activations are rounded on threads: starting them costs more below
+
+
 def quantize_activations(x: np.ndarray, group: int, xq: np.ndarray, xs: np.ndarray, sxq: np.ndarray) -> None:
     """x (M, k) float32 -> xq (M, k) int8, xs (M, k/group) float32 = max|x| / 127, sxq (M, k/group)
-    int32 = sum(xq). Threads only for many rows: starting them costs more than a few rows take."""
-    (_quantize_many if x.shape[0] > 16 else _quantize_few)(x, group, xq, xs, sxq)
+    int32 = sum(xq): what the integer kernels do first (`_int_template`), on its own."""
+    (_quantize_many if x.shape[0] > THREADED_ROWS else _quantize_few)(x, group, xq, xs, sxq)
 
 
 # What `_int_template` reads as globals; each kernel is the template under its own values (`_int_kernel`).
@@ -108,15 +111,24 @@ STEP = X_PER = FULL = SPAN = 0
 ONE = ONE_HALF = MANY = MANY_HALF = None
 
 
-def _int_template(codes, scale, minimum, outer, zc, xq, xs, sxq, out):  # pragma: no cover - jitted
+def _int_template(codes, scale, minimum, outer, zc, x, out):  # pragma: no cover - jitted
     """The integer kernels' one body (see `_int_kernel`). codes: (tiles, k/4 or k/8, TILE * SPAN / 4, 4) uint8;
-    xq: (M, k/4) int32 (4 x int8); outer: a K-quant's blocks' d and -dmin (`group_value`), or
-    NO_OUTER. The group loop is outside the row loop, so a group's codes are read from memory once
-    per tile. Its constants and intrinsics (STEP ... MANY_HALF) are globals each kernel binds its own
-    way."""
-    nt, kw, ng, m_rows, nb = codes.shape[0], codes.shape[1], scale.shape[1], xq.shape[0], outer.shape[1]
-    nw, cf, xf, sf, mf, of, xsf, qf = kw // ng, codes.reshape(-1), xq.reshape(-1), scale.reshape(-1), \
-        minimum.reshape(-1), outer.reshape(-1), xs.reshape(-1), sxq.reshape(-1)
+    x: (M, k) float32, rounded to int8 per group here first (`quantize_activations`' rounding: one
+    call where a product of one row is mostly calls); outer: a K-quant's blocks' d and -dmin
+    (`group_value`), or NO_OUTER. The group loop is outside the row loop, so a group's codes are
+    read from memory once per tile. Its constants and intrinsics (STEP ... MANY_HALF) are globals each
+    kernel binds its own way."""
+    nt, kw, ng, m_rows, nb = codes.shape[0], codes.shape[1], scale.shape[1], x.shape[0], outer.shape[1]
+    group = x.shape[1] // ng
+    xq8, xs, sxq = np.empty(x.shape, np.int8), np.empty((m_rows, ng), np.float32), np.empty((m_rows, ng), np.int32)
+    if m_rows > THREADED_ROWS:
+        for m in prange(m_rows):
+            _quantize_row(x, m, group, xq8, xs, sxq)
+    else:
+        for m in range(m_rows):
+            _quantize_row(x, m, group, xq8, xs, sxq)
+    nw, cf, xf, sf, mf, of, xsf, qf = kw // ng, codes.reshape(-1), xq8.view(np.int32).reshape(-1), \
+        scale.reshape(-1), minimum.reshape(-1), outer.reshape(-1), xs.reshape(-1), sxq.reshape(-1)
     affine, per_block = minimum.shape[0] > 0, ng // nb
     for t in prange(nt):
         acc = np.zeros(m_rows * TILE, np.float32)
@@ -284,21 +296,16 @@ FLOAT = {8: _float8, 4: _float4}
 
 def gemm(codes, scale, minimum, outer, zero: int, bits: int, x: np.ndarray, path: str, out: np.ndarray) -> None:
     """out (M, tiles * TILE) = x (M, k) float32 times the packed codes, on `path`."""
-    m_rows, k = x.shape
-    group = k // scale.shape[1]
     if path == "float":
-        xsum = np.empty((m_rows, scale.shape[1]), np.float32)
-        group_sums(x, group, xsum)
+        xsum = np.empty((x.shape[0], scale.shape[1]), np.float32)
+        group_sums(x, x.shape[1] // scale.shape[1], xsum)
         if bits in FLOAT:
             FLOAT[bits](codes, scale, minimum, outer, zero, x, xsum, out)
         else:
             _float_planes(codes, scale, minimum, outer, zero, bits, x, xsum, out)
         return
-    xq = np.empty((m_rows, k), np.int8)
-    xs, sxq = np.empty((m_rows, k // group), np.float32), np.empty((m_rows, k // group), np.int32)
-    quantize_activations(x, group, xq, xs, sxq)
     zc = zero - 128 if path == "avx2-signed" else zero  # its sums are of (u - 128) * xq
-    INT[(path, bits)](codes, scale, minimum, outer, zc, xq.view(np.int32), xs, sxq, out)
+    INT[(path, bits)](codes, scale, minimum, outer, zc, x, out)
 
 
 jitcache.tie(globals(), simd, jitcache)  # they inline simd.py's intrinsics; FASTMATH lives in jitcache
