@@ -16,7 +16,7 @@ import pytest
 import torch
 from numba import njit
 
-from larqlpy.kernels import choice, cpu, qdot
+from larqlpy.kernels import choice, cpu, prefetch, qdot
 from larqlpy.kernels.attention import Span, attend_one, attend_rows
 from larqlpy.kernels.matvec import gemv_f32
 from larqlpy.kernels.qweight import TILE, PackedWeight
@@ -125,6 +125,33 @@ def test_every_path_against_float64(case, rows):
         assert np.array_equal(ints[0], other)
 
 
+@pytest.mark.parametrize("case", ["Q4_K (float32)", "Q5_0 at 5 bits", "Q6_K at 6 bits, groups of 16",
+                                  "int8, Q8_0 (float16 scales)"])
+def test_prefetching_ahead_changes_no_number(case):
+    u, scale, minimum, zero, p = rand_codes(**CASES[case], n=6 * TILE)
+    x = torch.randn(5, u.shape[1], generator=torch.Generator().manual_seed(3))
+    for path in [q for q in paths_for(p) if q != "float"]:
+        plain = [p.matmul(x[:rows], path=path) for rows in (1, 5)]
+        p.ahead = 1024
+        assert all(torch.equal(p.matmul(x[:rows], path=path), want) for rows, want in zip((1, 5), plain)), path
+        p.ahead = 0
+
+
+@pytest.mark.skipif(not {"vnni512", "avx2"} & set(HERE), reason="no integer path on this CPU")
+def test_the_prefetch_distance_is_measured_once_per_machine_and_size(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(choice, "_memo", {})
+    ws = [rand_codes(4, affine=True, seed=s)[-1] for s in range(3)]
+    best = prefetch.choose(ws)
+    assert best in prefetch.AHEADS and all(w.ahead == best for w in ws)
+    stored = json.loads((tmp_path / "larqlpy" / "kernel-choices.json").read_text())
+    assert [k.rsplit(" | ", 1)[1] for k in stored] == ["codes prefetched ahead, cached weights"]
+    monkeypatch.setattr(choice, "_memo", {})  # a new process: read back, not measured again
+    fresh = rand_codes(4, affine=True, seed=9)[-1]
+    fresh.matmul = lambda *a, **k: pytest.fail("measured again")
+    assert prefetch.choose([fresh]) == best == fresh.ahead
+
+
 def test_a_row_gives_the_same_numbers_alone_or_among_many():
     """Prefill in chunks and decode token by token meet the same numbers on the integer paths."""
     u, scale, minimum, zero, p = rand_codes(8)
@@ -169,9 +196,9 @@ def test_the_kernels_compile_to_the_integer_dot_instructions(path, instruction, 
     kernel = njit(parallel=True, error_model="numpy")(qdot.INT[(path, bits)].py_func)  # fresh: cached code has no asm
     u, scale, minimum, zero, p = rand_codes(bits, lo=1, hi=min(127, 2 ** bits - 1), zero=2 ** (bits - 1))
     x = np.zeros((1, u.shape[1]), np.float32)
-    kernel(*p.arrays, np.int32(zero), x, np.empty((1, p.codes.shape[0] * TILE), np.float32))
+    kernel(*p.arrays, np.int32(zero), x, np.empty((1, p.codes.shape[0] * TILE), np.float32), 4096)
     asm = "\n".join(kernel.inspect_asm(sig) for sig in kernel.signatures)
-    assert instruction in asm
+    assert instruction in asm and "prefetcht0" in asm
 
 
 @pytest.mark.parametrize("path", ["numba", "torch"])

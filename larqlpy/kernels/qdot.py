@@ -111,13 +111,14 @@ STEP = X_PER = FULL = SPAN = 0
 ONE = ONE_HALF = MANY = MANY_HALF = None
 
 
-def _int_template(codes, scale, minimum, outer, zc, x, out):  # pragma: no cover - jitted
+def _int_template(codes, scale, minimum, outer, zc, x, out, ahead):  # pragma: no cover - jitted
     """The integer kernels' one body (see `_int_kernel`). codes: (tiles, k/4 or k/8, TILE * SPAN / 4, 4) uint8;
     x: (M, k) float32, rounded to int8 per group here first (`quantize_activations`' rounding: one
     call where a product of one row is mostly calls); outer: a K-quant's blocks' d and -dmin
     (`group_value`), or NO_OUTER. The group loop is outside the row loop, so a group's codes are
     read from memory once per tile. Its constants and intrinsics (STEP ... MANY_HALF) are globals each
-    kernel binds its own way."""
+    kernel binds its own way. ahead: how far past each group's codes its first row block prefetches
+    (0: none; kernels/prefetch.py)."""
     nt, kw, ng, m_rows, nb = codes.shape[0], codes.shape[1], scale.shape[1], x.shape[0], outer.shape[1]
     group = x.shape[1] // ng
     xq8, xs, sxq = np.empty(x.shape, np.int8), np.empty((m_rows, ng), np.float32), np.empty((m_rows, ng), np.int32)
@@ -137,7 +138,7 @@ def _int_template(codes, scale, minimum, outer, zc, x, out):  # pragma: no cover
             oo = (t * nb + g // per_block) * 2 * TILE
             while m < m_rows:
                 a = (acc, m * TILE, cf, base, xf, X_PER * (m * kw + g * nw), X_PER * kw, sf, so, mf, of, oo, xsf,
-                     qf, m * ng + g, ng, zc, affine)
+                     qf, m * ng + g, ng, zc, affine, ahead if m == 0 else 0)
                 if m + STEP <= m_rows:
                     if nw == FULL:
                         MANY(*a)
@@ -294,8 +295,10 @@ INT[("avx2-signed", 8)] = _int_kernel("avx2-signed", 8)
 FLOAT = {8: _float8, 4: _float4}
 
 
-def gemm(codes, scale, minimum, outer, zero: int, bits: int, x: np.ndarray, path: str, out: np.ndarray) -> None:
-    """out (M, tiles * TILE) = x (M, k) float32 times the packed codes, on `path`."""
+def gemm(codes, scale, minimum, outer, zero: int, bits: int, x: np.ndarray, path: str, out: np.ndarray,
+         ahead: int = 0) -> None:
+    """out (M, tiles * TILE) = x (M, k) float32 times the packed codes, on `path`; the integer paths
+    prefetch the codes `ahead` bytes ahead (0: not at all), which changes no number."""
     if path == "float":
         xsum = np.empty((x.shape[0], scale.shape[1]), np.float32)
         group_sums(x, x.shape[1] // scale.shape[1], xsum)
@@ -305,7 +308,7 @@ def gemm(codes, scale, minimum, outer, zero: int, bits: int, x: np.ndarray, path
             _float_planes(codes, scale, minimum, outer, zero, bits, x, xsum, out)
         return
     zc = zero - 128 if path == "avx2-signed" else zero  # its sums are of (u - 128) * xq
-    INT[(path, bits)](codes, scale, minimum, outer, zc, x, out)
+    INT[(path, bits)](codes, scale, minimum, outer, zc, x, out, ahead)
 
 
 jitcache.tie(globals(), simd, jitcache)  # they inline simd.py's intrinsics; FASTMATH lives in jitcache

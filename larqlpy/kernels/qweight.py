@@ -159,6 +159,7 @@ class PackedWeight:
         self.lowest, self.highest = int(lowest), int(highest)
         self.bits = {"u8": 8, "u6": 6, "u5": 5, "u4": 4}.get(kind, 16)
         self.path = "float" if kind == "bf16" else cpu.int_path(self.bits, self.lowest, self.highest)
+        self.ahead = 0  # bytes the integer kernels prefetch ahead of the codes (kernels/prefetch.py sets it)
         # numpy views for the numba kernels, made once: decode calls them for every matrix of every token
         self.arrays = () if codes.device.type != "cpu" else (codes.numpy(),) if kind == "bf16" else \
             (codes.numpy(), _numpy(scale), NO_MINIMUM if minimum is None else _numpy(minimum),
@@ -319,7 +320,7 @@ class PackedWeight:
                 for i in range(rows):
                     _gemv_bf16(self.arrays[0], xs[i], out[i])
             else:
-                qdot.gemm(*self.arrays, self.zero, self.bits, xs, path, out)
+                qdot.gemm(*self.arrays, self.zero, self.bits, xs, path, out, self.ahead)
             y = torch.from_numpy(out if out.shape[1] == self.shape[0] else out[:, :self.shape[0]])
             return y if f32 else y.to(x.dtype)
         n, k = self.shape

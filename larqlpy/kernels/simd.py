@@ -26,7 +26,8 @@ or scale and minimum int8 (a K-quant's sub-block values) with outer uint16 and t
 block's 64 float16 d, then 64 -dmin;
 xs float32 and sxq int32
 (per activation row and group), offset, row stride; zc, the codes' zero point on this path; affine
-(whether minimum holds anything). `quads` (inputs / 4 in the group) and `rows` are fixed per intrinsic.
+(whether minimum holds anything); ahead, how many bytes past the group's codes to prefetch (0:
+none). `quads` (inputs / 4 in the group) and `rows` are fixed per intrinsic.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class _Args:
     def __init__(self, context, builder, signature, args):
         self.context, self.builder, self.ty = context, builder, signature.args
         (self.acc, self.aoff, self.codes, self.coff, self.x, self.xoff, self.xstride, self.scale, self.soff,
-         self.minimum, self.outer, self.ooff, self.xs, self.sxq, self.qoff, self.qstride, self.zc, self.affine) = args
+         self.minimum, self.outer, self.ooff, self.xs, self.sxq, self.qoff, self.qstride, self.zc, self.affine,
+         self.ahead) = args
         self.idx = self.xoff.type
 
     def at(self, k: int, arr, off, n, vty, align=4):
@@ -143,6 +145,18 @@ def _add_scaled(a: _Args, sums, affine: bool, registers: int) -> None:
             b.store(new, p, align=4)
 
 
+def _prefetch(a: "_Args", span: int) -> None:
+    """Where `ahead` > 0: prefetch (into every cache level) the `span` bytes of codes `ahead` bytes past
+    this group's (kernels/prefetch.py says why and when)."""
+    b = a.builder
+    ahead = a.ahead
+    with b.if_then(b.icmp_signed(">", ahead, ir.Constant(ahead.type, 0))):
+        hint = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+        for line in range(0, span, 64):
+            at = _ptr(a.context, b, a.ty[2], a.codes, b.add(a.coff, b.add(ahead, ir.Constant(a.idx, line))), I8)
+            b.call(hint, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
 def _make(emit, quads: int, width: int, rows: int, registers: int):
     """An intrinsic that sums one group for `rows` activation rows (`emit`) and adds the scaled sums to
     the float32 outputs, in registers:
@@ -153,12 +167,14 @@ def _make(emit, quads: int, width: int, rows: int, registers: int):
 
     @intrinsic
     def dot(typingctx, acc, aoff, codes, coff, x, xoff, xstride, scale, soff, minimum, outer, ooff, xs, sxq, qoff,
-            qstride, zc, affine):
+            qstride, zc, affine, ahead):
         sig = types.void(acc, types.intp, codes, types.intp, x, types.intp, types.intp, scale, types.intp,
-                         minimum, outer, types.intp, xs, sxq, types.intp, types.intp, types.int32, types.boolean)
+                         minimum, outer, types.intp, xs, sxq, types.intp, types.intp, types.int32, types.boolean,
+                         types.intp)
 
         def codegen(context, builder, signature, args):
             a = _Args(context, builder, signature, args)
+            _prefetch(a, quads // (1 if width == 8 else 2) * ROWS * (4 + PLANES[width]))
             sums = emit(builder, a.codes_at, a.x_of, quads, width, rows)  # sums[row][vector], int32 lanes
             flag = builder.icmp_unsigned("!=", a.affine, ir.Constant(a.affine.type, 0))
             with builder.if_else(flag) as (with_minimum, without):

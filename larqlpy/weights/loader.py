@@ -16,6 +16,7 @@ from larqlpy.engines.geometry import check_kv_dtype, default_kv_dtype
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
 from larqlpy.files import is_gguf
+from larqlpy.kernels import prefetch
 from larqlpy.kernels.qweight import PackedPart, PackedWeight, check_format, stack
 from larqlpy.weights import calibration_file, native_file, packed_cache
 from larqlpy.weights.native_file import NativeFile
@@ -233,8 +234,9 @@ def _stacks(native: NativeFile | GGUFCodes, parts: list[tuple[str, str | None]],
 
 
 def _install_packed(model: Decoder, packed: dict[str, PackedWeight], dev: torch.device) -> set[str]:
-    """Put packed matrices in place of the float ones; returns the names (ours) they replace."""
-    done = set()
+    """Put packed matrices in place of the float ones; returns the names (ours) they replace. Their
+    prefetch distance is this machine's for their size (kernels/prefetch.py)."""
+    done, installed = set(), []
     for key, w in packed.items():
         owner, _, attr = key.rpartition(".")
         module = model.get_submodule(owner) if owner else model
@@ -246,6 +248,8 @@ def _install_packed(model: Decoder, packed: dict[str, PackedWeight], dev: torch.
             setattr(module, n, whole if len(names) == 1 else PackedPart(whole, lo, lo + rows))
             lo += rows
             done.add(f"{owner}.{n}" if owner else n)
+        installed.append(whole)
+    prefetch.choose(installed)
     return done
 
 
