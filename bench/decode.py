@@ -269,6 +269,7 @@ def long_prefill(path: Path, lengths: list[int], weights: list[str], engine: str
 
 def main() -> None:
     from larqlpy.kernels import cpu
+    from larqlpy.kernels.qweight import PackedWeight
     from stream import cpu_name
 
     ap = argparse.ArgumentParser()
@@ -323,7 +324,14 @@ def main() -> None:
     print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads; kernel features (LLVM): {cpu.describe()}")
     print(f"model {path}, engine {args.engine}; prompts: short {len(short_ids)} tokens, long "
           f"{len(long_ids)} tokens; {args.decode} greedy decode steps after each; median of {args.repeats}")
-    print(f"stream read bandwidth {bw:.1f} GB/s\n")
+    print(f"stream read bandwidth {bw:.1f} GB/s")
+    for r in runners:
+        if isinstance(r, Larqlpy):
+            aheads = sorted({a.ahead for mod in r.loaded.model.modules() for a in vars(mod).values()
+                             if isinstance(a, PackedWeight)})
+            print(f"{r.name}: codes prefetched {', '.join(map(str, aheads)) or 'no'} bytes ahead "
+                  "(kernels/prefetch.py, measured on this machine)")
+    print()
     cols = COLUMNS
     print(f"| runner | KV rows | weights MB read per token | {' | '.join(c + ' tok/s' for c in cols)} "
           "| decode GB/s (of stream) |")
