@@ -141,15 +141,26 @@ def test_prefetching_ahead_changes_no_number(case):
 def test_the_prefetch_distance_is_measured_once_per_machine_and_size(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(choice, "_memo", {})
+    small = rand_codes(4, affine=True, seed=5)[-1]
+    small.ahead = 4096
+    assert prefetch.choose([small]) == {"codes": 0} and small.ahead == 0  # in any cache: nothing measured
+    assert not (tmp_path / "larqlpy" / "kernel-choices.json").exists()
+    monkeypatch.setattr(prefetch, "MEASURED_BYTES", 0)
     ws = [rand_codes(4, affine=True, seed=s)[-1] for s in range(3)]
-    best = prefetch.choose(ws)
+    best = prefetch.choose(ws)["codes"]
     assert best in prefetch.AHEADS and all(w.ahead == best for w in ws)
     stored = json.loads((tmp_path / "larqlpy" / "kernel-choices.json").read_text())
     assert [k.rsplit(" | ", 1)[1] for k in stored] == ["codes prefetched ahead, cached weights"]
     monkeypatch.setattr(choice, "_memo", {})  # a new process: read back, not measured again
     fresh = rand_codes(4, affine=True, seed=9)[-1]
     fresh.matmul = lambda *a, **k: pytest.fail("measured again")
-    assert prefetch.choose([fresh]) == best == fresh.ahead
+    assert prefetch.choose([fresh]) == {"codes": best} and fresh.ahead == best
+    bf16 = PackedWeight.quantize(torch.randn(3 * TILE, 96), "bf16")
+    x = torch.randn(1, 96)
+    want = bf16.matmul(x)
+    assert set(prefetch.choose([bf16])) == {"bf16 rows"} and torch.equal(bf16.matmul(x), want)
+    bf16.ahead = 4096
+    assert torch.equal(bf16.matmul(x), want)
 
 
 def test_a_row_gives_the_same_numbers_alone_or_among_many():

@@ -80,13 +80,18 @@ def _slab_int(codes, scale, minimum, outer, zero, bits, t0, t1, out):  # pragma:
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def _gemv_bf16(w, x, out):  # pragma: no cover - jitted
+def _gemv_bf16(w, x, out, ahead):  # pragma: no cover - jitted
+    """ahead: bytes past each input's 64 values to prefetch (0: none; kernels/prefetch.py)."""
     nt, k, tn = w.shape
     for t in prange(nt):
         acc = np.zeros(tn, np.float32)
         bits = np.empty(tn, np.uint32)
         vals = bits.view(np.float32)
         for j in range(k):
+            if ahead > 0:
+                at = (t * k + j) * tn * 2 + ahead
+                simd.prefetch(w, at)
+                simd.prefetch(w, at + 64)
             xj = x[j]
             for r in range(tn):
                 bits[r] = np.uint32(w[t, j, r]) << np.uint32(16)
@@ -159,7 +164,7 @@ class PackedWeight:
         self.lowest, self.highest = int(lowest), int(highest)
         self.bits = {"u8": 8, "u6": 6, "u5": 5, "u4": 4}.get(kind, 16)
         self.path = "float" if kind == "bf16" else cpu.int_path(self.bits, self.lowest, self.highest)
-        self.ahead = 0  # bytes the integer kernels prefetch ahead of the codes (kernels/prefetch.py sets it)
+        self.ahead = 0  # bytes the CPU kernels prefetch ahead of the codes or rows (kernels/prefetch.py sets it)
         # numpy views for the numba kernels, made once: decode calls them for every matrix of every token
         self.arrays = () if codes.device.type != "cpu" else (codes.numpy(),) if kind == "bf16" else \
             (codes.numpy(), _numpy(scale), NO_MINIMUM if minimum is None else _numpy(minimum),
@@ -318,7 +323,7 @@ class PackedWeight:
             out = np.empty((rows, self.codes.shape[0] * TILE), np.float32)
             if self.kind == "bf16":
                 for i in range(rows):
-                    _gemv_bf16(self.arrays[0], xs[i], out[i])
+                    _gemv_bf16(self.arrays[0], xs[i], out[i], self.ahead)
             else:
                 qdot.gemm(*self.arrays, self.zero, self.bits, xs, path, out, self.ahead)
             y = torch.from_numpy(out if out.shape[1] == self.shape[0] else out[:, :self.shape[0]])

@@ -145,13 +145,30 @@ def _add_scaled(a: _Args, sums, affine: bool, registers: int) -> None:
             b.store(new, p, align=4)
 
 
+@intrinsic
+def prefetch(typingctx, arr, at):
+    """A hint to bring the cache line holding byte `at` of `arr`'s data into every cache level (a
+    prefetch never faults, so `at` may run past the end)."""
+    def codegen(context, builder, signature, args):
+        data = builder.bitcast(context.make_array(signature.args[0])(context, builder, args[0]).data, I8.as_pointer())
+        builder.call(_hint(builder), [builder.gep(data, [args[1]]), ir.Constant(I32, 0), ir.Constant(I32, 3),
+                                      ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, types.intp), codegen
+
+
+def _hint(builder):
+    return _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+
+
 def _prefetch(a: "_Args", span: int) -> None:
     """Where `ahead` > 0: prefetch (into every cache level) the `span` bytes of codes `ahead` bytes past
     this group's (kernels/prefetch.py says why and when)."""
     b = a.builder
     ahead = a.ahead
     with b.if_then(b.icmp_signed(">", ahead, ir.Constant(ahead.type, 0))):
-        hint = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+        hint = _hint(b)
         for line in range(0, span, 64):
             at = _ptr(a.context, b, a.ty[2], a.codes, b.add(a.coff, b.add(ahead, ir.Constant(a.idx, line))), I8)
             b.call(hint, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
