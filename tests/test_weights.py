@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from larqlpy.cli.common import error_line
-from larqlpy.engines import parse_engine_spec
+from larqlpy.engines import EngineSpec, new_state, parse_engine_spec
 from larqlpy.errors import LarqlError
 from larqlpy.config import GenerationConfig
 from larqlpy.decode.stream import stream_generate
-from larqlpy.kernels.qweight import GROUP, TILE, PackedWeight
+from larqlpy.kernels import choice, prefetch
+from larqlpy.kernels.qweight import GROUP, TILE, PackedPart, PackedWeight
 from larqlpy.weights.loader import load
 from larqlpy.session import save
 from larqlpy.tools.quality import score_text
@@ -127,6 +128,32 @@ def test_tiny_model_runs_at_every_precision(tiny_dir, fmt):
     s = score_text(ref.model, low.model, ids, chunk=25)
     assert s.tokens == len(ids) - 1
     assert s.mean_kl < {"bf16": 1e-4, "int8": 1e-3, "int4": 0.05}[fmt]
+
+
+@pytest.mark.parametrize("fmt", ["int4", "bf16"])
+def test_the_loader_gives_every_matrix_the_measured_prefetch_distance(tiny_dir, fmt, tmp_path, monkeypatch):
+    """The distance is measured on the model's own matrices at load (kernels/prefetch.py) and kept per
+    machine; the model's outputs are the same whatever it is."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(choice, "_memo", {})
+    ids = torch.tensor([2, 9, 40, 7, 11])
+    plain = load(tiny_dir, device="cpu", weights=fmt)
+    assert {w.ahead for w in packed_matrices(plain.model)} == {0}  # a tiny model: in a cache, not measured
+    monkeypatch.setattr(prefetch, "MEASURED_BYTES", 0)
+    measured = load(tiny_dir, device="cpu", weights=fmt)
+    kind = "bf16 rows" if fmt == "bf16" else "codes"
+    stored = json.loads((tmp_path / "larqlpy" / "kernel-choices.json").read_text())
+    best = [int(v) for k, v in stored.items() if k.endswith(f"| {kind} prefetched ahead, cached weights")]
+    assert len(best) == 1 and {w.ahead for w in packed_matrices(measured.model)} == set(best)
+    for w in packed_matrices(measured.model):
+        w.ahead = 8192
+    state = [new_state(EngineSpec(), m.model.geometries(), torch.device("cpu")) for m in (plain, measured)]
+    assert torch.equal(plain.model(ids, state[0], all_logits=True), measured.model(ids, state[1], all_logits=True))
+
+
+def packed_matrices(model) -> list[PackedWeight]:
+    return [w for mod in model.modules() for w in vars(mod).values() if isinstance(w, PackedWeight)] + \
+        [p.whole for mod in model.modules() for p in vars(mod).values() if isinstance(p, PackedPart)]
 
 
 @pytest.mark.parametrize("fmt", ["int4", "native"])
