@@ -327,8 +327,7 @@ def main() -> None:
     print(f"stream read bandwidth {bw:.1f} GB/s")
     for r in runners:
         if isinstance(r, Larqlpy):
-            aheads = sorted({a.ahead for mod in r.loaded.model.modules() for a in vars(mod).values()
-                             if isinstance(a, PackedWeight)})
+            aheads = sorted({w.ahead for w in r.loaded.held_weights() if isinstance(w, PackedWeight)})
             print(f"{r.name}: codes prefetched {', '.join(map(str, aheads)) or 'no'} bytes ahead "
                   "(kernels/prefetch.py, measured on this machine)")
     print()

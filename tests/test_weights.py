@@ -17,7 +17,7 @@ from larqlpy.errors import LarqlError
 from larqlpy.config import GenerationConfig
 from larqlpy.decode.stream import stream_generate
 from larqlpy.kernels import choice, prefetch
-from larqlpy.kernels.qweight import GROUP, TILE, PackedPart, PackedWeight
+from larqlpy.kernels.qweight import GROUP, TILE, PackedWeight
 from larqlpy.weights.loader import load
 from larqlpy.session import save
 from larqlpy.tools.quality import score_text
@@ -138,22 +138,21 @@ def test_the_loader_gives_every_matrix_the_measured_prefetch_distance(tiny_dir, 
     monkeypatch.setattr(choice, "_memo", {})
     ids = torch.tensor([2, 9, 40, 7, 11])
     plain = load(tiny_dir, device="cpu", weights=fmt)
-    assert {w.ahead for w in packed_matrices(plain.model)} == {0}  # a tiny model: in a cache, not measured
+    assert {w.ahead for w in packed_matrices(plain)} == {0}  # a tiny model: in a cache, not measured
     monkeypatch.setattr(prefetch, "MEASURED_BYTES", 0)
     measured = load(tiny_dir, device="cpu", weights=fmt)
     kind = "bf16 rows" if fmt == "bf16" else "codes"
     stored = json.loads((tmp_path / "larqlpy" / "kernel-choices.json").read_text())
     best = [int(v) for k, v in stored.items() if k.endswith(f"| {kind} prefetched ahead, cached weights")]
-    assert len(best) == 1 and {w.ahead for w in packed_matrices(measured.model)} == set(best)
-    for w in packed_matrices(measured.model):
+    assert len(best) == 1 and {w.ahead for w in packed_matrices(measured)} == set(best)
+    for w in packed_matrices(measured):
         w.ahead = 8192
     state = [new_state(EngineSpec(), m.model.geometries(), torch.device("cpu")) for m in (plain, measured)]
     assert torch.equal(plain.model(ids, state[0], all_logits=True), measured.model(ids, state[1], all_logits=True))
 
 
-def packed_matrices(model) -> list[PackedWeight]:
-    return [w for mod in model.modules() for w in vars(mod).values() if isinstance(w, PackedWeight)] + \
-        [p.whole for mod in model.modules() for p in vars(mod).values() if isinstance(p, PackedPart)]
+def packed_matrices(loaded) -> list[PackedWeight]:
+    return [w for w in loaded.held_weights() if isinstance(w, PackedWeight)]
 
 
 @pytest.mark.parametrize("fmt", ["int4", "native"])

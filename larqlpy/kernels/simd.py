@@ -151,15 +151,16 @@ def prefetch(typingctx, arr, at):
     prefetch never faults, so `at` may run past the end)."""
     def codegen(context, builder, signature, args):
         data = builder.bitcast(context.make_array(signature.args[0])(context, builder, args[0]).data, I8.as_pointer())
-        builder.call(_hint(builder), [builder.gep(data, [args[1]]), ir.Constant(I32, 0), ir.Constant(I32, 3),
-                                      ir.Constant(I32, 1)])
+        _hint(builder, builder.gep(data, [args[1]]))
         return context.get_dummy_value()
 
     return types.void(arr, types.intp), codegen
 
 
-def _hint(builder):
-    return _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+def _hint(builder, at) -> None:
+    """llvm.prefetch of the byte `at` points to: a read, into every cache level, of data."""
+    fn = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+    builder.call(fn, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def _prefetch(a: "_Args", span: int) -> None:
@@ -168,10 +169,8 @@ def _prefetch(a: "_Args", span: int) -> None:
     b = a.builder
     ahead = a.ahead
     with b.if_then(b.icmp_signed(">", ahead, ir.Constant(ahead.type, 0))):
-        hint = _hint(b)
         for line in range(0, span, 64):
-            at = _ptr(a.context, b, a.ty[2], a.codes, b.add(a.coff, b.add(ahead, ir.Constant(a.idx, line))), I8)
-            b.call(hint, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+            _hint(b, _ptr(a.context, b, a.ty[2], a.codes, b.add(a.coff, b.add(ahead, ir.Constant(a.idx, line))), I8))
 
 
 def _make(emit, quads: int, width: int, rows: int, registers: int):
