@@ -25,7 +25,9 @@ from larqlpy.decode.stream import prefill
 from larqlpy.engines import new_state
 from larqlpy.engines.presets import SPREAD, option_texts
 from larqlpy.engines.registry import parse_engine_spec
+from larqlpy.engines.stores import dispatch
 from larqlpy.errors import LarqlError
+from larqlpy.kernels.attention import attend_rows
 from larqlpy.prepare import prepare
 from larqlpy.request import Request
 from larqlpy.runner import execute, execute_many
@@ -96,6 +98,28 @@ def test_a_ring_cannot_go_back_past_its_slack(tiny_pair):
     # 8 rows kept + 2 of slack hold positions 20..29; a query at 27 reads 20..27 (the window keeps one
     # row more than a query reads, so one more step back was always possible)
     assert state.can_trim(27) and not state.can_trim(26)
+
+
+@pytest.mark.parametrize("slack", [4, 0])
+def test_a_verification_is_attended_in_one_kernel_call_a_layer_where_its_rows_allow(tiny_pair, monkeypatch, slack):
+    """window/v1's stores hand a verification's rows to the decode kernel together, one call a layer:
+    growing rows always, a sliding layer's ring when its slack keeps every step's rows in place
+    (without it, one call a step). Either way each row's logits are its plain decode step's."""
+    model = tiny_pair[0].model
+    spec = parse_engine_spec(None, "window/v1")
+    ids = list(range(10, 45))
+    states = [new_state(spec, model.geometries(), model.device) for _ in range(2)]
+    states[1].keep_rollback(slack)
+    for s in states:
+        prefill(model, s, ids[:30], 16)  # the window-8 rings have wrapped
+    steps = [model.forward(torch.tensor([t]), states[0])[-1] for t in ids[30:35]]
+    calls = []
+    monkeypatch.setattr(dispatch, "attend_rows", lambda *a, **kw: calls.append(1) or attend_rows(*a, **kw))
+    verified = model.forward_many([(torch.tensor(ids[30:35]), states[1], "steps")])[0]
+    sliding = sum(model.cfg.window(i) is not None for i in range(model.cfg.num_hidden_layers))
+    assert 0 < sliding < model.cfg.num_hidden_layers
+    assert len(calls) == model.cfg.num_hidden_layers + (0 if slack else 4 * sliding)
+    assert all(torch.equal(a, b) for a, b in zip(steps, verified))
 
 
 @pytest.mark.parametrize("engine, options", ENGINES, ids=[e or "no-cache" for e, _ in ENGINES])

@@ -178,6 +178,13 @@ class LayerStore:
         keys, values = self.read(self.geometry.read_start(self.end - 1), torch.float32)
         return Span(keys, values, 0, keys.shape[1])
 
+    def decode_steps(self, k: torch.Tensor, v: torch.Tensor) -> list | None:
+        """Several successive decode steps of one sequence (k, v (Hkv, n, D), a speculative
+        verification's rows) attended in one kernel call: their rows stored or reserved, and each
+        step's `decode_rows` answer, in order; the caller attends them, then calls `release()`.
+        None (the default): each step goes through `decode_rows` or `attend` on its own."""
+        return None
+
     def family(self) -> object | None:
         """What a decode step of this store shares with others' (branches of one prompt at one
         position, reading its rows): steps of one family are attended in one call (`attend_family`).
@@ -223,6 +230,9 @@ class QueryTap:
 
     def decode_rows(self, k, v):
         return None  # every query goes through attend, where the tap sees it
+
+    def decode_steps(self, k, v):
+        return None
 
     def family(self):
         return None  # attended alone, through attend

@@ -77,8 +77,9 @@ def _attend_family(members: list, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 def _stepwise(q, k, v, stores, sizes, p, stepped) -> torch.Tensor:
-    """attend_block with the `stepped` sequences' rows taken one decode step at a time, after the
-    others' block (each sequence's output in its own place)."""
+    """attend_block with the `stepped` sequences' rows taken as successive decode steps, after the
+    others' block (each sequence's output in its own place): those whose store says where every
+    step reads (`decode_steps`) in one kernel call together, the others one step at a time."""
     bounds = [0]
     for n in sizes:
         bounds.append(bounds[-1] + n)
@@ -91,8 +92,23 @@ def _stepwise(q, k, v, stores, sizes, p, stepped) -> torch.Tensor:
         at = 0
         for i in plain:
             outs[i], at = got[:, at:at + sizes[i]], at + sizes[i]
+    together, spans = [], []  # sequences attended in the one call, and every step's span
     for i in (i for i, s in enumerate(stepped) if s):
-        outs[i] = torch.cat([attend_block(q[:, r:r + 1].contiguous(), k[:, r:r + 1].contiguous(),
-                                          v[:, r:r + 1].contiguous(), [stores[i]], [1], p)
-                             for r in range(bounds[i], bounds[i + 1])], dim=1)
+        got = stores[i].decode_steps(k[:, bounds[i]:bounds[i + 1]], v[:, bounds[i]:bounds[i + 1]]) \
+            if takes(q) else None
+        if got is None:
+            outs[i] = torch.cat([attend_block(q[:, r:r + 1].contiguous(), k[:, r:r + 1].contiguous(),
+                                              v[:, r:r + 1].contiguous(), [stores[i]], [1], p)
+                                 for r in range(bounds[i], bounds[i + 1])], dim=1)
+        else:
+            together.append(i)
+            spans += got
+    if together:
+        cols = [r for i in together for r in range(bounds[i], bounds[i + 1])]
+        qs = q if len(cols) == q.shape[1] else q[:, cols]
+        got = attend_rows(qs.transpose(0, 1), spans, p.scale, p.softcap or 0.0, (k, v), cols).transpose(0, 1)
+        at = 0
+        for i in together:
+            stores[i].release()
+            outs[i], at = got[:, at:at + sizes[i]], at + sizes[i]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -31,11 +31,26 @@ class ExactStore(RowStore):
         # the buffers as they are: the kernel writes the step's row into the slot claimed here (a ring
         # of keep >= window rows never holds a readable row in that slot); a branch reads its
         # prompt's shared rows first
-        r, start = self.rows, self.geometry.read_start(self.end)
-        r.claim_row()
-        self.end = r.end
+        self.rows.claim_row()
+        self.end = self.rows.end
+        return self._step_span(self.end)
+
+    def decode_steps(self, k, v):
+        # every row claimed before any span is made: a claim may grow (move) the buffers; a ring
+        # needs slack for the block's later rows not to take slots its earlier ones read
+        r, n = self.rows, k.shape[1]
+        if r.keep is not None and r.slack < n - 1:
+            return None
+        for _ in range(n):
+            r.claim_row()
+        first, self.end = self.end, r.end
+        return [self._step_span(end) for end in range(first + 1, self.end + 1)]
+
+    def _step_span(self, end: int):
+        """Where the decode query at position end - 1 reads, its own row the kernel's to write."""
+        r, start = self.rows, self.geometry.read_start(end - 1)
         buf, lo = r.buf, max(start, r.offset)
-        own = Span(buf["k"], buf["v"], r.slot(lo), self.end - lo, r.ring or 0, True)
+        own = Span(buf["k"], buf["v"], r.slot(lo), end - lo, r.ring or 0, True)
         if start >= r.offset:
             return own
         return Span(r.prefix["k"], r.prefix["v"], start, r.offset - start), own
