@@ -107,7 +107,7 @@ def test_narrow_codes_give_the_bits_of_their_8_bit_form(bits, base, zero, group,
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("rows", [1, 3, 9, 40])
+@pytest.mark.parametrize("rows", [1, 3, 5, 9, 40])
 def test_every_path_against_float64(case, rows):
     u, scale, minimum, zero, p = rand_codes(**CASES[case])
     w = weights64(u, scale, minimum, zero)
@@ -163,14 +163,16 @@ def test_the_prefetch_distance_is_measured_once_per_machine_and_size(tmp_path, m
     assert torch.equal(bf16.matmul(x), want)
 
 
-def test_a_row_gives_the_same_numbers_alone_or_among_many():
-    """Prefill in chunks and decode token by token meet the same numbers on the integer paths."""
-    u, scale, minimum, zero, p = rand_codes(8)
+@pytest.mark.parametrize("case", ["Q4_K (float32)", "Q6_K at 6 bits, groups of 16", "int8, Q8_0 (float16 scales)"])
+def test_a_row_gives_the_same_numbers_alone_or_among_many(case):
+    """Prefill in chunks and decode token by token meet the same numbers on the integer paths, with
+    the rows taken in a call of any count the intrinsics take at once (simd.WIDEST) and past it."""
+    u, scale, minimum, zero, p = rand_codes(**CASES[case])
     x = torch.randn(23, u.shape[1])
     for path in [q for q in paths_for(p) if q != "float"]:
-        many = p.matmul(x, path=path)
-        for i in (0, 5, 22):
-            assert torch.equal(p.matmul(x[i:i + 1], path=path)[0], many[i])
+        alone = torch.cat([p.matmul(x[i:i + 1], path=path) for i in range(23)])
+        for m in [*range(2, 11), 23]:
+            assert torch.equal(p.matmul(x[:m], path=path), alone[:m]), (path, m)
 
 
 def test_activation_rounding_is_within_half_a_step():

@@ -23,7 +23,7 @@ from numba.extending import overload
 
 from larqlpy.kernels import jitcache, simd
 from larqlpy.kernels.jitcache import FASTMATH
-from larqlpy.kernels.simd import BLOCK, DOTS, PAIR, ROWS as TILE
+from larqlpy.kernels.simd import DOTS, WIDEST as ROWS_PER_CALL, ROWS as TILE
 
 def as_float(v):  # pragma: no cover - replaced by the overload inside jitted code
     raise NotImplementedError
@@ -107,8 +107,8 @@ def quantize_activations(x: np.ndarray, group: int, xq: np.ndarray, xs: np.ndarr
 
 
 # What `_int_template` reads as globals; each kernel is the template under its own values (`_int_kernel`).
-STEP = X_PER = FULL = SPAN = 0
-ONE = ONE_HALF = MANY = MANY_HALF = None
+WIDEST = X_PER = FULL = SPAN = 0
+DOT = DOT_HALF = None
 
 
 def _int_template(codes, scale, minimum, outer, zc, x, out, ahead):  # pragma: no cover - jitted
@@ -116,7 +116,7 @@ def _int_template(codes, scale, minimum, outer, zc, x, out, ahead):  # pragma: n
     x: (M, k) float32, rounded to int8 per group here first (`quantize_activations`' rounding: one
     call where a product of one row is mostly calls); outer: a K-quant's blocks' d and -dmin
     (`group_value`), or NO_OUTER. The group loop is outside the row loop, so a group's codes are
-    read from memory once per tile. Its constants and intrinsics (STEP ... MANY_HALF) are globals each
+    read from memory once per tile. Its constants and intrinsics (WIDEST ... DOT_HALF) are globals each
     kernel binds its own way. ahead: how far past each group's codes its first row block prefetches
     (0: none; kernels/prefetch.py)."""
     nt, kw, ng, m_rows, nb = codes.shape[0], codes.shape[1], scale.shape[1], x.shape[0], outer.shape[1]
@@ -137,20 +137,14 @@ def _int_template(codes, scale, minimum, outer, zc, x, out, ahead):  # pragma: n
             base, so, m = (t * kw + g * nw) * TILE * SPAN, (t * ng + g) * TILE, 0
             oo = (t * nb + g // per_block) * 2 * TILE
             while m < m_rows:
-                a = (acc, m * TILE, cf, base, xf, X_PER * (m * kw + g * nw), X_PER * kw, sf, so, mf, of, oo, xsf,
+                n = min(m_rows - m, WIDEST)
+                a = (n, acc, m * TILE, cf, base, xf, X_PER * (m * kw + g * nw), X_PER * kw, sf, so, mf, of, oo, xsf,
                      qf, m * ng + g, ng, zc, affine, ahead if m == 0 else 0)
-                if m + STEP <= m_rows:
-                    if nw == FULL:
-                        MANY(*a)
-                    else:
-                        MANY_HALF(*a)
-                    m += STEP
+                if nw == FULL:
+                    DOT(*a)
                 else:
-                    if nw == FULL:
-                        ONE(*a)
-                    else:
-                        ONE_HALF(*a)
-                    m += 1
+                    DOT_HALF(*a)
+                m += n
         out[:, t * TILE:(t + 1) * TILE] = acc.reshape(m_rows, TILE)
 
 
@@ -160,15 +154,14 @@ def _int_kernel(isa: str, bits: int):
     is its own function. Not a closure: numba keys a cached closure on a pickle of what it closes
     over, and a pickled intrinsic differs in every process, so such a kernel would compile afresh in
     each one. A function of its own name and globals is cached under that name like any other.
-    VNNI takes BLOCK activation rows per intrinsic call, AVX2 PAIR; a 4-, 5- or 6-bit group is half
-    as many code words (of 4 + bits - 4 bytes a row) for as many activations; groups of 16 inputs
-    have their own intrinsics."""
-    def dot(quads, rows):
-        return DOTS.get((isa, bits, quads, rows), DOTS[(isa, bits, 8, rows)])
+    VNNI takes up to 8 activation rows per intrinsic call, AVX2 2 (simd.WIDEST); a 4-, 5- or 6-bit
+    group is half as many code words (of 4 + bits - 4 bytes a row) for as many activations; groups
+    of 16 inputs have their own intrinsics."""
+    def dot(quads):
+        return DOTS.get((isa, bits, quads), DOTS[(isa, bits, 8)])
 
-    step = BLOCK if isa == "vnni512" else PAIR
-    bound = dict(STEP=step, X_PER=1 if bits == 8 else 2, FULL=8 if bits == 8 else 4, SPAN=4 + simd.PLANES[bits],
-                 ONE=dot(8, 1), ONE_HALF=dot(4, 1), MANY=dot(8, step), MANY_HALF=dot(4, step))
+    bound = dict(WIDEST=ROWS_PER_CALL[isa], X_PER=1 if bits == 8 else 2, FULL=8 if bits == 8 else 4,
+                 SPAN=4 + simd.PLANES[bits], DOT=dot(8), DOT_HALF=dot(4))
     name = f"_int{bits}_{isa.replace('-', '_')}"
     fn = FunctionType(_int_template.__code__, {**globals(), **bound}, name)
     fn.__qualname__ = name

@@ -72,8 +72,8 @@ class _Args:
     """An intrinsic's arguments inside its codegen, and loads from its flat arrays (see the module's
     docstring for their order)."""
 
-    def __init__(self, context, builder, signature, args):
-        self.context, self.builder, self.ty = context, builder, signature.args
+    def __init__(self, context, builder, arg_types, args):
+        self.context, self.builder, self.ty = context, builder, arg_types
         (self.acc, self.aoff, self.codes, self.coff, self.x, self.xoff, self.xstride, self.scale, self.soff,
          self.minimum, self.outer, self.ooff, self.xs, self.sxq, self.qoff, self.qstride, self.zc, self.affine,
          self.ahead) = args
@@ -110,8 +110,9 @@ class _Args:
         return self.at(k, arr, self.soff, n, fv)[1]
 
 
-def _add_scaled(a: _Args, sums, affine: bool, registers: int) -> None:
-    """Add each row's int32 sums (sums[row][vector]), scaled, to its float32 outputs.
+def _add_scaled(a: _Args, sums, affine: bool, registers: int, vectors) -> None:
+    """Add each row's int32 sums (sums[row][i], of output vector vectors[i]), scaled, to its float32
+    outputs.
 
     The scales and minimums are the same for every row: with registers to spare (AVX-512's 32)
     they are loaded once, and so is every output before the first store -- LLVM cannot move loads
@@ -120,28 +121,28 @@ def _add_scaled(a: _Args, sums, affine: bool, registers: int) -> None:
     b = a.builder
     width = sums[0][0].type.count
     fv = ir.VectorType(ir.FloatType(), width)
-    nv, n_rows = len(sums[0]), len(sums)
+    n_rows = len(sums)
     early = registers >= 32
-    scales = [a.floats(7, a.scale, v * width, fv) for v in range(nv)] if early else None
-    mins = [a.floats(9, a.minimum, v * width, fv) for v in range(nv)] if early and affine else None
+    scales = [a.floats(7, a.scale, v * width, fv) for v in vectors] if early else None
+    mins = [a.floats(9, a.minimum, v * width, fv) for v in vectors] if early and affine else None
     rows = []
     for m in range(n_rows):
         q = b.add(a.qoff, b.mul(a.qstride, ir.Constant(a.idx, m)))
         rows.append((a.at(12, a.xs, q, 0, ir.FloatType())[1], a.at(13, a.sxq, q, 0, I32)[1]))
-    olds = [[a.at(0, a.acc, a.aoff, m * ROWS + v * width, fv) for v in range(nv)] for m in range(n_rows)] \
+    olds = [[a.at(0, a.acc, a.aoff, m * ROWS + v * width, fv) for v in vectors] for m in range(n_rows)] \
         if early else None
     fma = _fn(b, f"llvm.fma.v{width}f32", fv, [fv, fv, fv])
-    for m, vectors in enumerate(sums):
+    for m in range(n_rows):
         c, s = rows[m]
-        zs = _splat(b, b.mul(a.zc, s), vectors[0].type)
+        zs = _splat(b, b.mul(a.zc, s), sums[m][0].type)
         cv = _splat(b, c, fv)
         xsum = _splat(b, b.fmul(c, b.sitofp(s, ir.FloatType())), fv)
-        for v, d in enumerate(vectors):
+        for i, (v, d) in enumerate(zip(vectors, sums[m])):
             f = b.fmul(cv, b.sitofp(b.sub(d, zs), fv))
-            p, old = olds[m][v] if early else a.at(0, a.acc, a.aoff, m * ROWS + v * width, fv)
-            new = b.call(fma, [scales[v] if early else a.floats(7, a.scale, v * width, fv), f, old])
+            p, old = olds[m][i] if early else a.at(0, a.acc, a.aoff, m * ROWS + v * width, fv)
+            new = b.call(fma, [scales[i] if early else a.floats(7, a.scale, v * width, fv), f, old])
             if affine:
-                new = b.call(fma, [mins[v] if early else a.floats(9, a.minimum, v * width, fv), xsum, new])
+                new = b.call(fma, [mins[i] if early else a.floats(9, a.minimum, v * width, fv), xsum, new])
             b.store(new, p, align=4)
 
 
@@ -173,36 +174,56 @@ def _prefetch(a: "_Args", span: int) -> None:
             _hint(b, _ptr(a.context, b, a.ty[2], a.codes, b.add(a.coff, b.add(ahead, ir.Constant(a.idx, line))), I8))
 
 
-def _make(emit, quads: int, width: int, rows: int, registers: int):
-    """An intrinsic that sums one group for `rows` activation rows (`emit`) and adds the scaled sums to
-    the float32 outputs, in registers:
+def _make(emit, quads: int, width: int, widest: int, registers: int):
+    """An intrinsic that sums one group for its first argument's count of activation rows, 1 to
+    `widest` (`emit`; a switch over the counts, each its own code), and adds the scaled sums to the
+    float32 outputs, in registers:
         f = xs[m] * float(dot[m, r] - zc * sxq[m])
         acc[m, r] = fma(scale[r], f, acc[m, r])        (then fma(minimum[r], xs[m] * float(sxq[m]), acc[m, r]))
     with llvm.fma (one rounding each), in this order on every path, so the paths agree bit for bit.
-    `registers`: how many vector registers the instruction set has (what may be loaded early)."""
+    Up to BLOCK rows sum the whole tile at once; more rows sum it two output vectors at a time, each
+    code vector still unpacked once for every row, so their sums and the activations stay in
+    registers. `registers`: how many vector registers the instruction set has (what may be loaded
+    early)."""
 
     @intrinsic
-    def dot(typingctx, acc, aoff, codes, coff, x, xoff, xstride, scale, soff, minimum, outer, ooff, xs, sxq, qoff,
-            qstride, zc, affine, ahead):
-        sig = types.void(acc, types.intp, codes, types.intp, x, types.intp, types.intp, scale, types.intp,
+    def dot(typingctx, rows, acc, aoff, codes, coff, x, xoff, xstride, scale, soff, minimum, outer, ooff, xs, sxq,
+            qoff, qstride, zc, affine, ahead):
+        sig = types.void(types.intp, acc, types.intp, codes, types.intp, x, types.intp, types.intp, scale, types.intp,
                          minimum, outer, types.intp, xs, sxq, types.intp, types.intp, types.int32, types.boolean,
                          types.intp)
 
         def codegen(context, builder, signature, args):
-            a = _Args(context, builder, signature, args)
+            a = _Args(context, builder, signature.args[1:], args[1:])
             _prefetch(a, quads // (1 if width == 8 else 2) * ROWS * (4 + PLANES[width]))
-            sums = emit(builder, a.codes_at, a.x_of, quads, width, rows)  # sums[row][vector], int32 lanes
             flag = builder.icmp_unsigned("!=", a.affine, ir.Constant(a.affine.type, 0))
-            with builder.if_else(flag) as (with_minimum, without):
-                with with_minimum:
-                    _add_scaled(a, sums, True, registers)
-                with without:
-                    _add_scaled(a, sums, False, registers)
+            done = builder.append_basic_block("rows_done")
+            cases = builder.switch(args[0], done)
+            for n in range(1, widest + 1):
+                block = builder.append_basic_block(f"rows_{n}")
+                cases.add_case(ir.Constant(args[0].type, n), block)
+                builder.position_at_end(block)
+                _sum_rows(a, emit, quads, width, n, registers, flag)
+                builder.branch(done)
+            builder.position_at_end(done)
             return context.get_dummy_value()
 
         return sig, codegen
 
     return dot
+
+
+def _sum_rows(a: _Args, emit, quads: int, width: int, rows: int, registers: int, affine) -> None:
+    """One group's sums for `rows` activation rows, added scaled to their outputs (`_make`)."""
+    b, lanes = a.builder, 64 // emit.vectors
+    per = emit.vectors if rows <= BLOCK else 2
+    for vectors in [range(v, v + per) for v in range(0, emit.vectors, per)]:
+        sums = emit(b, a.codes_at, a.x_of, quads, width, rows, vectors, lanes)  # sums[row][i], of vectors[i]
+        with b.if_else(affine) as (with_minimum, without):
+            with with_minimum:
+                _add_scaled(a, sums, True, registers, vectors)
+            with without:
+                _add_scaled(a, sums, False, registers, vectors)
 
 
 def _parts(builder, codes_at, width: int, octet: int, v: int, lanes: int):
@@ -233,21 +254,24 @@ def _parts(builder, codes_at, width: int, octet: int, v: int, lanes: int):
     return parts
 
 
-def _vnni512(builder, codes_at, x_of, quads, width, rows):
+def _vnni512(builder, codes_at, x_of, quads, width, rows, vectors, lanes):
     """AVX-512 VNNI: 16 rows per zmm, one vpdpbusd per 16 rows x 4 inputs; each code vector loaded
-    once for all the activation rows."""
-    v16 = ir.VectorType(I32, 16)
+    once for all the activation rows (of `vectors`, the tile's zmm of outputs this pass sums)."""
+    v16 = ir.VectorType(I32, lanes)
     dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
-    acc = [[ir.Constant(v16, None)] * 4 for _ in range(rows)]
+    acc = [[ir.Constant(v16, None)] * len(vectors) for _ in range(rows)]
     step = 1 if width == 8 else 2
     for q in range(0, quads, step):
         xs = [[_splat(builder, x_of(m, q + h), v16) for h in range(step)] for m in range(rows)]
-        for v in range(4):
-            parts = _parts(builder, codes_at, width, q // step, v, 16)
+        for i, v in enumerate(vectors):
+            parts = _parts(builder, codes_at, width, q // step, v, lanes)
             for m in range(rows):
                 for part, xb in zip(parts, xs[m]):
-                    acc[m][v] = builder.call(dp, [acc[m][v], part, xb])
+                    acc[m][i] = builder.call(dp, [acc[m][i], part, xb])
     return acc
+
+
+_vnni512.vectors = 4
 
 
 def _avx2(signed: bool):
@@ -257,22 +281,22 @@ def _avx2(signed: bool):
     with `signed` the codes u in 1..255 are taken as u - 128 and the sign of the activation moved onto
     them (llama.cpp's trick), so the unsigned side is |x| <= 127. The caller adds 128 * sum(xq) back."""
 
-    def emit(builder, codes_at, x_of, quads, width, rows):
-        v8, b32, w16 = ir.VectorType(I32, 8), ir.VectorType(I8, 32), ir.VectorType(I16, 16)
+    def emit(builder, codes_at, x_of, quads, width, rows, vectors, lanes):
+        v8, b32, w16 = ir.VectorType(I32, lanes), ir.VectorType(I8, 32), ir.VectorType(I16, 16)
         maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [b32, b32])
         maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [w16, w16])
         sign = _fn(builder, "llvm.x86.avx2.psign.b", b32, [b32, b32])
         absb = _fn(builder, "llvm.abs.v32i8", b32, [b32, ir.IntType(1)])
         ones = ir.Constant(w16, [1] * 16)
         flip = ir.Constant(b32, [0x80] * 32)
-        acc = [[ir.Constant(v8, None)] * 8 for _ in range(rows)]
+        acc = [[ir.Constant(v8, None)] * len(vectors) for _ in range(rows)]
         step = 1 if width == 8 else 2
         for q in range(0, quads, step):
             xs = [[builder.bitcast(_splat(builder, x_of(m, q + h), v8), b32) for h in range(step)] for m in range(rows)]
             ax = [[builder.call(absb, [xb, ir.Constant(ir.IntType(1), 0)]) for xb in row] for row in xs] \
                 if signed else None
-            for v in range(8):
-                parts = _parts(builder, codes_at, width, q // step, v, 8)
+            for i, v in enumerate(vectors):
+                parts = _parts(builder, codes_at, width, q // step, v, lanes)
                 for m in range(rows):
                     for h, (part, xb) in enumerate(zip(parts, xs[m])):
                         part = builder.bitcast(part, b32)
@@ -280,22 +304,24 @@ def _avx2(signed: bool):
                             pairs = builder.call(maddubs, [ax[m][h], builder.call(sign, [builder.xor(part, flip), xb])])
                         else:
                             pairs = builder.call(maddubs, [part, xb])
-                        acc[m][v] = builder.add(acc[m][v], builder.call(maddwd, [pairs, ones]))
+                        acc[m][i] = builder.add(acc[m][i], builder.call(maddwd, [pairs, ones]))
         return acc
 
+    emit.vectors = 8
     return emit
 
 
-# (isa, bits, quads, rows) -> intrinsic; quads 8 = groups of 32 inputs, 4 = groups of 16 (Q6_K).
-# VNNI takes BLOCK activation rows per call (32 zmm hold their sums); AVX2 PAIR rows (its 16 ymm
-# hold one row's sums, so two spill, but each code byte is unpacked once for both: a 5-row block of
+# (isa, bits, quads) -> intrinsic over 1 .. WIDEST[isa] rows; quads 8 = groups of 32 inputs, 4 = groups
+# of 16 (Q6_K). VNNI sums up to BLOCK rows over a whole tile (32 zmm hold their sums) and more two
+# output vectors at a time, each code vector unpacked once for them all; AVX2 takes PAIR rows (its 16
+# ymm hold one row's sums, so two spill, but each code byte is unpacked once for both: a 5-row block of
 # the 1.5B Q4_K_M took 122 ms against 145 ms a row at a time on Zen 3, one row the same).
 BLOCK = 4
 PAIR = 2
+WIDEST = {"vnni512": 8, "avx2": PAIR, "avx2-signed": PAIR}
 WIDTHS = (8, 4, 5, 6)
-DOTS = {(isa, bits, quads, rows): _make(emit, quads, bits, rows, registers)
-        for isa, emit, blocks, registers in (("vnni512", _vnni512, (1, BLOCK), 32),
-                                             ("avx2", _avx2(False), (1, PAIR), 16),
-                                             ("avx2-signed", _avx2(True), (1, PAIR), 16))
-        for bits in WIDTHS for quads in (8, 4) for rows in blocks
+DOTS = {(isa, bits, quads): _make(emit, quads, bits, WIDEST[isa], registers)
+        for isa, emit, registers in (("vnni512", _vnni512, 32), ("avx2", _avx2(False), 16),
+                                     ("avx2-signed", _avx2(True), 16))
+        for bits in WIDTHS for quads in (8, 4)
         if not (isa == "avx2-signed" and bits != 8)}
