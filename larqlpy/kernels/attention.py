@@ -32,6 +32,7 @@ from larqlpy.kernels.rowdots import BF16, F16, F32, LANES, dot16, sum16, widen16
 from larqlpy.kernels.scalars import exp, f32_at, from_bf16, from_half, to_bf16, to_half, u16_at
 
 CHUNK = 128  # rows per work item: enough to pay for its set-up, few enough to spread a long sequence
+SERIAL_ROWS = 2 * CHUNK  # a call reading no more rows in all runs on one thread: waking the pool costs more
 KINDS = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 BLOCK = np.arange(LANES, dtype=np.int64)  # a widened block's rows, in order
 
@@ -302,6 +303,20 @@ def _attend_rows(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
+def _attend_serial(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover - jitted
+    """`_attend_rows` on the calling thread: the same work items and merge, so the same bits, for a
+    call too small to pay for waking the thread pool."""
+    _write_new(knew, vnew, where)
+    first, owner, by_query = _plan(where, q.shape[0])
+    nc, h, d = first[-1], q.shape[1], q.shape[2]
+    m, total, acc = np.empty((nc, h), np.float32), np.empty((nc, h), np.float32), np.zeros((nc, h, d), np.float32)
+    for w in range(nc * where[0, 4]):
+        _item(q, where, first, owner, w, scale, softcap, m, total, acc)
+    for s in range(q.shape[0]):
+        _merge(m, total, acc, by_query[s], by_query[s + 1], out[s])
+
+
+@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _attend_chunk(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover - jitted
     """A single chunk in all (one sequence, <= CHUNK rows): the same arithmetic, bit for bit, without
     waking the thread pool (which costs more than such a chunk takes)."""
@@ -359,7 +374,9 @@ def attend_rows(q: torch.Tensor, spans: list[Span | tuple[Span, ...]], scale: fl
     where = np.array(rows, np.int64)
     knew, vnew = (t.numpy() for t in new) if new is not None else (_NONE, _NONE)
     out = np.empty((n_seq, q.shape[1], d), np.float32)
-    kernel = _attend_chunk if len(rows) == 1 and where[0, 2] <= CHUNK else _attend_rows
+    total = int(where[:, 2].sum())
+    kernel = _attend_chunk if len(rows) == 1 and total <= CHUNK else _attend_serial if total <= SERIAL_ROWS \
+        else _attend_rows
     kernel(q.contiguous().numpy(), knew, vnew, where, np.float32(scale), np.float32(softcap), out)
     return torch.from_numpy(out)
 

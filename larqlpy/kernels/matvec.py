@@ -137,11 +137,11 @@ def _gated(x, gelu, out):  # pragma: no cover - jitted
 NO_WEIGHT = np.zeros(0, np.float32)
 
 
-def _cpu_f32(*ts) -> bool:
-    for t in ts:  # a loop, not all() over a generator: decode asks this ~150 times a token
-        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
-            return False
-    return True
+def _cpu_f32(x: torch.Tensor) -> bool:
+    """Whether activations x take the jitted loops: float32 on the CPU. Only the activations are
+    asked: the loader gives a model's norms, biases and RoPE tables the activations' dtype and device,
+    and decode asks this ~100 times a token."""
+    return x.dtype is torch.float32 and x.is_cpu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 1.0) -> torch.Tensor:
@@ -151,7 +151,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     the other families store the gain itself (offset 0). On the CPU in float32 one jitted loop
     replaces torch's five ops: decode runs ~110 norms per token on a few hundred values each, where
     per-op overhead, not arithmetic, is the cost."""
-    if _cpu_f32(x, weight):
+    if _cpu_f32(x):
         rows = (x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()).numpy()
         out = np.empty_like(rows)
         _rms_norm_rows(rows, weight.numpy(), eps, offset, out)
@@ -165,7 +165,7 @@ def residual_norm(x: torch.Tensor, a: torch.Tensor, wa: torch.Tensor | None, wh:
                   offset: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(x + norm(a, wa), norm(that, wh)): a residual step and the next pre-norm (wa None: x + a;
     wh None: no second norm). One jitted call on the CPU in float32, the same numbers as the ops."""
-    if _cpu_f32(x, a, wa, wh) and x.dim() == 2:
+    if _cpu_f32(x) and x.dim() == 2:
         xs, as_ = x.contiguous().numpy(), a.contiguous().numpy()
         x_out = np.empty_like(xs)
         h_out = np.empty_like(xs) if wh is not None else np.empty((0, 0), np.float32)
@@ -181,7 +181,7 @@ def norm_rope(x: torch.Tensor, heads: int, w: torch.Tensor | None, eps: float, o
     """x (T, heads * D) -> (heads, T, D), each head normed by w (q/k norms; None: not normed) and
     rotated by RoPE (rotate-half layout, HF's). One jitted call on the CPU in float32."""
     t, d = x.shape[0], cos.shape[-1]
-    if _cpu_f32(x, w, cos):
+    if _cpu_f32(x):
         out = np.empty((heads, t, d), np.float32)
         _norm_rope(x.numpy(), heads, NO_WEIGHT if w is None else w.numpy(), eps, offset, cos.numpy(), sin.numpy(), out)
         return torch.from_numpy(out)
@@ -199,7 +199,7 @@ def qkv_rope(qkv: torch.Tensor, bias: torch.Tensor | None, heads: int, kv: int, 
     bias added, q and k normed per head (qw, kw; None: not normed) and rotated. One jitted call on
     the CPU in float32, where the ops apart cost a layer a dozen torch and numba calls."""
     t, d = qkv.shape[0], cos.shape[-1]
-    if _cpu_f32(qkv, bias, qw, kw, cos) and qkv.is_contiguous():
+    if _cpu_f32(qkv) and qkv.is_contiguous():
         q, k, v = np.empty((heads, t, d), np.float32), np.empty((kv, t, d), np.float32), \
             np.empty((kv, t, d), np.float32)
         _qkv_rope(qkv.numpy(), NO_WEIGHT if bias is None else bias.numpy(), NO_WEIGHT if qw is None else qw.numpy(),

@@ -11,6 +11,7 @@ Shapes: T = rows in the block (all sequences), E = hidden size, H / Hkv = query 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Sequence
 
 import torch
@@ -75,39 +76,41 @@ class Block(nn.Module):
             setattr(self, ours, _weight(*shape(cfg)))
         self.attn = AttentionParams(scale=cfg.attention_scale, softcap=cfg.attn_softcap)
 
-    def norm(self, x: torch.Tensor, weight) -> torch.Tensor:
-        return rms_norm(x, weight, self.eps, self.offset)
+    def hot(self) -> SimpleNamespace:
+        """The tensors a forward reads, as plain attributes: gathered at the block's first forward
+        (the loader has installed them by then), since nn.Module's lookup of a parameter costs a
+        decode step several microseconds a layer."""
+        w = self.__dict__.get("_hot")
+        if w is None:
+            c = self.cfg
+            names = [n for n in block_weights(c)]
+            w = SimpleNamespace(**{n: getattr(self, n) for n in names})
+            w.qkv_bias = torch.cat((w.q_proj_bias, w.k_proj_bias, w.v_proj_bias)) if c.qkv_bias else None
+            w.q_norm, w.k_norm = (w.q_norm, w.k_norm) if c.qk_norm else (None, None)
+            w.o_bias = w.o_proj_bias if c.o_bias else None
+            # Gemma: normed after attention, then before and after the MLP; Llama: post_attention_layernorm
+            # is the MLP's pre-norm
+            w.after_attention = w.post_attention_layernorm if c.sandwich_norms else None
+            w.mlp_norm = w.pre_feedforward_layernorm if c.sandwich_norms else w.post_attention_layernorm
+            w.after_mlp = w.post_feedforward_layernorm if c.sandwich_norms else None
+            self.__dict__["_hot"] = w
+        return w
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None, next_norm, cos: torch.Tensor, sin: torch.Tensor,
                 stores: list, sizes: list[int], stepped: Sequence[bool] = ()) -> tuple[torch.Tensor, object]:
         """x and its pre-norm h (None: normed here) -> the next layer's x and, with `next_norm` (its
         input norm's weight), its h: the residual step and the next norm are one kernel call."""
-        c, t = self.cfg, x.shape[0]
-        h = self.norm(x, self.input_layernorm) if h is None else h  # (T, E)
-        q, k, v = self.qkv(h, cos, sin)
+        w, t = self.hot(), x.shape[0]
+        h = rms_norm(x, w.input_layernorm, self.eps, self.offset) if h is None else h  # (T, E)
+        q, k, v = qkv_rope(stacked(h, w.q_proj, w.k_proj, w.v_proj), w.qkv_bias, self.n_heads, self.n_kv, w.q_norm,
+                           w.k_norm, self.eps, self.offset, cos, sin)  # biased, normed per head, rotated
         a = attend_block(q, k, v, stores, sizes, self.attn, stepped)  # (H, T, D): the one call into the engines
-        a = linear(a.transpose(0, 1).reshape(t, -1), self.o_proj)
-        if c.o_bias:
-            a = a + self.o_proj_bias
-        # Gemma: normed after attention, then before and after the MLP; Llama: post_attention_layernorm
-        # is the MLP's pre-norm
-        post = self.post_attention_layernorm if c.sandwich_norms else None
-        x, h = residual_norm(x, a, post, self.pre_feedforward_layernorm if c.sandwich_norms else
-                             self.post_attention_layernorm, self.eps, self.offset)
-        m = linear(gated(stacked(h, self.gate_proj, self.up_proj), c.activation), self.down_proj)
-        return residual_norm(x, m, self.post_feedforward_layernorm if c.sandwich_norms else None, next_norm,
-                             self.eps, self.offset)
-
-    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """(H, T, D) queries and (Hkv, T, D) keys and values of the normed rows h: biased (Qwen 2),
-        normed per head (Gemma 3, Qwen 3) and rotated."""
-        c = self.cfg
-        qkv = stacked(h, self.q_proj, self.k_proj, self.v_proj)
-        if c.qkv_bias and getattr(self, "_qkv_bias", None) is None:  # the loader sets the three after __init__
-            self._qkv_bias = torch.cat((self.q_proj_bias, self.k_proj_bias, self.v_proj_bias))
-        return qkv_rope(qkv, self._qkv_bias if c.qkv_bias else None, self.n_heads, self.n_kv,
-                        self.q_norm if c.qk_norm else None, self.k_norm if c.qk_norm else None, self.eps,
-                        self.offset, cos, sin)
+        a = linear(a.transpose(0, 1).reshape(t, -1), w.o_proj)
+        if w.o_bias is not None:
+            a = a + w.o_bias
+        x, h = residual_norm(x, a, w.after_attention, w.mlp_norm, self.eps, self.offset)
+        m = linear(gated(stacked(h, w.gate_proj, w.up_proj), self.cfg.activation), w.down_proj)
+        return residual_norm(x, m, w.after_mlp, next_norm, self.eps, self.offset)
 
 
 class Decoder(nn.Module):
@@ -126,6 +129,17 @@ class Decoder(nn.Module):
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size) if cfg.embed_scale else 1.0, dtype=dtype)
         tables = {r: Rope(r, cfg.head_dim, self.device) for r in {cfg.rope_global, cfg.rope_local}}
         self.ropes = {"global": tables[cfg.rope_global], "sliding": tables[cfg.rope_local]}
+
+    def stack(self) -> list[tuple[Block, torch.Tensor | None]]:
+        """The blocks in order, each with the next one's input norm (None after the last): kept from
+        the first forward on, as the blocks keep their tensors (Block.hot)."""
+        pairs = self.__dict__.get("_stack")
+        if pairs is None:
+            blocks = list(self.layers)
+            pairs = [(b, nxt.hot().input_layernorm if nxt is not None else None)
+                     for b, nxt in zip(blocks, [*blocks[1:], None])]
+            self.__dict__["_stack"] = pairs
+        return pairs
 
     @property
     def head(self):
@@ -164,11 +178,10 @@ class Decoder(nn.Module):
         for kind, rope in self.ropes.items():  # one RoPE: the same tables under both kinds
             parts = [rope.tables(s.position, n, self.dtype) for s, n in zip(states, sizes)]
             tables[kind] = parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
-        h, last = None, len(self.layers) - 1
-        for i, block in enumerate(self.layers):
-            stores = [s.layers[i] for s in states]
-            after = None if i == last else self.layers[i + 1].input_layernorm
-            x, h = block(x, h, after, *tables[stores[0].geometry.kind], stores, sizes, stepped)
+        h = None
+        for i, (block, after) in enumerate(self.stack()):
+            stores = [s.layers[i] for s in states] if len(states) > 1 else [states[0].layers[i]]
+            x, h = block.forward(x, h, after, *tables[stores[0].geometry.kind], stores, sizes, stepped)
         for s in states:
             s.end_block()
         rows, lo = [], 0  # (first row, count) of each block's wanted rows in x
