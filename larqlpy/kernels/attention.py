@@ -284,6 +284,16 @@ def _item(q, where, first, owner, w, scale, softcap, m, total, acc):  # pragma: 
     _chunk(q, where, s, c, kv, lo, min(where[s, 2], lo + CHUNK), scale, softcap, m, total, acc)
 
 
+@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
+def _start(q, knew, vnew, where):  # pragma: no cover - jitted
+    """A call's new rows written, its plan, and its chunks' running maxima, sums and outputs."""
+    _write_new(knew, vnew, where)
+    first, owner, by_query = _plan(where, q.shape[0])
+    nc, h, d = first[-1], q.shape[1], q.shape[2]
+    return first, owner, by_query, np.empty((nc, h), np.float32), np.empty((nc, h), np.float32), \
+        np.zeros((nc, h, d), np.float32)
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def _attend_rows(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover - jitted
     """q (S, H, D) -> out (S, H, D); where (P, 10) int64 per piece of rows (a sequence's own rows, or
@@ -292,11 +302,8 @@ def _attend_rows(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover
     rows (0: none), the column of knew, vnew to write as the last readable row first (-1: the store
     wrote it), the rows' element kind (F32, F16, BF16), and the query it serves. Work items are
     (piece, chunk) pairs, so one long sequence spreads over the threads as well as many short ones."""
-    _write_new(knew, vnew, where)
-    first, owner, by_query = _plan(where, q.shape[0])
-    nc, h, d = first[-1], q.shape[1], q.shape[2]
-    m, total, acc = np.empty((nc, h), np.float32), np.empty((nc, h), np.float32), np.zeros((nc, h, d), np.float32)
-    for w in prange(nc * where[0, 4]):
+    first, owner, by_query, m, total, acc = _start(q, knew, vnew, where)
+    for w in prange(m.shape[0] * where[0, 4]):
         _item(q, where, first, owner, w, scale, softcap, m, total, acc)
     for s in range(q.shape[0]):  # a few (H, D) sums: not worth waking the threads a second time
         _merge(m, total, acc, by_query[s], by_query[s + 1], out[s])
@@ -304,13 +311,10 @@ def _attend_rows(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _attend_serial(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover - jitted
-    """`_attend_rows` on the calling thread: the same work items and merge, so the same bits, for a
-    call too small to pay for waking the thread pool."""
-    _write_new(knew, vnew, where)
-    first, owner, by_query = _plan(where, q.shape[0])
-    nc, h, d = first[-1], q.shape[1], q.shape[2]
-    m, total, acc = np.empty((nc, h), np.float32), np.empty((nc, h), np.float32), np.zeros((nc, h, d), np.float32)
-    for w in range(nc * where[0, 4]):
+    """`_attend_rows` on the calling thread: the same work items and merge, so the
+    same bits, for a call too small to pay for waking the thread pool."""
+    first, owner, by_query, m, total, acc = _start(q, knew, vnew, where)
+    for w in range(m.shape[0] * where[0, 4]):
         _item(q, where, first, owner, w, scale, softcap, m, total, acc)
     for s in range(q.shape[0]):
         _merge(m, total, acc, by_query[s], by_query[s + 1], out[s])
