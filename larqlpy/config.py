@@ -73,7 +73,7 @@ class GenerationConfig:
     draft_tokens: int | None = None  # speculative decoding: ids the process's draft model proposes a step (None:
     # the draft's default, DRAFT_TOKENS unless its process was told otherwise; 0: no speculation)
     lookup: int = 0  # prompt lookup: up to N ids proposed from an earlier match of the history's tail (0: off)
-    draft_p_min: float = DRAFT_P_MIN  # the draft proposes while it gives its choice at least this (0: always K)
+    draft_p_min: float = DRAFT_P_MIN  # the first choice the draft gives less ends its proposals (0: always K)
 
     def __post_init__(self):
         self._check_shaping()

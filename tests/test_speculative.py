@@ -171,13 +171,18 @@ def test_batched_sequences_each_speculate_on_their_own_and_compose_with_stops_an
 
 
 def test_a_draft_stops_proposing_where_it_is_unsure_and_the_output_is_unchanged(smol_pair):
-    """Adaptive K: the draft proposes while its likeliest id has at least `draft_p_min` (0: always K)."""
+    """Adaptive K: the draft proposes while its likeliest id has at least `draft_p_min` (0: always K),
+    and the first choice below it ends the proposals."""
     base = {"prompt": CODE, "max_tokens": 40, "stop_at_eos": False}
     plain = execute(smol_pair, Request.from_dict({**base, "draft_tokens": 0}))
     runs = {p: execute(smol_pair, Request.from_dict({**base, "draft_tokens": 6, "draft_p_min": p})) for p in (0, 0.9)}
     assert all(r["tokens"] == plain["tokens"] for r in runs.values())
     every, sure = runs[0]["stats"], runs[0.9]["stats"]
     assert sure["proposed_tokens"] < every["proposed_tokens"] and sure["acceptance_rate"] >= every["acceptance_rate"]
+    # the first unsure choice is still proposed, and is the last: at a floor no choice reaches, one a step
+    once = execute(smol_pair, Request.from_dict({**base, "draft_tokens": 6, "draft_p_min": 1.0}))
+    steps = once["stats"]["target_steps"]
+    assert once["tokens"] == plain["tokens"] and steps - 1 <= once["stats"]["proposed_tokens"] <= steps
     with pytest.raises(LarqlError, match=r"`draft_p_min` must be in \[0, 1\], got 1.5"):
         Request.from_dict({**base, "draft_p_min": 1.5})
 

@@ -69,8 +69,9 @@ DRAFT = typer.Option(None, "--draft", help="a smaller model of the same vocabula
 DRAFT_TOKENS = typer.Option(None, "--draft-tokens", help="with --draft: tokens proposed per step (default 4)")
 DRAFT_WEIGHTS = typer.Option(None, "--draft-weights", help="with --draft: the draft's weights, as --weights "
                              "(default: what its files hold; int4 is packed once into a cache beside it)")
-DRAFT_P_MIN = typer.Option(None, "--draft-p-min", help="with --draft: stop proposing at a token the draft gives "
-                           "less than this probability (default 0.75; 0: always --draft-tokens)")
+DRAFT_P_MIN = typer.Option(None, "--draft-p-min", help="with --draft: end the proposals at the first token the "
+                           "draft gives less than this probability, that token still proposed (default 0.75; "
+                           "0: always --draft-tokens)")
 LOOKUP = typer.Option(0, "--lookup", help="prompt lookup: propose up to N tokens that followed an earlier "
                       "occurrence of the text's last few tokens (0: off)")
 

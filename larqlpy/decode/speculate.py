@@ -92,13 +92,15 @@ class Draft:
         self.held = list(history)
         ids, qs = [], []
         for i in range(k):
-            tok, q = self._choose(logits, sampling, constraint)
+            tok, q, sure = self._choose(logits, sampling, constraint)
             if tok is None:
                 break
             ids.append(tok)
             qs.append(q)
             if constraint is not None:
                 constraint.accept(tok)
+            if not sure:  # the step that found it unsure is paid for: its choice is verified, and the last
+                break
             if i + 1 < k:
                 logits = self.model.forward(torch.tensor([tok]), self.state)[-1]
                 self.held.append(tok)
@@ -107,16 +109,17 @@ class Draft:
         return ids, (qs if sampling.temperature > 0 else None)
 
     def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, constraint):
-        """(id, the distribution it was drawn from; None under greedy), or (None, None) to stop: the
-        grammar is done, or the draft's likeliest id has less than p_min (a rule on the draft's
-        distribution alone, never on the id drawn, so each proposal is still a draw from q)."""
+        """(id, the distribution it was drawn from (None under greedy), whether the draft's likeliest
+        id has at least p_min), or (None, None, False) when the grammar is done. An unsure choice is
+        proposed and ends the proposals (adaptive K): a rule on the draft's distribution alone, never
+        on the id drawn, so each proposal is still a draw from q."""
         if logits.shape[0] != self.vocab:  # the same tokens, padded to another row count
             logits = torch.cat([logits[:self.vocab].float(),
                                 torch.full((max(0, self.vocab - logits.shape[0]),), float("-inf"))])
         logits = logits.float()
         if constraint is not None:
             if constraint.done:
-                return None, None
+                return None, None, False
             mask = torch.from_numpy(constraint.allowed())
             n = min(mask.shape[0], logits.shape[0])
             logits = logits.clone()
@@ -124,14 +127,10 @@ class Draft:
             logits[n:] = float("-inf")
         if sampling.temperature == 0.0:
             tok = int(torch.argmax(logits))
-            if self.p_min > 0 and float(torch.softmax(logits, dim=-1)[tok]) < self.p_min:
-                return None, None
-            return tok, None
+            return tok, None, self.p_min <= 0 or float(torch.softmax(logits, dim=-1)[tok]) >= self.p_min
         q = probabilities(logits, sampling).double()
         q = q / q.sum()
-        if float(q.max()) < self.p_min:
-            return None, None
-        return draw(q, self.rng), q
+        return draw(q, self.rng), q, float(q.max()) >= self.p_min
 
     def state_bytes(self, positions: int) -> int:
         """What its state may grow to, as a budget counts it (it runs `tokens` past the target)."""
