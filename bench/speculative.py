@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--draft", type=Path, required=True)
     ap.add_argument("--draft-weights", default=None, help="the draft's weights (default: what its file holds)")
-    ap.add_argument("--draft-tokens", type=int, nargs="*", default=[2, 4], help="none: skip the code prompts")
+    ap.add_argument("--draft-tokens", type=int, nargs="*", default=[4, 6], help="none: skip the code prompts")
     ap.add_argument("--draft-p-min", type=float, nargs="+", default=[0.75, 0.0],
                     help="the draft's confidence floors measured (0.75: the default; 0: always K)")
     ap.add_argument("--lookup", type=int, nargs="*", default=[5, 10], help="none: skip the edit task")

@@ -66,7 +66,7 @@ FLAGS = {
 # Speculative decoding (docs/speculative.md)
 DRAFT = typer.Option(None, "--draft", help="a smaller model of the same vocabulary (directory or .gguf) that "
                      "proposes tokens the model verifies in one pass; the output is the model's own")
-DRAFT_TOKENS = typer.Option(None, "--draft-tokens", help="with --draft: tokens proposed per step (default 4)")
+DRAFT_TOKENS = typer.Option(None, "--draft-tokens", help="with --draft: tokens proposed per step (default 6)")
 DRAFT_WEIGHTS = typer.Option(None, "--draft-weights", help="with --draft: the draft's weights, as --weights "
                              "(default: what its files hold; int4 is packed once into a cache beside it)")
 DRAFT_P_MIN = typer.Option(None, "--draft-p-min", help="with --draft: end the proposals at the first token the "
