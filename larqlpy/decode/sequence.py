@@ -144,6 +144,8 @@ class Proposer(Protocol):
 
     def settle(self, history: list[int]) -> None: ...
 
+    def prime(self, history: list[int]) -> None: ...
+
 
 class Sequence:
     def __init__(self, model, prompt_ids: list[int], spec: EngineSpec = EngineSpec(),
@@ -303,6 +305,8 @@ class Sequence:
         speculative proposal (id, its draft distribution or None) this choice verifies."""
         logits, self.ready = self.logits, False
         if self.t_decode is None:
+            if self.proposer is not None and self.gen.max_tokens > 1:
+                self.proposer.prime(self.history)  # the prompt is prefill's work, the draft's too
             self.t_decode = time.perf_counter()
             self.prefill_seconds = self.t_decode - self.t0
         if len(self.generated) >= self.gen.max_tokens:  # max_tokens 0: the prompt only

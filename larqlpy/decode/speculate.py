@@ -49,6 +49,9 @@ class Lookup:
     def settle(self, history: list[int]) -> None:
         pass
 
+    def prime(self, history: list[int]) -> None:
+        pass
+
     def state_bytes(self, positions: int) -> int:
         return 0  # it reads the history
 
@@ -88,7 +91,11 @@ class Draft:
     def propose(self, history: list[int], k: int, sampling: SamplingConfig, constraint=None
                 ) -> tuple[list[int], list | None]:
         k = min(k, self.tokens)
-        logits = prefill(self.model, self.state, history[len(self.held):], self.chunk)[-1]
+        new = history[len(self.held):]
+        if 1 < len(new) <= self.tokens + 1:  # after a verification: its ids as decode steps, one kernel call a layer
+            logits = self.model.forward_many([(torch.tensor(new), self.state, "steps")])[0][-1]
+        else:
+            logits = prefill(self.model, self.state, new, self.chunk)[-1]
         self.held = list(history)
         ids, qs = [], []
         for i in range(k):
@@ -131,6 +138,13 @@ class Draft:
         q = probabilities(logits, sampling).double()
         q = q / q.sum()
         return draw(q, self.rng), q, float(q.max()) >= self.p_min
+
+    def prime(self, history: list[int]) -> None:
+        """Take the prompt (`history`) as the target's prefill ends: the draft's own prefill, timed
+        with the target's (and a first proposal that needs only the newest id)."""
+        if len(history) > len(self.held):
+            prefill(self.model, self.state, history[len(self.held):], self.chunk)
+            self.held = list(history)
 
     def state_bytes(self, positions: int) -> int:
         """What its state may grow to, as a budget counts it (it runs `tokens` past the target)."""
