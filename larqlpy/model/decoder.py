@@ -83,8 +83,7 @@ class Block(nn.Module):
         w = self.__dict__.get("_hot")
         if w is None:
             c = self.cfg
-            names = [n for n in block_weights(c)]
-            w = SimpleNamespace(**{n: getattr(self, n) for n in names})
+            w = SimpleNamespace(**{n: getattr(self, n) for n in block_weights(c)})
             w.qkv_bias = torch.cat((w.q_proj_bias, w.k_proj_bias, w.v_proj_bias)) if c.qkv_bias else None
             w.q_norm, w.k_norm = (w.q_norm, w.k_norm) if c.qk_norm else (None, None)
             w.o_bias = w.o_proj_bias if c.o_bias else None
@@ -180,7 +179,7 @@ class Decoder(nn.Module):
             tables[kind] = parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
         h = None
         for i, (block, after) in enumerate(self.stack()):
-            stores = [s.layers[i] for s in states] if len(states) > 1 else [states[0].layers[i]]
+            stores = [s.layers[i] for s in states]
             x, h = block.forward(x, h, after, *tables[stores[0].geometry.kind], stores, sizes, stepped)
         for s in states:
             s.end_block()

@@ -93,9 +93,10 @@ def _stepwise(q, k, v, stores, sizes, p, stepped) -> torch.Tensor:
         for i in plain:
             outs[i], at = got[:, at:at + sizes[i]], at + sizes[i]
     together, spans = [], []  # sequences attended in the one call, and every step's span
+    kernel = takes(q)
     for i in (i for i, s in enumerate(stepped) if s):
         got = stores[i].decode_steps(k[:, bounds[i]:bounds[i + 1]], v[:, bounds[i]:bounds[i + 1]]) \
-            if takes(q) else None
+            if kernel else None
         if got is None:
             outs[i] = torch.cat([attend_block(q[:, r:r + 1].contiguous(), k[:, r:r + 1].contiguous(),
                                               v[:, r:r + 1].contiguous(), [stores[i]], [1], p)
