@@ -1,9 +1,9 @@
-"""The CPU decode-attention kernel (kernels/attention.py) alone, and inside a whole decode step,
+"""The CPU decode-attention kernel (kernels/attention/decode.py) alone, and inside a whole decode step,
 optionally beside another copy of that file (an older commit's) loaded into the same process, the
 two taking turns call by call so a noisy host slows both alike.
 
     python bench/attention.py --shape 14,2,64 --rows 300,1100,4000 [--kv f16] [--threads 1]
-    git show HEAD~1:larqlpy/kernels/attention.py > /tmp/old_attention.py
+    git show HEAD~1:larqlpy/kernels/attention/decode.py > /tmp/old_attention.py
     python bench/attention.py --against /tmp/old_attention.py --rows 1100,4000
     python bench/attention.py --against /tmp/old_attention.py --step models/gguf/qwen2.5-coder-0.5b-instruct.gguf \\
         --positions 1024 --weights native
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from decode import Larqlpy  # noqa: E402
 from stream import cpu_name  # noqa: E402
 
-import larqlpy.kernels.attention as attention  # noqa: E402
+import larqlpy.kernels.attention.decode as attention  # noqa: E402
 from larqlpy.kernels import cpu  # noqa: E402
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -98,7 +98,7 @@ def step_mode(copies: dict, model: Path, weights: str, positions: int, steps: in
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--against", type=Path, help="another copy of kernels/attention.py to time beside this one")
+    ap.add_argument("--against", type=Path, help="another copy of kernels/attention/decode.py to time beside this one")
     ap.add_argument("--shape", default="14,2,64", help="query heads, KV heads, head size")
     ap.add_argument("--rows", default="300,1100,4000")
     ap.add_argument("--kv", choices=DTYPES, default="f16")

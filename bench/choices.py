@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from stream import cpu_name  # noqa: E402
 
 from larqlpy.decode.scheduler import Scheduler  # noqa: E402
-from larqlpy.prepare import prepare_all  # noqa: E402
-from larqlpy.request import Request  # noqa: E402
+from larqlpy.pipeline.prepare import prepare_all  # noqa: E402
+from larqlpy.pipeline.request import Request  # noqa: E402
 from larqlpy.weights.loader import load  # noqa: E402
 
 

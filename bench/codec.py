@@ -28,8 +28,8 @@ def best_time(fn, repeats: int = 5) -> float:
 
 
 def kernels(rows: int = 65536, d: int = 256) -> None:
-    from larqlpy.kernels.rowcodec import TurboQuantCodec
-    from larqlpy.kernels.turboquant_torch import TorchCodec
+    from larqlpy.kernels.kvcodec.rowcodec import TurboQuantCodec
+    from larqlpy.kernels.kvcodec.turboquant_torch import TorchCodec
 
     x = torch.randn(rows, d)
     nbytes = x.numel() * 4
@@ -52,7 +52,7 @@ def decode_speed(model_dir: Path, contexts: list[int], steps: int) -> None:
     from larqlpy.engines import new_state, parse_engine_spec
     from larqlpy.engines import preset_spec
     from larqlpy.engines.presets import RECOMMENDED
-    from larqlpy.decode.stream import prefill
+    from larqlpy.model.decoder import prefill
 
     from larqlpy.weights.loader import load
 

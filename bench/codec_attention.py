@@ -1,10 +1,10 @@
-"""codec/v1's decode kernel (kernels/tq_attend.py) alone: one sequence's call (`attend`) and a family's
+"""codec/v1's decode kernel (kernels/kvcodec/tq_attend.py) alone: one sequence's call (`attend`) and a family's
 (`attend_family`: B branches of one prompt), optionally beside another copy of that file (an older
 commit's) loaded into the same process, the copies taking turns call by call so a noisy host slows
 them alike.
 
     python bench/codec_attention.py --shape 14,2,64 --rows 1040 --branches 4
-    git show HEAD~1:larqlpy/kernels/tq_attend.py > /tmp/old_tq_attend.py
+    git show HEAD~1:larqlpy/kernels/kvcodec/tq_attend.py > /tmp/old_tq_attend.py
     python bench/codec_attention.py --against /tmp/old_tq_attend.py
 
 The rows are random codes laid out as a forked branch reads them: the prompt's shared piece, the
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from attention import load_copy  # noqa: E402
 from stream import cpu_name  # noqa: E402
 
-from larqlpy.kernels import tq_attend, turboquant as tq  # noqa: E402
+from larqlpy.kernels.kvcodec import tq_attend, turboquant as tq  # noqa: E402
 
 RING, SINKS, OWN = 16, 1, 40  # tier rows, sink rows, a branch's own main rows
 
@@ -85,7 +85,7 @@ class Layer:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--against", type=Path, help="another copy of kernels/tq_attend.py to time beside this one")
+    ap.add_argument("--against", type=Path, help="another copy of kernels/kvcodec/tq_attend.py to time beside this one")
     ap.add_argument("--shape", default="14,2,64", help="query heads, KV heads, head size")
     ap.add_argument("--rows", type=int, default=1040)
     ap.add_argument("--branches", type=int, default=4)

@@ -33,7 +33,7 @@ ENGINES = [
 
 def cosine_table(loaded) -> None:
     from larqlpy.engines import new_state, parse_engine_spec
-    from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
+    from larqlpy.kernels.kvcodec.rowcodec import Int4GroupCodec, TurboQuantCodec
 
     ids = loaded.tokenizer.encode((ROOT / "larqlpy" / "data" / "long.txt").read_text())[:1024]
     state = new_state(parse_engine_spec(), loaded.model.geometries(), loaded.device)

@@ -84,7 +84,7 @@ class Larqlpy:
 
     def prefill(self, ids):
         from larqlpy.config import GenerationConfig
-        from larqlpy.decode.stream import prefill
+        from larqlpy.model.decoder import prefill
 
         state = self.provider.new_state(self.loaded.model.geometries(), self.loaded.device)
         logits = prefill(self.loaded.model, state, ids, GenerationConfig().prefill_chunk)
@@ -204,7 +204,7 @@ def decode_split(runner: "Larqlpy", repeats: int = 20) -> dict[str, float]:
     """Milliseconds of one decode step after the short prompt: the LM head product, every layer's
     matrix products (q|k|v, o, gate|up, down, the int8 rounding of their inputs included), each
     timed alone on the same activations, and the rest of the step (norms, RoPE, attention, Python)."""
-    from larqlpy.kernels.matvec import linear, linears
+    from larqlpy.kernels.weights.matvec import linear, linears
 
     m = runner.loaded.model
     x = torch.randn(1, m.cfg.hidden_size) * 0.1
@@ -269,7 +269,7 @@ def long_prefill(path: Path, lengths: list[int], weights: list[str], engine: str
 
 def main() -> None:
     from larqlpy.kernels import cpu
-    from larqlpy.kernels.qweight import PackedWeight
+    from larqlpy.kernels.weights.qweight import PackedWeight
     from stream import cpu_name
 
     ap = argparse.ArgumentParser()
@@ -329,7 +329,7 @@ def main() -> None:
         if isinstance(r, Larqlpy):
             aheads = sorted({w.ahead for w in r.loaded.held_weights() if isinstance(w, PackedWeight)})
             print(f"{r.name}: codes prefetched {', '.join(map(str, aheads)) or 'no'} bytes ahead "
-                  "(kernels/prefetch.py, measured on this machine)")
+                  "(kernels/weights/prefetch.py, measured on this machine)")
     print()
     cols = COLUMNS
     print(f"| runner | KV rows | weights MB read per token | {' | '.join(c + ' tok/s' for c in cols)} "

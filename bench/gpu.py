@@ -28,7 +28,7 @@ from decode import hf_bytes_per_token, larqlpy_bytes_per_token  # noqa: E402
 from tiny import write_tokenizer  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from larqlpy.decode.stream import prefill  # noqa: E402
+from larqlpy.model.decoder import prefill  # noqa: E402
 from larqlpy.engines import build_provider, parse_engine_spec  # noqa: E402
 from larqlpy.weights.loader import load  # noqa: E402
 

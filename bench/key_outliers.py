@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from larqlpy.decode.stream import prefill
+from larqlpy.model.decoder import prefill
 from larqlpy.engines import EngineSpec, new_state
 from larqlpy.engines.stores.base import QueryTap
-from larqlpy.kernels.turboquant_torch import TorchCodec
+from larqlpy.kernels.kvcodec.turboquant_torch import TorchCodec
 from larqlpy.weights.loader import load
 
 ROOT = Path(__file__).resolve().parent.parent

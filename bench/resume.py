@@ -22,7 +22,7 @@ def main() -> None:
     from larqlpy.decode.sequence import Sequence
     from larqlpy.decode.stream import generate_step, stream_generate
     from larqlpy.engines import parse_engine_spec
-    from larqlpy.session import FileSource, save
+    from larqlpy.state.saved import FileSource, save
     from larqlpy.weights.loader import load
 
     ap = argparse.ArgumentParser()

@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from decode import LlamaCpp  # noqa: E402
 from stream import cpu_name  # noqa: E402
 
-from larqlpy.prepare import prepare  # noqa: E402
-from larqlpy.request import Request  # noqa: E402
-from larqlpy.runner import execute  # noqa: E402
+from larqlpy.pipeline.prepare import prepare  # noqa: E402
+from larqlpy.pipeline.request import Request  # noqa: E402
+from larqlpy.pipeline.runner import execute  # noqa: E402
 from larqlpy.weights.loader import attach_draft, load  # noqa: E402
 
 CODE_PROMPTS = [

@@ -39,10 +39,10 @@ def mark(n): marks.append((n, time.perf_counter() - t0))
 from larqlpy.text.tokenizer_process import start; helper = start(MODEL); mark("fork the tokenizer's helper")
 import torch; mark("import torch (the helper loads tokenizer.json meanwhile)")
 import numba; mark("import numba")
-import larqlpy.cli.main, larqlpy.runner, larqlpy.weights.loader as L; mark("import larqlpy (cli, runner, loader)")
+import larqlpy.cli.main, larqlpy.pipeline.runner, larqlpy.weights.loader as L; mark("import larqlpy (cli, runner, loader)")
 m = L.load(MODEL, device="cpu", weights=WEIGHTS, tokenizer=helper); mark("load: weights, calibration, the tokenizer's answer")
 gc.freeze(); gc.enable()  # start-up is over (cli.common.started)
-from larqlpy.request import Request; from larqlpy.runner import execute
+from larqlpy.pipeline.request import Request; from larqlpy.pipeline.runner import execute
 execute(m, Request.from_dict({"prompt": "Hello", "max_tokens": 1})); mark("first token (numba init, kernel cache, prefill)")
 prev = 0
 for n, t in marks:

@@ -31,8 +31,8 @@ from stream import cpu_name  # noqa: E402
 
 from larqlpy.config import Grammar  # noqa: E402
 from larqlpy.decode.constraint import Constraint, Vocabulary, compile_grammar  # noqa: E402
-from larqlpy.request import Request  # noqa: E402
-from larqlpy.runner import execute_many  # noqa: E402
+from larqlpy.pipeline.request import Request  # noqa: E402
+from larqlpy.pipeline.runner import execute_many  # noqa: E402
 from larqlpy.text.tools import JSON_LAYOUT  # noqa: E402
 from larqlpy.weights.loader import load  # noqa: E402
 

@@ -13,7 +13,7 @@ import torch
 from larqlpy.weights.loader import load
 from larqlpy.engines import parse_engine_spec, new_state
 from larqlpy.engines.stores.calibration import KeyCalibration
-from larqlpy.decode.stream import prefill
+from larqlpy.model.decoder import prefill
 from larqlpy.tools.ladder import ladder_ids
 loaded = load(sys.argv[1], device="cpu")
 m = loaded.model

@@ -10,7 +10,8 @@ from larqlpy._version import __version__
 
 _EXPORTS = {
     "GenerationConfig": "larqlpy.config", "SamplingConfig": "larqlpy.config", "LarqlError": "larqlpy.errors",
-    "Model": "larqlpy.api", "engine_spec": "larqlpy.api", "load": "larqlpy.api", "Token": "larqlpy.decode.sequence",
+    "Model": "larqlpy.api.model", "engine_spec": "larqlpy.api.model", "load": "larqlpy.api.model",
+    "Token": "larqlpy.decode.output",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -4,7 +4,7 @@ Live sequences reserve, when they join, the KV they may grow to (their engine's 
 prompt + max_tokens positions; their states preallocate it, so resident KV never passes what was
 reserved); kept states (a server's prefix cache) live in what the reservations leave, and are pushed
 out -- quantized, persisted -- as live sequences join. A request's own `kv_budget` is another thing:
-the budget of its cells/v1 state (request.py).
+the budget of its cells/v1 state (pipeline/request.py).
 """
 
 from __future__ import annotations

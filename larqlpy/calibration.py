@@ -1,7 +1,7 @@
 """Key calibration: per layer and KV head, the keys' mean and a per-channel scale, measured once on a
 fixed text and saved beside the model (weights/calibration_file.py); the codec engines' `calib=on`
 and `calib=auto` (codec/v1's default). `ensure` measures it the first time a request's engine wants
-one the model lacks (every entry point, through prepare.py), and caches it: beside the weights, or
+one the model lacks (every entry point, through pipeline/prepare.py), and caches it: beside the weights, or
 under ~/.cache/larqlpy when their folder is read-only.
 
 Why it helps: Gemma 3's keys share a large common component (0.4-0.86 of their length) and carry
@@ -32,10 +32,11 @@ from larqlpy.engines import EngineSpec, build_provider, new_state
 from larqlpy.engines.stores.base import QueryTap
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
-from larqlpy.kernels.rowcodec import TurboQuantCodec
-from larqlpy.decode.stream import prefill
+from larqlpy.kernels.kvcodec.rowcodec import TurboQuantCodec
+from larqlpy.model.decoder import prefill
 from larqlpy.weights import calibration_file
 from larqlpy.weights.calibration_file import FORMAT
+from larqlpy.weights.loader import LoadedModel
 
 TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
 SKIP = 4  # leading positions left out of the statistics (sinks)
@@ -173,7 +174,7 @@ def measure(model, ids: list[int]) -> tuple[list[KeyCalibration], list[float]]:
     return out, shares
 
 
-def calibrate(loaded, text: str | None = None) -> tuple[list[KeyCalibration], dict]:
+def calibrate(loaded: LoadedModel, text: str | None = None) -> tuple[list[KeyCalibration], dict]:
     """Measure on `text` (default: the packaged calibration text); returns (layers, metadata)."""
     text = TEXT.read_text() if text is None else text
     ids = loaded.tokenizer.encode(text)
@@ -188,7 +189,7 @@ def calibrate(loaded, text: str | None = None) -> tuple[list[KeyCalibration], di
 _MEASURING = threading.Lock()  # a server's requests: one measures, the others wait and use it
 
 
-def ensure(loaded, spec: EngineSpec) -> str | None:
+def ensure(loaded: LoadedModel, spec: EngineSpec) -> str | None:
     """Give `loaded` its key calibration when `spec`'s engine wants one and the model has none (or a
     stale or damaged one): measured once, saved, and from then on read at load. Returns a note
     saying what it did, or None."""

@@ -159,8 +159,8 @@ def test_a_job_larger_than_the_whole_budget_is_refused_not_waited_on(real_int8):
 
 
 def test_save_after_a_batch_equals_save_alone(real_int8, tmp_path):
-    from larqlpy.request import Request
-    from larqlpy.runner import execute, execute_many
+    from larqlpy.pipeline.request import Request
+    from larqlpy.pipeline.runner import execute, execute_many
     from larqlpy.state.format import load_state
 
     reqs = [Request.from_dict({"prompt": p, "max_tokens": 6, "save_state": str(tmp_path / f"b{i}.lqkv")})

@@ -9,9 +9,9 @@ from larqlpy.budget import KVBudget
 from larqlpy.config import GenerationConfig
 from larqlpy.decode.scheduler import Scheduler
 from larqlpy.errors import LarqlError
-from larqlpy.prefix_cache import PrefixCache
-from larqlpy.prepare import prepare
-from larqlpy.request import Request
+from larqlpy.state.prefix_cache import PrefixCache
+from larqlpy.pipeline.prepare import prepare
+from larqlpy.pipeline.request import Request
 from larqlpy.weights.loader import load
 from tiny import make_tiny
 
@@ -64,3 +64,30 @@ def test_a_state_dir_loses_the_temp_files_of_a_server_that_died_while_saving(tin
     kept.write_text("not ours")
     cache = PrefixCache(tiny, KVBudget(), state_dir=tmp_path)
     assert not stale.exists() and kept.exists() and cache.entries == []
+
+
+def test_kept_states_go_least_recently_used_first(tiny):
+    """Three kept states made in the order a, b, c; then a request continues a. Under pressure b goes
+    first: a hit hands a's state to the request, and its state comes back, used last, when it ends."""
+    prompts = {name: [2] + [base + i % 90 for i in range(40)] for name, base in (("a", 10), ("b", 110), ("c", 210))}
+    cache = PrefixCache(tiny, KVBudget())
+    sched = Scheduler(tiny.model, parallel=1)
+
+    def turn(ids: list[int]):
+        seq = prepare(tiny, request(ids, 4), source=cache)
+        list(sched.run([seq]))
+        cache.put(seq.held())
+        return seq
+
+    for name in "abc":
+        turn(prompts[name])
+    again = turn(prompts["a"] + [5, 6, 7])
+    assert again.held_from == len(prompts["a"])  # it continued a's state
+    order = [e.tokens[:len(prompts["a"])] for e in sorted(cache.entries, key=lambda e: e.used)]
+    assert order == [prompts["b"], prompts["c"], prompts["a"]]
+    one = max(e.nbytes() for e in cache.entries)
+    cache.budget.limit = 2 * one + one // 2  # room for two of the three
+    cache.enforce()
+    stages = {n: next(e.stage for e in cache.entries if e.tokens[:len(p)] == p) for n, p in prompts.items()}
+    assert stages == {"a": "ACTIVE", "b": "PERSISTED", "c": "ACTIVE"}
+    cache.close()

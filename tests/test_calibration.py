@@ -5,6 +5,7 @@ issue's quality aims on the real 270M."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,7 +21,8 @@ from larqlpy.cli.common import error_line
 from larqlpy.engines import build_provider, new_state, parse_engine_spec, preset_spec
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.presets import COMPACT, RECOMMENDED
-from larqlpy.engines.stores.base import AttentionParams, Scratch
+from larqlpy.engines.stores.base import AttentionParams
+from larqlpy.engines.stores.state import Scratch
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.engines.stores.codec import CodecStore
 from larqlpy.engines.stores.kvcodec import KVCodec
@@ -28,8 +30,8 @@ from larqlpy.errors import LarqlError
 from larqlpy.config import GenerationConfig
 from larqlpy.decode.sequence import Sequence
 from larqlpy.decode.stream import generate_step
-from larqlpy.kernels import tq_step
-from larqlpy.kernels.rowcodec import TurboQuantCodec
+from larqlpy.kernels.kvcodec import tq_step
+from larqlpy.kernels.kvcodec.rowcodec import TurboQuantCodec
 from larqlpy.weights import calibration_file
 from larqlpy.weights.info import describe
 from larqlpy.weights.loader import load
@@ -189,7 +191,7 @@ def test_a_tier_covering_every_row_equals_the_wider_codec(cal_dir):
 
 
 def test_resume_bit_identical_and_a_different_calibration_is_refused(cal_dir, tmp_path):
-    from larqlpy.session import save
+    from larqlpy.state.saved import save
     from test_state import resume
 
     loaded = load(cal_dir, device="cpu")
@@ -337,7 +339,7 @@ def test_recommended_and_compact_configurations_meet_the_aims_on_270m(real, long
 
 
 def test_kv_stats_attention_kl_is_zero_for_exact_keys_and_grows_as_bits_shrink(cal_dir):
-    from larqlpy.kernels.rowcodec import ExactCodec
+    from larqlpy.kernels.kvcodec.rowcodec import ExactCodec
     from larqlpy.engines.stores.base import QueryTap
     from larqlpy.tools.observe import _LastQueries, attention_kl, suggested_layer_bits
 
@@ -393,3 +395,55 @@ def test_cells_rules_calib_quantize_keys_under_the_calibration(cal_dir, tmp_path
     bad.write_text(text.replace("calib: on", "calib: maybe"))
     with pytest.raises(LarqlError, match="calib must be on or off"):
         spec("cells/v1", f"rules={bad}")
+
+
+def test_a_codec_request_on_a_canonical_server_is_calibrated_on_the_engine_thread(tmp_path, monkeypatch):
+    """Issue 54: the key calibration a request's engine wants is a prefill of the model, so it runs where
+    the model runs -- the server's engine thread -- never on the HTTP side, while another stream decodes
+    beside it; both answers equal their runs alone."""
+    import asyncio
+    import threading
+
+    import httpx
+
+    from larqlpy.config import ServeConfig
+    from larqlpy.pipeline.request import Request
+    from larqlpy.pipeline.runner import execute
+    from larqlpy.server.app import build_app
+    from larqlpy.server.main import assemble
+
+    make_tiny(tmp_path / "m", sliding_window=16)
+    loaded = load(tmp_path / "m", device="cpu", weights="int8")  # packed: a batch's rows are their own bits
+    assert loaded.model.key_calibration is None
+    threads = []
+    real = calib_tool.calibrate
+    monkeypatch.setattr(calib_tool, "calibrate", lambda *a, **k: threads.append(threading.current_thread().name)
+                        or real(*a, **k))
+    served = assemble(loaded, ServeConfig(name="tiny"))  # a canonical/v1 server
+    codec = {"continuation": "codec/v1", "options": ("bits=4", "calib=auto")}
+
+    def body(n, stream, extension=None):
+        return {"model": "tiny", "prompt": PROMPT, "max_tokens": n, "temperature": 0, "stream": stream,
+                **({"larqlpy": {**extension, "options": list(extension["options"])}} if extension else {})}
+
+    async def both():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(served)), base_url="http://t",
+                                     timeout=120) as client:
+            async with client.stream("POST", "/v1/completions", json=body(40, True)) as streamed:
+                lines = streamed.aiter_lines()
+                while not (await anext(lines)).startswith("data: {"):  # its first token is out: it decodes
+                    pass
+                answer = await client.post("/v1/completions", json=body(12, False, codec))
+                rest = [line async for line in lines]
+        tokens = [json.loads(x[6:])["larqlpy"]["tokens"] for x in rest if x.startswith("data: {") and '"larqlpy"' in x]
+        return tokens[0], answer.json()
+
+    try:
+        plain_ids, coded = asyncio.run(both())
+    finally:
+        served.engine.stop(0)
+    assert threads == ["larqlpy-engine"], coded
+    assert any("measured the key calibration" in n for n in coded["larqlpy"]["notes"])
+    alone = {name: execute(loaded, Request(ids=tuple(PROMPT), gen=GenerationConfig(max_tokens=n), **extra))["tokens"]
+             for name, n, extra in (("plain", 40, {}), ("codec", 12, codec))}
+    assert plain_ids == alone["plain"] and coded["larqlpy"]["tokens"] == alone["codec"]

@@ -9,7 +9,7 @@ import torch
 
 from larqlpy.engines import EngineSpec, build_provider, new_state, parse_engine_spec
 from larqlpy.errors import LarqlError
-from larqlpy.decode.stream import prefill
+from larqlpy.model.decoder import prefill
 from larqlpy.weights.loader import load
 from larqlpy.engines.lifecycle import Event, IllegalTransition, State, load_rules, parse_rules
 from tiny import make_tiny

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import smol_gguf
-from larqlpy.chat import ChatSession
+from larqlpy.api.chat import ChatSession
 from larqlpy.errors import LarqlError
 from larqlpy.text.chat_template import ChatTemplate
 

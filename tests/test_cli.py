@@ -185,7 +185,7 @@ def test_start_up_ends_with_the_collector_on():
 
 def test_the_console_script_collects_garbage_after_start_up(tiny_dir):
     """Through the real entry point: the command's generation runs with the collector on."""
-    code = ("import gc, sys; from larqlpy.cli import main as m; import larqlpy.runner as r; run = r.execute\n"
+    code = ("import gc, sys; from larqlpy.cli import main as m; import larqlpy.pipeline.runner as r; run = r.execute\n"
             "def execute(*a, **k):\n"
             "    sys.stderr.write(f'collector {gc.isenabled()} frozen {gc.get_freeze_count() > 0}\\n')\n"
             "    return run(*a, **k)\n"

@@ -8,15 +8,16 @@ import torch
 
 from larqlpy.engines import new_state, parse_engine_spec
 from larqlpy.engines.geometry import LayerGeometry
-from larqlpy.engines.stores.base import AttentionParams, Scratch
+from larqlpy.engines.stores.base import AttentionParams
+from larqlpy.engines.stores.state import Scratch
 from larqlpy.engines.stores.calibration import NO_CALIBRATION
 from larqlpy.engines.stores.codec import CodecStore
 from larqlpy.engines.stores.kvcodec import KVCodec
 from larqlpy.errors import LarqlError
-from larqlpy.kernels import codebooks, tq_step
-from larqlpy.kernels.lloyd_max import gaussian_codebook
-from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
-from larqlpy.kernels.turboquant_torch import TorchCodec
+from larqlpy.kernels.kvcodec import codebooks, tq_step
+from larqlpy.kernels.kvcodec.lloyd_max import gaussian_codebook
+from larqlpy.kernels.kvcodec.rowcodec import Int4GroupCodec, TurboQuantCodec
+from larqlpy.kernels.kvcodec.turboquant_torch import TorchCodec
 from larqlpy.weights.loader import load
 from tiny import make_tiny
 

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from larqlpy.request import Request
-from larqlpy.runner import execute
+from larqlpy.pipeline.request import Request
+from larqlpy.pipeline.runner import execute
 from larqlpy.cli.common import error_line
 from larqlpy.engines import parse_engine_spec
 from larqlpy.engines.presets import CODEC_DEFAULTS, CODEC_PLAIN
 from larqlpy.errors import LarqlError
 from larqlpy.state.format import load_state
-from larqlpy.session import save
+from larqlpy.state.saved import save
 from larqlpy.weights import calibration_file, checkpoint
 from larqlpy.weights.loader import load
 from test_state import PROMPT, resume, resume_elsewhere, run

@@ -19,11 +19,11 @@ from larqlpy.calibration import ensure as ensure_calibration
 from larqlpy.config import GenerationConfig
 from larqlpy.convert.native import SUPPORTED, decompose
 from larqlpy.engines import EngineSpec, new_state, parse_engine_spec
-from larqlpy.decode.stream import prefill
-from larqlpy.kernels.qweight import TILE, PackedWeight
-from larqlpy.kernels.rowcodec import TurboQuantCodec
-from larqlpy.request import Request
-from larqlpy.runner import execute
+from larqlpy.model.decoder import prefill
+from larqlpy.kernels.weights.qweight import TILE, PackedWeight
+from larqlpy.kernels.kvcodec.rowcodec import TurboQuantCodec
+from larqlpy.pipeline.request import Request
+from larqlpy.pipeline.runner import execute
 from larqlpy.weights.loader import load, load_with_draft
 from test_batched import ENGINES, Job, alone, batched
 from test_native import random_blocks

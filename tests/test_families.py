@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from larqlpy.engines import EngineSpec, new_state, parse_engine_spec
-from larqlpy.decode.stream import prefill
+from larqlpy.model.decoder import prefill
 from larqlpy.weights.loader import load
 from tiny import FAMILIES, make_tiny
 

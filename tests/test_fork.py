@@ -1,4 +1,4 @@
-"""`n` choices from one prompt (decode/fork.py): the prompt prefilled once and forked; growing exact
+"""`n` choices from one prompt (state/branches.py): the prompt prefilled once and forked; growing exact
 rows and codes shared (each branch stores only its own, and decodes the bits of a sequence that
 never forked), rings copied, cells/v1 and no-cache prefilling per branch; every branch's ids those
 of the same request run on its own seed beside the others."""
@@ -11,18 +11,18 @@ import jsonschema
 import pytest
 import torch
 
-from larqlpy.decode.fork import Branches
-from larqlpy.decode.stream import prefill
+from larqlpy.state.branches import Branches
+from larqlpy.model.decoder import prefill
 from larqlpy.engines import new_state
 from larqlpy.engines.presets import SPREAD, option_texts
 from larqlpy.engines.registry import parse_engine_spec
 from larqlpy.engines.stores.rows import Rows
 from larqlpy.errors import LarqlError
-from larqlpy.kernels import tq_attend
-from larqlpy.kernels.attention import CHUNK
-from larqlpy.prepare import prepare_all
-from larqlpy.request import Request
-from larqlpy.runner import execute, execute_many
+from larqlpy.kernels.kvcodec import tq_attend
+from larqlpy.kernels.attention.decode import CHUNK
+from larqlpy.pipeline.prepare import prepare_all
+from larqlpy.pipeline.request import Request
+from larqlpy.pipeline.runner import execute, execute_many
 from larqlpy.weights.loader import load
 from test_structured import CITY
 from tiny import make_tiny

@@ -9,7 +9,8 @@ from larqlpy.engines import EngineSpec, new_state, parse_engine_spec
 from larqlpy.errors import LarqlError
 from larqlpy.config import GenerationConfig, SamplingConfig
 from larqlpy.decode.sampling import sample
-from larqlpy.decode.stream import generate_step, prefill, stream_generate
+from larqlpy.decode.stream import generate_step, stream_generate
+from larqlpy.model.decoder import prefill
 from larqlpy.weights.loader import load
 from larqlpy.decode.scheduler import Scheduler
 from larqlpy.decode.sequence import Sequence

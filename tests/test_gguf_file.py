@@ -1,4 +1,4 @@
-"""A .gguf file run directly (weights/gguf_file.py, weights/gguf_checkpoint.py, kernels/gguf_blocks.py):
+"""A .gguf file run directly (weights/gguf_file.py, weights/gguf_checkpoint.py, kernels/weights/gguf_blocks.py):
 the same weights as its converted directory, code for code; the metadata cache made once, kept while
 the file keeps its bytes, rebuilt when they change; refusals of bad files in one line."""
 
@@ -19,8 +19,9 @@ import torch
 from larqlpy.convert.native import SUPPORTED, decompose
 from larqlpy.errors import LarqlError
 from larqlpy.kernels import cpu
-from larqlpy.kernels.gguf_blocks import LAYOUTS, TWO_LEVEL, BlockRows, packed_width, tiled_arrays, unpack, unpack_tiled
-from larqlpy.kernels.qweight import TILE, PackedWeight, tile_codes
+from larqlpy.kernels.weights.gguf_blocks import (LAYOUTS, TWO_LEVEL, BlockRows, packed_width, tiled_arrays, unpack,
+                                                 unpack_tiled)
+from larqlpy.kernels.weights.qweight import TILE, PackedWeight, tile_codes
 from larqlpy.weights import gguf_file
 from larqlpy.weights.gguf_file import GGUFFile, metadata_dir
 from larqlpy.weights.loader import load
@@ -125,8 +126,8 @@ def test_each_matrix_runs_at_its_files_width_and_stacks_only_with_its_own(links)
     """The 0.5B: Q5_0 at 5 bits, Q6_K at 6, Q8_0 at 8, Q4_K at 4 -- the file's bytes, give or take the
     K-quants' float32 sub-block scales; q_proj and k_proj (Q5_0) stack, a Q8_0 v_proj runs alone, and
     one product serves each stack however its parts are asked for."""
-    from larqlpy.kernels.matvec import linears
-    from larqlpy.kernels.qweight import PackedPart
+    from larqlpy.kernels.weights.matvec import linears
+    from larqlpy.kernels.weights.qweight import PackedPart
 
     direct = load(links["qwen"], device="cpu")
     f = GGUFFile(links["qwen"])

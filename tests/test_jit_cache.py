@@ -12,10 +12,11 @@ from pathlib import Path
 WORK = r"""
 import hashlib, json
 import numpy as np, torch
-from larqlpy.kernels import qdot, tq_attend, tq_step, turboquant as tq
-from larqlpy.kernels.attention import attend_one
-from larqlpy.kernels.matvec import gemv_f32
-from larqlpy.kernels.qweight import PackedWeight
+from larqlpy.kernels.kvcodec import tq_attend, tq_step, turboquant as tq
+from larqlpy.kernels.weights import qdot
+from larqlpy.kernels.attention.decode import attend_one
+from larqlpy.kernels.weights.matvec import gemv_f32
+from larqlpy.kernels.weights.qweight import PackedWeight
 rng = np.random.default_rng(0)
 hashes = {}
 for n, d, g, bits in [(40, 32, 2, 2), (300, 64, 4, 4)]:

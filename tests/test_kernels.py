@@ -1,4 +1,4 @@
-"""The CPU kernel paths (kernels/qdot.py, simd.py): every path this CPU can run, forced, against a
+"""The CPU kernel paths (kernels/weights/qdot.py, simd.py): every path this CPU can run, forced, against a
 float64 reference of the same packed weights; the integer paths against each other; the activation
 rounding they share; the instructions they compile to; and decode attention over many sequences."""
 
@@ -16,10 +16,11 @@ import pytest
 import torch
 from numba import njit
 
-from larqlpy.kernels import choice, cpu, prefetch, qdot
-from larqlpy.kernels.attention import Span, attend_one, attend_rows
-from larqlpy.kernels.matvec import gemv_f32
-from larqlpy.kernels.qweight import TILE, PackedWeight
+from larqlpy.kernels.weights import choice, prefetch, qdot
+from larqlpy.kernels import cpu
+from larqlpy.kernels.attention.decode import Span, attend_one, attend_rows
+from larqlpy.kernels.weights.matvec import gemv_f32
+from larqlpy.kernels.weights.qweight import TILE, PackedWeight
 
 HERE = cpu.runnable_paths()
 ROOT = Path(__file__).resolve().parent.parent
@@ -357,3 +358,41 @@ def test_a_kernels_cache_follows_the_modules_it_calls(tmp_path, tied):
     time.sleep(0.01)
     (tmp_path / "callee.py").write_text(CALLEE.format(value=10))  # f's own cache follows its file; g's does not
     assert g() == (11 if tied else 2)
+
+
+MOVED = """import sys
+from numba import njit
+from larqlpy.kernels import jitcache
+import helper
+
+@njit(cache=True)
+def g():
+    return helper.f() + 1
+
+jitcache.tie(globals(), helper)
+print(g(), sum(g.stats.cache_hits.values()))
+"""
+
+
+def test_a_moved_kernel_module_compiles_once_at_its_new_place(tmp_path):
+    """numba keys a kernel's cache on its file's place: a kernel module moved to another folder (as the
+    kernels' families were) compiles afresh once there, its tie to the module it inlines kept, and is
+    loaded from the cache after; what was cached at the old place is never read."""
+    (tmp_path / "helper.py").write_text(CALLEE.format(value=1))
+    old, new = tmp_path / "kernels", tmp_path / "kernels" / "family"
+    new.mkdir(parents=True)
+    (old / "k.py").write_text(MOVED)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}", "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+    def g(where: Path) -> tuple[int, int]:
+        r = subprocess.run([sys.executable, str(where / "k.py")], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        value, hits = r.stdout.split()
+        return int(value), int(hits)
+
+    assert g(old) == (2, 0) and g(old) == (2, 1)  # compiled, then loaded
+    (old / "k.py").rename(new / "k.py")
+    time.sleep(0.01)
+    (tmp_path / "helper.py").write_text(CALLEE.format(value=10))  # the old place's cache holds 2
+    assert g(new) == (11, 0)  # compiled afresh at the new place, from the code as it is now
+    assert g(new) == (11, 1)  # and loaded from there after

@@ -15,8 +15,8 @@ import torch
 from larqlpy.cli.common import error_line
 from larqlpy.engines import EngineSpec, build_provider, new_state, parse_engine_spec, preset_spec
 from larqlpy.errors import LarqlError
-from larqlpy.kernels.attention import Span, attend_rows
-from larqlpy.session import save
+from larqlpy.kernels.attention.decode import Span, attend_rows
+from larqlpy.state.saved import save
 from larqlpy.tools.residency import residency
 from larqlpy.weights.loader import load
 from test_exact_engines import CANONICAL, WINDOW, horizon_checker, run_steps

@@ -1,6 +1,7 @@
-"""Imports flow one way, bottom to top:
+"""Imports flow one way, bottom to top (docs/architecture.md draws the map):
 
-    errors -> kernels -> engines -> state -> model, weights, text -> decode loop, sessions, API -> tools -> cli
+    errors, files, budget -> kernels -> engines -> model, weights, text, convert -> state, calibration,
+    config -> decode -> pipeline -> api, batch -> tools -> cli, server
 
 No cycles, counting imports inside functions too (so none can hide one), and a function-level import
 only where a path does without a heavy dependency (see docs/architecture.md)."""
@@ -15,14 +16,14 @@ from imports import edges, find_cycle
 
 ROOT = Path(__file__).resolve().parent.parent / "larqlpy"
 LAYERS = [
-    ("larqlpy._version", "larqlpy.errors", "larqlpy.files"),
+    ("larqlpy._version", "larqlpy.errors", "larqlpy.files", "larqlpy.budget"),
     ("larqlpy.kernels",),
     ("larqlpy.engines",),
-    ("larqlpy.state",),
     ("larqlpy.model", "larqlpy.weights", "larqlpy.text", "larqlpy.convert"),
-    ("larqlpy.config", "larqlpy.request", "larqlpy.decode", "larqlpy.budget", "larqlpy.session", "larqlpy.calibration",
-     "larqlpy.prefix_cache", "larqlpy.prepare", "larqlpy.runner", "larqlpy.batch_lines", "larqlpy.chat", "larqlpy.api",
-     "larqlpy"),
+    ("larqlpy.state", "larqlpy.calibration", "larqlpy.config"),
+    ("larqlpy.decode",),
+    ("larqlpy.pipeline", "larqlpy"),
+    ("larqlpy.api", "larqlpy.batch"),
     ("larqlpy.tools",),
     ("larqlpy.cli", "larqlpy.server"),
 ]

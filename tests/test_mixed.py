@@ -11,14 +11,15 @@ from larqlpy.engines import build_provider, parse_engine_spec, preset_spec
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.options import parse_layer_bits
 from larqlpy.engines.presets import RECOMMENDED
-from larqlpy.engines.stores.base import AttentionParams, Scratch
+from larqlpy.engines.stores.base import AttentionParams
+from larqlpy.engines.stores.state import Scratch
 from larqlpy.engines.stores.codec import CodecStore
 from larqlpy.engines.stores.kvcodec import KVCodec
 from larqlpy.errors import LarqlError
-from larqlpy.kernels.codebooks import MSE
-from larqlpy.kernels.lloyd_max import gaussian_codebook
-from larqlpy.kernels.rowcodec import TurboQuantCodec
-from larqlpy.kernels.turboquant_torch import TorchCodec
+from larqlpy.kernels.kvcodec.codebooks import MSE
+from larqlpy.kernels.kvcodec.lloyd_max import gaussian_codebook
+from larqlpy.kernels.kvcodec.rowcodec import TurboQuantCodec
+from larqlpy.kernels.kvcodec.turboquant_torch import TorchCodec
 from larqlpy.tools.residency import named_geometry
 
 CPU = torch.device("cpu")

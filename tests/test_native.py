@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from larqlpy.cli.common import error_line
-from larqlpy.convert.archs import ARCHS
+from larqlpy.weights.gguf_archs import ARCHS
 from larqlpy.convert.native import SUPPORTED, decompose, dequantize
 from larqlpy.errors import LarqlError
-from larqlpy.kernels.qweight import PackedPart, PackedWeight
+from larqlpy.kernels.weights.qweight import PackedPart, PackedWeight
 from larqlpy.weights.loader import load
 from larqlpy.tools.quality import score_text
 from conftest import smol_gguf

@@ -64,7 +64,7 @@ def test_kv_stats_against_an_independent_computation(real, real_dir, long_text, 
     import torch
 
     from larqlpy.engines import EngineSpec, new_state
-    from larqlpy.kernels.turboquant_torch import TorchCodec
+    from larqlpy.kernels.kvcodec.turboquant_torch import TorchCodec
     from larqlpy.tools.observe import kv_stats
     from larqlpy.engines.lifecycle import parse_rules
 

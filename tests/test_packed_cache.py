@@ -28,7 +28,7 @@ def tiny_dir(tmp_path):
 
 def logits(loaded, ids=(2, 40, 41, 42, 43)):
     from larqlpy.engines import EngineSpec, new_state
-    from larqlpy.decode.stream import prefill
+    from larqlpy.model.decoder import prefill
 
     state = new_state(EngineSpec(), loaded.model.geometries(), loaded.device)
     return prefill(loaded.model, state, list(ids), 64, all_logits=True)

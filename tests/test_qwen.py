@@ -10,7 +10,7 @@ import torch
 
 from conftest import QWEN_DIR
 from larqlpy.convert.parts import QWEN_CODER_05B, assemble
-from larqlpy.decode.stream import prefill
+from larqlpy.model.decoder import prefill
 from larqlpy.engines import EngineSpec, new_state, parse_engine_spec
 from hf_compare import assert_chats_match, assert_prompts_match
 

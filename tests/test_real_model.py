@@ -7,7 +7,8 @@ import torch
 
 from larqlpy.engines import EngineSpec, new_state
 from larqlpy.config import GenerationConfig
-from larqlpy.decode.stream import prefill, stream_generate
+from larqlpy.model.decoder import prefill
+from larqlpy.decode.stream import stream_generate
 
 
 @pytest.fixture(scope="module")

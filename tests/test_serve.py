@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from larqlpy.weights.loader import load
-from larqlpy.request import Request
-from larqlpy.runner import execute
+from larqlpy.pipeline.request import Request
+from larqlpy.pipeline.runner import execute
 from serving import ENV, EXE, Server
 
 NAME = "smollm2-135m-instruct"

@@ -10,7 +10,7 @@ import torch
 from conftest import smol_gguf
 from hf_compare import assert_chats_match, assert_prompts_match
 from larqlpy.engines import EngineSpec, new_state, parse_engine_spec
-from larqlpy.decode.stream import prefill
+from larqlpy.model.decoder import prefill
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -21,16 +21,16 @@ from larqlpy.config import SamplingConfig
 from larqlpy.decode.sampling import probabilities, verify
 from larqlpy.decode.scheduler import Scheduler
 from larqlpy.decode.speculate import Lookup
-from larqlpy.decode.stream import prefill
+from larqlpy.model.decoder import prefill
 from larqlpy.engines import new_state
 from larqlpy.engines.presets import SPREAD, option_texts
 from larqlpy.engines.registry import parse_engine_spec
 from larqlpy.engines.stores import dispatch
 from larqlpy.errors import LarqlError
-from larqlpy.kernels.attention import attend_rows
-from larqlpy.prepare import prepare
-from larqlpy.request import Request
-from larqlpy.runner import execute, execute_many
+from larqlpy.kernels.attention.decode import attend_rows
+from larqlpy.pipeline.prepare import prepare
+from larqlpy.pipeline.request import Request
+from larqlpy.pipeline.runner import execute, execute_many
 from larqlpy.weights.loader import attach_draft, load, load_with_draft
 from serving import ENV, EXE, Server
 from tiny import make_tiny

@@ -26,7 +26,7 @@ from larqlpy.config import GenerationConfig
 from larqlpy.decode.sequence import Sequence
 from larqlpy.decode.stream import generate_step, stream_generate
 from larqlpy.weights.loader import load
-from larqlpy.session import FileSource, save
+from larqlpy.state.saved import FileSource, save
 from larqlpy.state.format import PREFIX, load_state
 from tiny import make_tiny, write_in_place
 

@@ -107,7 +107,7 @@ def smol8(smol_dir):
 def across(smol8):
     """A stop string that starts inside one generated token and ends inside the next: (the tokens
     without it, the string, the text before it, how many tokens the text ends in)."""
-    from larqlpy.api import Model
+    from larqlpy.api.model import Model
 
     toks = list(Model(smol8).generate(PROMPT, max_tokens=24, stop_at_eos=False))
     text = "".join(t.text for t in toks)
@@ -142,7 +142,7 @@ def same_state(a, b) -> bool:
 
 
 def test_a_stop_string_across_tokens_gives_one_text_and_one_kept_state_everywhere(smol8, smol_dir, across, tmp_path):
-    from larqlpy.api import Model
+    from larqlpy.api.model import Model
     from larqlpy.state.format import load_state
 
     toks, stop, want, kept = across
@@ -183,11 +183,11 @@ def test_a_stop_string_across_tokens_gives_one_text_and_one_kept_state_everywher
 def test_a_state_kept_after_a_stop_resumes_exactly(smol8, smol_dir, across, tmp_path):
     """Resumed where the text ended, it goes on as the run that never stopped: the same ids and
     logits, bit for bit."""
-    from larqlpy.api import Model
+    from larqlpy.api.model import Model
     from larqlpy.config import GenerationConfig
     from larqlpy.decode.sequence import Sequence
     from larqlpy.decode.stream import generate_step
-    from larqlpy.session import FileSource
+    from larqlpy.state.saved import FileSource
 
     toks, stop, want, kept = across
     cli("run", smol_dir, PROMPT, "-n", 24, "--weights", "int8", "--stop", stop, "--save-state", tmp_path / "s.lqkv")

@@ -15,8 +15,9 @@ from larqlpy.config import GenerationConfig, Grammar
 from larqlpy.decode.constraint import Constraint, Vocabulary, compile_grammar
 from larqlpy.decode.logits import Shaper, logprob
 from larqlpy.errors import LarqlError
-from larqlpy.request import Request
-from larqlpy.runner import execute, execute_many
+from larqlpy.pipeline.request import Request
+from larqlpy.pipeline.runner import execute, execute_many
+from larqlpy.server.openai import read_request
 from test_cli import assert_refused, cli  # noqa: F401  (the fixture)
 
 # Nested, and bounded everywhere (lengths, counts, numbers), so that every sample can end well
@@ -78,7 +79,7 @@ def test_every_spelling_gives_the_same_settings():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     flat = Request.from_dict({"prompt": "hi", "json_schema": schema, "logprobs": 2, "logit_bias": {"7": -3},
                               "frequency_penalty": 0.5, "presence_penalty": 0.25, "repetition_penalty": 1.2}).gen
-    openai = Request.from_openai({"messages": ASK, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+    openai = read_request({"messages": ASK, "temperature": 0, "logprobs": True, "top_logprobs": 2,
                                   "logit_bias": {"7": -3}, "frequency_penalty": 0.5, "presence_penalty": 0.25,
                                   "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
                                   "larqlpy": {"repetition_penalty": 1.2}}, chat=True).gen
@@ -88,9 +89,9 @@ def test_every_spelling_gives_the_same_settings():
     for g in (openai, api):
         assert (g.grammar, g.logprobs, g.logit_bias, g.frequency_penalty, g.presence_penalty,
                 g.repetition_penalty) == (flat.grammar, 2, ((7, -3.0),), 0.5, 0.25, 1.2)
-    assert Request.from_openai({"prompt": "hi", "logprobs": 0}, chat=False).gen.logprobs == 0
-    assert Request.from_openai({"prompt": "hi", "response_format": {"type": "text"}}, chat=False).gen.grammar is None
-    assert Request.from_openai({"prompt": "hi", "larqlpy": {"grammar": 'root ::= "a"'}}, chat=False).gen.grammar \
+    assert read_request({"prompt": "hi", "logprobs": 0}, chat=False).gen.logprobs == 0
+    assert read_request({"prompt": "hi", "response_format": {"type": "text"}}, chat=False).gen.grammar is None
+    assert read_request({"prompt": "hi", "larqlpy": {"grammar": 'root ::= "a"'}}, chat=False).gen.grammar \
         == Grammar("grammar", 'root ::= "a"')
 
 

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from larqlpy.engines import EngineSpec, new_state
 from larqlpy.config import GenerationConfig
-from larqlpy.decode.stream import prefill, stream_generate
+from larqlpy.model.decoder import prefill
+from larqlpy.decode.stream import stream_generate
 from larqlpy.weights.loader import load
 from tiny import make_tiny
 

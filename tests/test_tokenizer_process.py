@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 from larqlpy.config import GenerationConfig
-from larqlpy.api import engine_spec
+from larqlpy.api.model import engine_spec
 from larqlpy.decode.stream import stream_generate
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}

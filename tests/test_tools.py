@@ -15,8 +15,8 @@ import pytest
 from larqlpy.config import Grammar
 from larqlpy.decode.constraint import Constraint, Vocabulary, compile_grammar
 from larqlpy.errors import LarqlError
-from larqlpy.request import Request
-from larqlpy.runner import execute, execute_many
+from larqlpy.pipeline.request import Request
+from larqlpy.pipeline.runner import execute, execute_many
 from larqlpy.text.chat_template import ChatTemplate
 from larqlpy.text.tools import (CallStream, call_grammar, convention, read_reply, tag_tokens, template_messages,
                                  tool_use)

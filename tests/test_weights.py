@@ -16,10 +16,10 @@ from larqlpy.engines import EngineSpec, new_state, parse_engine_spec
 from larqlpy.errors import LarqlError
 from larqlpy.config import GenerationConfig
 from larqlpy.decode.stream import stream_generate
-from larqlpy.kernels import choice, prefetch
-from larqlpy.kernels.qweight import GROUP, TILE, PackedWeight
+from larqlpy.kernels.weights import choice, prefetch
+from larqlpy.kernels.weights.qweight import GROUP, TILE, PackedWeight
 from larqlpy.weights.loader import load
-from larqlpy.session import save
+from larqlpy.state.saved import save
 from larqlpy.tools.quality import score_text
 from test_state import resume, run
 from tiny import make_tiny
@@ -96,8 +96,8 @@ def test_gemv_and_slab_gemm_agree_with_the_dequantized_matrix(fmt, monkeypatch):
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
     x3 = torch.randn(3, 128)  # a few rows: the decode kernels
     assert torch.allclose(p.matmul(x3, path="float"), F.linear(x3, dense), atol=1e-5, rtol=1e-4)
-    monkeypatch.setattr("larqlpy.kernels.qweight.SLAB_BYTES", 1)  # one tile per slab: the slab loop is exercised
-    monkeypatch.setattr("larqlpy.kernels.qweight.GEMV_ROWS", 4)
+    monkeypatch.setattr("larqlpy.kernels.weights.qweight.SLAB_BYTES", 1)  # one tile per slab: the slab loop runs
+    monkeypatch.setattr("larqlpy.kernels.weights.qweight.GEMV_ROWS", 4)
     xs = torch.randn(9, 128)
     assert torch.allclose(p.matmul(xs, path="float"), F.linear(xs, dense), atol=1e-5, rtol=1e-4)
 
@@ -132,7 +132,7 @@ def test_tiny_model_runs_at_every_precision(tiny_dir, fmt):
 
 @pytest.mark.parametrize("fmt", ["int4", "bf16"])
 def test_the_loader_gives_every_matrix_the_measured_prefetch_distance(tiny_dir, fmt, tmp_path, monkeypatch):
-    """The distance is measured on the model's own matrices at load (kernels/prefetch.py) and kept per
+    """The distance is measured on the model's own matrices at load (kernels/weights/prefetch.py) and kept per
     machine; the model's outputs are the same whatever it is."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(choice, "_memo", {})
@@ -266,8 +266,8 @@ def test_the_torch_path_cuda_takes_runs_on_the_cpu_too(fmt):
 
 
 def test_stacked_parts_equal_matrices_packed_alone():
-    from larqlpy.kernels.matvec import linears
-    from larqlpy.kernels.qweight import stack
+    from larqlpy.kernels.weights.matvec import linears
+    from larqlpy.kernels.weights.qweight import stack
 
     g = torch.Generator().manual_seed(3)
     ws = [torch.randn(n, 64, generator=g) for n in (96, 32, 32)]

@@ -12,7 +12,7 @@ def resume_and_decode(model_dir: str, state_path: str, n: str, out: str, weights
     from larqlpy.config import GenerationConfig
     from larqlpy.decode.sequence import Sequence
     from larqlpy.decode.stream import generate_step
-    from larqlpy.session import FileSource
+    from larqlpy.state.saved import FileSource
     from larqlpy.weights.loader import load
 
     loaded = load(model_dir, device="cpu", weights=weights, kv_dtype=kv_dtype or None)
@@ -25,9 +25,9 @@ def resume_and_decode(model_dir: str, state_path: str, n: str, out: str, weights
 
 def save_forever(model_dir: str, state_path: str) -> None:
     """Grow a state and save it over the same file, as fast as it goes, until killed."""
-    from larqlpy.decode.sequence import Held
+    from larqlpy.state.sources import Held
     from larqlpy.engines import EngineSpec, new_state
-    from larqlpy.session import save
+    from larqlpy.state.saved import save
     from larqlpy.weights.loader import load
 
     loaded = load(model_dir, device="cpu")

@@ -14,12 +14,29 @@ from typing import Optional
 
 import typer
 
-from larqlpy.cli.common import (ALLOW_UNUSED, DEVICE, DRAFT, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, KV_DTYPE, MONITOR,
-                                MONITOR_PLOT, WEIGHTS, check_paths, err, model_home, monitored, size_flag, speculation,
-                                started)
+from larqlpy.cli.common import (
+    ALLOW_UNUSED,
+    DEVICE,
+    DRAFT,
+    DRAFT_TOKENS,
+    DRAFT_WEIGHTS,
+    DTYPE,
+    KV_DTYPE,
+    MONITOR,
+    MONITOR_PLOT,
+    WEIGHTS,
+    check_paths,
+    err,
+    model_home,
+    monitored,
+    size_flag,
+    speculation,
+    started,
+)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write, check_output, read_bytes
+
 
 def batch(
     model: Path = typer.Argument(..., help="model directory or .gguf file"),
@@ -64,7 +81,7 @@ def batch(
     check_kv_dtype(kv_dtype)
     speculation(draft, draft_tokens, 0, draft_weights=draft_weights)
     items = read_lines(infile, part)
-    from larqlpy.tools.batch_run import Setup, cores
+    from larqlpy.batch.local import Setup, cores
 
     procs = actors if ray_address is not None else workers
     run = _Run(Setup(str(model), device, dtype, weights, kv_dtype, parallel, budget // procs if budget else None,
@@ -84,7 +101,7 @@ def batch(
 def checked(model, infile, output, workers, ray_address, actors, actor_cpus, worker_model, resume_output,
             kv_budget, shard, parallel, monitor, monitor_plot) -> tuple[int | None, tuple[int, int] | None]:
     """Every refusal the flags can make, before any weights load; the KV budget in bytes and the shard."""
-    from larqlpy.batch_lines import parse_shard
+    from larqlpy.batch.lines import parse_shard
     from larqlpy.config import BatchConfig
     from larqlpy.model.families import read_config
 
@@ -109,7 +126,7 @@ def checked(model, infile, output, workers, ray_address, actors, actor_cpus, wor
 def read_lines(infile: str, part: tuple[int, int] | None) -> list:
     """The input's lines (each decoded on its own: one that is not UTF-8 is an error record, the
     others run), only this shard's."""
-    from larqlpy.batch_lines import split_lines
+    from larqlpy.batch.lines import split_lines
 
     if infile == "-":
         data = getattr(sys.stdin, "buffer", sys.stdin).read()
@@ -149,7 +166,7 @@ class _Run:
         """--resume-output: keep OUT's records for unchanged lines (a record cut off mid-write and
         records of edited lines are dropped), append the rest as they finish, and end with every
         record in input order."""
-        from larqlpy.batch_lines import matching, read_records
+        from larqlpy.batch.lines import matching, read_records
 
         kept = matching(read_records(output, strict=False)[0], items) if output.exists() else {}
         write_sorted(output, list(kept.values()))  # what is kept, nothing half-written, before the work
@@ -196,10 +213,10 @@ class _Run:
         return failed
 
     def records(self, items, show):
-        from larqlpy.tools.batch_run import local_records, worker_records
+        from larqlpy.batch.local import local_records, worker_records
 
         if self.ray_address is not None:
-            from larqlpy.tools.ray_batch import ray_records
+            from larqlpy.batch.ray import ray_records
 
             setup = dataclasses.replace(self.setup, model=self.worker_model or str(Path(self.setup.model).resolve()))
             def replaced(name: str) -> None:

@@ -19,7 +19,7 @@ def batch_merge(
 ):
     """Merge shard outputs in input order, checking that every input line has exactly one record
     (matched by line number and line hash). Exit 1 when a record is an error, as batch does."""
-    from larqlpy.batch_lines import line_hash, read_records, split_lines
+    from larqlpy.batch.lines import line_hash, read_records, split_lines
     from larqlpy.cli.batch import write_sorted
     from larqlpy.files import check_output, read_bytes
 

@@ -14,11 +14,29 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT,
-                                DRAFT_P_MIN, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, ENGINE, KV_DTYPE, LOOKUP, WEIGHTS, err,
-                                error_line, fmt_bytes, load_model, speculation)
-from larqlpy.engines.geometry import check_kv_dtype
+from larqlpy.cli.common import (
+    ALLOW_UNUSED,
+    CHAT_TEMPLATE,
+    CONTINUATION,
+    CONTINUATION_OPTION,
+    DEVICE,
+    DRAFT,
+    DRAFT_P_MIN,
+    DRAFT_TOKENS,
+    DRAFT_WEIGHTS,
+    DTYPE,
+    ENGINE,
+    KV_DTYPE,
+    LOOKUP,
+    WEIGHTS,
+    err,
+    error_line,
+    fmt_bytes,
+    load_model,
+    speculation,
+)
 from larqlpy.config import GenerationConfig, SamplingConfig
+from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
 
@@ -54,7 +72,7 @@ def chat(
     allow_unused_tensors: bool = ALLOW_UNUSED,
 ):
     """Talk to MODEL, keeping the conversation's attention state between turns."""
-    from larqlpy.request import Request
+    from larqlpy.pipeline.request import Request
 
     req = Request.from_dict(dict(prompt="", engine=engine, continuation=continuation, options=list(continuation_option),
                                  kv_budget=kv_budget, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
@@ -63,7 +81,7 @@ def chat(
     chosen = engine is not None or continuation is not None or continuation_option or kv_budget is not None
     spec = req.spec().stateful("hold a conversation") if chosen else None  # every refusal before the weights load
 
-    from larqlpy.chat import ChatSession
+    from larqlpy.api.chat import ChatSession
     from larqlpy.text.chat_template import ChatTemplate
 
     check_kv_dtype(kv_dtype)

@@ -44,7 +44,7 @@ CHAT_TEMPLATE = typer.Option(None, "--chat-template", help="a jinja chat templat
 # Library parameter -> how a CLI user gives it. The library names parameters in backticks
 # (larqlpy.errors); only here do they become flags.
 FLAGS = {
-    "options": "--continuation-option", "engine": "--engine", "continuation": "--continuation",
+    "ray_address": "--ray", "options": "--continuation-option", "engine": "--engine", "continuation": "--continuation",
     "max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
     "seed": "--seed", "prefill_chunk": "--prefill-chunk", "kv_budget": "--kv-budget", "resume": "--resume",
     "save_state": "--save-state", "reprefill": "--reprefill", "weights": "--weights", "device": "--device",

@@ -9,16 +9,50 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT,
-                                DRAFT_P_MIN, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, ENGINE, FREQUENCY_PENALTY, GRAMMAR,
-                                JSON_SCHEMA, KV_DTYPE, LOGIT_BIAS, LOGPROBS, LOOKUP, MONITOR, MONITOR_PLOT,
-                                PRESENCE_PENALTY, REGEX, REPEAT_LAST_N, REPETITION_PENALTY, TOOL_CHOICE, TOOLS, WEIGHTS,
-                                check_paths, cli_text, err, fmt_bytes, load_model, model_home, monitored, read_prompt,
-                                shaping, speculation, tool_flags)
+from larqlpy.cli.common import (
+    ALLOW_UNUSED,
+    CHAT_TEMPLATE,
+    CONTINUATION,
+    CONTINUATION_OPTION,
+    DEVICE,
+    DRAFT,
+    DRAFT_P_MIN,
+    DRAFT_TOKENS,
+    DRAFT_WEIGHTS,
+    DTYPE,
+    ENGINE,
+    FREQUENCY_PENALTY,
+    GRAMMAR,
+    JSON_SCHEMA,
+    KV_DTYPE,
+    LOGIT_BIAS,
+    LOGPROBS,
+    LOOKUP,
+    MONITOR,
+    MONITOR_PLOT,
+    PRESENCE_PENALTY,
+    REGEX,
+    REPEAT_LAST_N,
+    REPETITION_PENALTY,
+    TOOL_CHOICE,
+    TOOLS,
+    WEIGHTS,
+    check_paths,
+    cli_text,
+    err,
+    fmt_bytes,
+    load_model,
+    model_home,
+    monitored,
+    read_prompt,
+    shaping,
+    speculation,
+    tool_flags,
+)
+from larqlpy.config import GenerationConfig, SamplingConfig
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
-from larqlpy.config import GenerationConfig, SamplingConfig
 
 
 def run(
@@ -98,7 +132,7 @@ def generate(model: Path, req, as_json: bool, monitor, monitor_plot, **load) -> 
 
     helper = start(model_home(model))  # the tokenizer loads on another core while torch imports (before it: fork)
 
-    from larqlpy.runner import execute
+    from larqlpy.pipeline.runner import execute
 
     with monitored(monitor, monitor_plot) as mon:
         loaded = load_model(model, tokenizer=helper, **load)
@@ -114,7 +148,7 @@ def generate(model: Path, req, as_json: bool, monitor, monitor_plot, **load) -> 
 
 def run_request(prompt: str, flags: dict):
     """The run's request, every refusal made before the weights load."""
-    from larqlpy.request import Request
+    from larqlpy.pipeline.request import Request
 
     chat, system = flags.pop("chat"), flags.pop("system")
     if (system is not None or flags["chat_template"] is not None) and not chat:

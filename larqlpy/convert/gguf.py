@@ -18,15 +18,15 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from larqlpy.convert.archs import Meta
-from larqlpy.convert.gguf_meta import read_gguf, write_metadata
 from larqlpy.convert.native import native_codes
-from larqlpy.convert.tokenizers_gguf import build_tokenizer
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_directory, check_output
-from larqlpy.weights import native_file
 from larqlpy.model.families import read_config
+from larqlpy.weights import native_file
 from larqlpy.weights.checkpoint import Checkpoint, check_finite
+from larqlpy.weights.gguf_archs import Meta
+from larqlpy.weights.gguf_meta import read_gguf, write_metadata
+from larqlpy.weights.gguf_tokenizer import build_tokenizer
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 

@@ -1,7 +1,7 @@
 """A GGUF's quantized matrices as integer codes, exactly: what `--weights native` runs.
 
 Each supported block type is taken apart into the codes u, one float32 scale (and minimum) per group
-and the zero point of kernels/qweight.py, such that  scale * (u - zero) (+ minimum), rounded as
+and the zero point of kernels/weights/qweight.py, such that  scale * (u - zero) (+ minimum), rounded as
 float32 one operation at a time, is bit for bit what gguf-py's dequantization gives:
 
   Q8_0, Q5_0        d * q                 8-bit codes q + 128, groups of 32
@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 
 from larqlpy.errors import LarqlError
-from larqlpy.kernels.gguf_blocks import values as dequantize  # codes -> the float32 values they stand for
+from larqlpy.kernels.weights.gguf_blocks import values as dequantize  # codes -> the float32 values they stand for
 
 Q = gguf.GGMLQuantizationType
 ONE, ZERO = np.array([1.0], np.float16).view(np.uint8), np.array([0.0], np.float16).view(np.uint8)

@@ -24,7 +24,8 @@ import torch
 
 from larqlpy.budget import KVBudget
 from larqlpy.config import BatchConfig, default_parallel
-from larqlpy.decode.sequence import Sequence, Token
+from larqlpy.decode.output import Token
+from larqlpy.decode.sequence import Sequence
 
 
 class Event(NamedTuple):
@@ -80,8 +81,6 @@ class Scheduler:
         self.budget = budget if budget is not None else KVBudget()
         self.waiting: deque[Sequence] = deque()
         self.live: list[Sequence] = []
-        self.steps = 0
-        self.rows = 0  # rows run through the model so far
         self.generated = 0  # tokens let out so far
 
     def submit(self, seq: Sequence) -> None:
@@ -117,8 +116,6 @@ class Scheduler:
                 seq.fail(e)
                 events.append(self._end(seq))
             return events
-        self.steps += 1
-        self.rows += sum(b[0].shape[0] for b in blocks)
         for seq, logits in zip(chosen, outs):
             events += self._take(seq, lambda: seq.feed(logits))
         return events

@@ -1,7 +1,8 @@
 """One request's generation, whoever drives it: its history and attention state, the forward it
 needs next (the cached state's next rows, or under no-cache the whole history on a fresh state),
-sampling, stop ids and stop strings, the detokenizer and its timing. `stream.generate_step` runs
-one alone; the scheduler runs many in one forward pass per step. Neither knows which engine it runs.
+sampling, stop ids and timing; what it lets out is its `Output`'s (the detokenizer, stop strings,
+log-probabilities), and speculation its `Verifier`'s. `stream.generate_step` runs one alone; the
+scheduler runs many in one forward pass per step. Neither knows which engine it runs.
 
 A sequence asks for the rows to run next (`block`), takes the logits they produced (`feed`), and
 lets out tokens; `held()` is the state it leaves, with the tokens that state stands for.
@@ -10,148 +11,31 @@ lets out tokens; `held()` is the state it leaves, with the tokens that state sta
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Protocol
+from typing import Any, Callable
 
 import torch
 
 from larqlpy.config import GenerationConfig
 from larqlpy.decode.constraint import Constraint, Vocabulary, compile_grammar
 from larqlpy.decode.logits import Logprob, Shaper, logprob
+from larqlpy.decode.output import Metrics, Output, Token
 from larqlpy.decode.sampling import refuse_non_finite, sample, verify
-from larqlpy.decode.stops import Piece, StopStrings
+from larqlpy.decode.speculate import Proposer, Verifier
+from larqlpy.decode.stops import Piece
 from larqlpy.engines import EngineSpec, build_provider
-from larqlpy.engines.stores.base import EngineState
+from larqlpy.engines.stores.state import EngineState
 from larqlpy.errors import LarqlError, failure
-
-
-@dataclass(frozen=True)
-class Metrics:
-    """A snapshot: every Token carries its own."""
-
-    prompt_tokens: int = 0
-    prefilled_tokens: int = 0  # fewer than prompt_tokens when a resumed state already held a prefix
-    prefill_seconds: float = 0.0
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
-    resident_kv_bytes: int = 0
-    resident_kv_by_kind: dict[str, int] = field(default_factory=dict)
-    position: int = 0
-    proposed_tokens: int = 0  # speculative decoding: ids proposed, those the target kept, target passes
-    accepted_tokens: int = 0
-    target_steps: int = 0
-
-    @property
-    def prefill_tps(self) -> float:
-        return self.prefilled_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        # the first generated token comes from the prefill's logits; decode time covers the rest
-        steps = max(self.decode_tokens - 1, 0)
-        return steps / self.decode_seconds if self.decode_seconds else 0.0
-
-    @property
-    def acceptance(self) -> float:
-        """The share of proposed ids the target kept."""
-        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Ids decoded per forward pass of the target (1 without speculation)."""
-        return max(self.decode_tokens - 1, 0) / self.target_steps if self.target_steps else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {"prompt_tokens": self.prompt_tokens, "prefilled_tokens": self.prefilled_tokens,
-               "prefill_seconds": round(self.prefill_seconds, 6), "prefill_tokens_per_s": round(self.prefill_tps, 3),
-               "decode_tokens": self.decode_tokens, "decode_seconds": round(self.decode_seconds, 6),
-               "decode_tokens_per_s": round(self.decode_tps, 3), "resident_kv_bytes": self.resident_kv_bytes,
-               "resident_kv_by_kind": dict(self.resident_kv_by_kind), "position": self.position}
-        if self.target_steps:
-            out.update(proposed_tokens=self.proposed_tokens, accepted_tokens=self.accepted_tokens,
-                       acceptance_rate=round(self.acceptance, 4), target_steps=self.target_steps,
-                       tokens_per_target_step=round(self.tokens_per_step, 4))
-        return out
-
-
-@dataclass(frozen=True)
-class Token:
-    id: int
-    text: str  # the new text this token completes (may be "" while a UTF-8 sequence is open)
-    index: int  # 0-based among the tokens let out
-    logits: torch.Tensor  # (V,) float32 logits this token was chosen from
-    metrics: Metrics
-    finish_reason: str | None = None  # "stop" (a stop id or string, a complete grammar) or "length", on the last
-    logprob: Logprob | None = None  # when the request asks for log-probabilities
-
-
-@dataclass
-class Held:
-    """An attention state and the tokens it stands for: it holds tokens[:state.position]. `logits`
-    are the model's output at its newest position, when known (a request that continues from
-    exactly the held tokens samples from them)."""
-
-    tokens: list[int]
-    state: EngineState
-    logits: torch.Tensor | None = None
-
-    @property
-    def spec(self) -> EngineSpec:
-        return EngineSpec(self.state.identity, tuple(sorted(self.state.options.items())))
-
-
-@dataclass(frozen=True)
-class Reuse:
-    """What a state source gives a sequence when it starts: a state holding a prefix of its ids
-    (None: it starts afresh), and what to report of it (resumed_from, reused_tokens, trimmed_from,
-    refused: why a matching state could not serve)."""
-
-    held: Held | None = None
-    info: dict = field(default_factory=dict)
-
-
-class StateSource(Protocol):
-    """Where a sequence's first state may come from: a state file, a server's kept states, a chat's
-    previous turn. `take` hands over a state that holds a prefix of `ids`, cut back to it where
-    needed; the source keeps it no longer."""
-
-    def take(self, ids: list[int], spec: EngineSpec) -> Reuse: ...
-
-
-class Given:
-    """The source of one state a caller already has: it holds a prefix of the prompt (and, when it
-    holds all of it, the logits at its newest position)."""
-
-    def __init__(self, held: Held):
-        self.held = held
-
-    def take(self, ids: list[int], spec: EngineSpec) -> Reuse:
-        held, self.held = self.held, None
-        return Reuse(held)
-
-
-class Proposer(Protocol):
-    """Speculative decoding's source of proposals (decode/speculate.py)."""
-
-    tokens: int  # the most ids it proposes at once
-
-    def state_bytes(self, positions: int) -> int: ...
-
-    def reserve(self, positions: int) -> None: ...
-
-    def propose(self, history: list[int], k: int, sampling, constraint) -> tuple[list[int], list | None]: ...
-
-    def settle(self, history: list[int]) -> None: ...
-
-    def prime(self, history: list[int]) -> None: ...
+from larqlpy.state.sources import Held, Reuse, StateSource
 
 
 class Sequence:
     def __init__(self, model, prompt_ids: list[int], spec: EngineSpec = EngineSpec(),
                  gen: GenerationConfig = GenerationConfig(), *, stop_ids=(), tokenizer=None,
                  source: StateSource | None = None, key: Any = None, request: Any = None, notes=(),
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, before_start: Callable[[], str | None] | None = None):
+        """`before_start`: what the model must do before this sequence's first state (its engine's
+        key calibration), run by `start` -- on the thread that runs the model -- with its note kept."""
         if not prompt_ids:
             raise LarqlError("empty prompt: nothing to condition on")
         if (gen.stop or gen.grammar is not None) and tokenizer is None:
@@ -159,32 +43,41 @@ class Sequence:
         self.model, self.spec, self.gen, self.source = model, spec, gen, source
         self.provider = build_provider(spec)  # its engine, built once: peak accounting and fresh states
         self.key, self.request, self.notes = key, request, list(notes)
+        self.before_start = before_start
         self.prompt_ids, self.history = list(prompt_ids), list(prompt_ids)
         self.stop_ids = frozenset(stop_ids) if gen.stop_at_eos else frozenset()
         self.tokenizer = tokenizer
-        self.detokenizer = tokenizer.stream() if tokenizer is not None else None
-        self.stops = StopStrings(gen.stop)
+        self.out = Output(tokenizer, gen.stop)
         vocab = model.cfg.vocab_size if gen.shapes_logits else 0
         constraint = Constraint(Vocabulary.of(tokenizer, vocab), compile_grammar(gen.grammar)) \
             if gen.grammar is not None else None
         self.shaper = Shaper(gen, vocab, constraint)
-        self.logprobs: list[Logprob | None] = []  # of the ids let out
         seed = gen.sampling.seed
         self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
         self.state: EngineState | None = None
         self.logits: torch.Tensor | None = None  # the model's output at the state's newest position
         self.ready = False  # a token is to be sampled from `logits`
         self.generated: list[int] = []  # every id sampled
-        self.output: list[int] = []  # the ids let out (a stop string drops what follows its cut)
-        self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.info: dict = {}  # what the source said of the state it gave
         self.t0 = self.t_decode = self.t_end = None  # started, first token, finished
         self.prefill_seconds = 0.0
-        self.proposer = proposer if not spec.replay else None  # no-cache keeps no state to roll back
-        self.proposal: tuple[list[int], list | None] | None = None  # what the running block verifies
-        self.proposed = self.accepted = self.target_steps = 0
+        # no-cache keeps no state to roll back
+        self.verifier = Verifier(proposer) if proposer is not None and not spec.replay else None
+
+    # -- what it let out (its Output's) -----------------------------------------------------------
+    @property
+    def output(self) -> list[int]:
+        return self.out.ids
+
+    @property
+    def text(self) -> str:
+        return self.out.text
+
+    @property
+    def logprobs(self) -> list[Logprob | None]:
+        return self.out.logprobs
 
     # -- what a driver asks --------------------------------------------------------------------
     @property
@@ -206,8 +99,8 @@ class Sequence:
         or the one new token; 0 while it waits to sample or has finished."""
         if self.finished or self.ready:
             return 0
-        if self.proposer is not None and self.decoding:
-            return 1 + self.proposer.tokens  # at most: the proposals are made with the block
+        if self.verifier is not None and self.decoding:
+            return 1 + self.verifier.tokens  # at most: the proposals are made with the block
         c = self.gen.prefill_chunk
         return min(c, self.state.max_chunk or c, self.pending)
 
@@ -218,24 +111,27 @@ class Sequence:
     @property
     def rollback(self) -> int:
         """Positions a verification may take past its history and trim back (0: no proposer)."""
-        return self.proposer.tokens if self.proposer is not None else 0
+        return self.verifier.tokens if self.verifier is not None else 0
 
     @cached_property
     def peak_bytes(self) -> int:
         """The KV it may grow to: its engine's accounting at prompt + max_tokens positions, with the
         rows a verification may take past them and a draft model's state."""
         own = self.provider.state_bytes(self.model.geometries(), self.peak_positions, self.rollback)
-        return own + (self.proposer.state_bytes(self.peak_positions) if self.proposer is not None else 0)
+        return own + (self.verifier.state_bytes(self.peak_positions) if self.verifier is not None else 0)
 
     def start(self) -> None:
         """Its first state: from its source (a prefix it already holds), or a fresh one."""
         if self.state is not None:
             return
-        self.t0 = time.perf_counter()
+        note = self.before_start() if self.before_start is not None else None
+        if note:
+            self.notes.append(note)
+        self.t0 = time.perf_counter()  # a measurement before it is not its prefill
         reuse = self.source.take(self.prompt_ids, self.spec) if self.source is not None else Reuse()
         held, self.info = reuse.held, dict(reuse.info)
         self.state = held.state if held is not None else self._fresh()
-        # prompt tokens a state already held (a branch's prompt was prefilled for it: decode/fork.py)
+        # prompt tokens a state already held (a branch's prompt was prefilled for it: state/branches.py)
         self.held_from = 0 if "branch" in self.info else self.state.position
         if self.rollback:
             self.state.keep_rollback(self.rollback)
@@ -249,14 +145,14 @@ class Sequence:
         if self.spec.replay:  # a replayed state is thrown away every step
             return
         self.state.reserve(self.peak_positions + self.rollback)
-        if self.proposer is not None:
-            self.proposer.reserve(self.peak_positions)
+        if self.verifier is not None:
+            self.verifier.reserve(self.peak_positions)
 
     def block(self) -> tuple[torch.Tensor, EngineState, str]:
         """Its next rows for the model: (ids, state, which logits to return). A decode step with a
         proposer: its newest id and the proposals after it, every row's logits, attended as steps."""
-        if self.proposer is not None and self.decoding:
-            return self._speculate()
+        if self.verifier is not None and self.decoding:
+            return self.verifier.block(self)
         n, lo = self.rows(), self.state.position
         self.logits = None  # the state moves past its newest position
         return torch.tensor(self.history[lo:lo + n], dtype=torch.long), self.state, \
@@ -266,47 +162,18 @@ class Sequence:
         """What its block produced (None: a prefill chunk before the last); the tokens let out."""
         if logits is None:
             return []
-        if self.proposal is not None:
-            return self._verify(logits)
+        if self.verifier is not None and self.verifier.verifying:
+            return self.verifier.verify(self, logits)
         self.logits, self.ready = logits[-1], True
         return self.sample()
-
-    def _speculate(self) -> tuple[torch.Tensor, EngineState, str]:
-        # proposals never run past max_tokens: the last one's logits give the token after it
-        room = self.gen.max_tokens - len(self.generated) - 1
-        ids, qs = self.proposer.propose(self.history, min(self.proposer.tokens, max(room, 0)),
-                                        self.gen.sampling, self.shaper.constraint) if room > 0 else ([], None)
-        self.proposal = (ids, qs)
-        self.logits = None
-        return torch.tensor(self.history[-1:] + ids, dtype=torch.long), self.state, "steps" if ids else "last"
-
-    def _verify(self, logits: torch.Tensor) -> list[Token]:
-        """Each row's logits in turn, as plain decode would take them, while the target's choice is
-        the proposal; then every state is cut back to the history kept."""
-        (ids, qs), self.proposal = self.proposal, None
-        self.target_steps += 1
-        self.proposed += len(ids)
-        out: list[Token] = []
-        for j in range(len(ids) + 1):
-            self.logits, self.ready = logits[j], True
-            guess = (ids[j], qs[j] if qs is not None else None) if j < len(ids) else None
-            out += self.sample(guess)
-            if self.finished or guess is None or self.generated[-1] != guess[0]:
-                break
-            self.accepted += 1
-        keep = len(self.history) - 1  # the state holds all but the newest id, as after any step
-        if self.state.position > keep:
-            self.state.trim(keep)
-        self.proposer.settle(self.history)
-        return out
 
     def sample(self, guess: tuple[int, Any] | None = None) -> list[Token]:
         """The next id from the waiting logits, into the history; the tokens let out. `guess`: a
         speculative proposal (id, its draft distribution or None) this choice verifies."""
         logits, self.ready = self.logits, False
         if self.t_decode is None:
-            if self.proposer is not None and self.gen.max_tokens > 1:
-                self.proposer.prime(self.history)  # the prompt is prefill's work, the draft's too
+            if self.verifier is not None and self.gen.max_tokens > 1:
+                self.verifier.prime(self.history)  # the prompt is prefill's work, the draft's too
             self.t_decode = time.perf_counter()
             self.prefill_seconds = self.t_decode - self.t0
         if len(self.generated) >= self.gen.max_tokens:  # max_tokens 0: the prompt only
@@ -314,20 +181,12 @@ class Sequence:
         tok, lp = self._choose(logits, guess)
         self.generated.append(tok)
         self.history.append(tok)
-        if tok in self.stop_ids:  # its text is none, and what waited goes out before it
-            out, reason = self.stops.flush(), "stop"
-            if not self.stops.cut:
-                out.append(Piece(tok, "", (logits, lp)))
-        else:
-            text = self.detokenizer.step(tok) if self.detokenizer is not None else ""
-            out, reason = self.stops.push(Piece(tok, text, (logits, lp))), None
-            if not self.stops.cut and (self.shaper.done or len(self.generated) == self.gen.max_tokens):
-                out, reason = out + self.stops.flush(), "stop" if self.shaper.done else "length"
-        if self.stops.cut:  # a stop string: the text ends before it, and the state where the text ends
-            tokens = self._release(out, "stop")
-            self._end_at_text((out[-1] if out else self.stops.dropped[0]).extra[0])
-        else:
-            tokens = self._release(out, reason)
+        done = self.shaper.done or len(self.generated) == self.gen.max_tokens
+        pieces, finish = self.out.take(tok, logits, lp, tok in self.stop_ids,
+                                       ("stop" if self.shaper.done else "length") if done else None)
+        tokens = self._release(pieces, finish)
+        if self.out.cut:  # a stop string: the text ends before it, and the state where the text ends
+            self._end_at_text(self.out.cut_logits(pieces))
         if self.spec.replay and not self.finished:  # no-cache: the whole history again, on a fresh state
             self.state = self._fresh()
         return tokens
@@ -354,9 +213,10 @@ class Sequence:
         s = self.state
         by_kind = s.resident_by_kind()  # one pass over the stores: the total is its sum
         decode = (self.t_end or time.perf_counter()) - self.t_decode if self.t_decode is not None else 0.0
+        v = self.verifier
         return Metrics(len(self.prompt_ids), len(self.prompt_ids) - self.held_from, self.prefill_seconds,
                        len(self.generated), decode, sum(by_kind.values()), by_kind, s.position,
-                       self.proposed, self.accepted, self.target_steps)
+                       *((v.proposed, v.accepted, v.steps) if v is not None else ()))
 
     def held(self) -> Held | None:
         """The state it leaves and the tokens that state stands for (None: no-cache keeps no state,
@@ -381,17 +241,7 @@ class Sequence:
     def _release(self, pieces: list[Piece], finish: str | None) -> list[Token]:
         if finish is not None:
             self.finish_reason, self.t_end = finish, time.perf_counter()
-        if not pieces:
-            return []
-        m = self.metrics()
-        out = []
-        for i, p in enumerate(pieces):
-            logits, lp = p.extra
-            out.append(Token(p.id, p.text, len(self.output), logits, m, finish if i == len(pieces) - 1 else None, lp))
-            self.output.append(p.id)
-            self.logprobs.append(lp)
-            self.text += p.text
-        return out
+        return self.out.release(pieces, finish, self.metrics()) if pieces else []
 
     def _end_at_text(self, logits: torch.Tensor) -> None:
         """After a stop string: the history and the state end where the text ends (the token the

@@ -1,5 +1,5 @@
 """Speculative decoding: proposals of the next few ids, which the sequence verifies in one forward
-pass of the target over them (decode/sequence.py `Sequence._verify`), keeping the longest run the
+pass of the target over them (`Verifier`), keeping the longest run the
 target agrees with and rolling every state back past the rest.
 
 Two proposers, one protocol (`propose(history, k, sampling, constraint)` -> (ids, q), `settle(history)`):
@@ -15,16 +15,34 @@ verification: the constraint steps through the proposals and is rolled back afte
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from larqlpy.config import SamplingConfig
 from larqlpy.decode.sampling import draw, probabilities
-from larqlpy.decode.stream import prefill
 from larqlpy.engines import EngineSpec, build_provider
 from larqlpy.errors import LarqlError
+from larqlpy.model.decoder import prefill
 from larqlpy.state.format import common_prefix
 
 MAX_NGRAM = 4  # the longest suffix prompt lookup tries to find again
+
+
+class Proposer(Protocol):
+    """A source of proposals: `Lookup`, `Draft`."""
+
+    tokens: int  # the most ids it proposes at once
+
+    def state_bytes(self, positions: int) -> int: ...
+
+    def reserve(self, positions: int) -> None: ...
+
+    def propose(self, history: list[int], k: int, sampling, constraint) -> tuple[list[int], list | None]: ...
+
+    def settle(self, history: list[int]) -> None: ...
+
+    def prime(self, history: list[int]) -> None: ...
 
 
 class Lookup:
@@ -161,3 +179,64 @@ class Draft:
                 raise LarqlError("the draft's state cannot go back to the target's history")
             self.state.trim(same)
             self.held = self.held[:same]
+
+
+class Verifier:
+    """Speculation for one sequence: its newest id and the proposer's ids after it, run as one block
+    whose every row's logits the sequence takes in turn as plain decode would (`Sequence.sample`)
+    while the target's choice is the proposal; then every state cut back to the history kept. With
+    its counters: ids proposed, those kept, and the target's passes."""
+
+    def __init__(self, proposer: Proposer):
+        self.proposer = proposer
+        self.proposal: tuple[list[int], list | None] | None = None  # what the running block verifies
+        self.proposed = self.accepted = self.steps = 0
+
+    @property
+    def tokens(self) -> int:
+        """The most ids it proposes at once: the rows past the first a block may take, and the
+        positions a state may have to go back."""
+        return self.proposer.tokens
+
+    @property
+    def verifying(self) -> bool:
+        return self.proposal is not None
+
+    def state_bytes(self, positions: int) -> int:
+        return self.proposer.state_bytes(positions)
+
+    def reserve(self, positions: int) -> None:
+        self.proposer.reserve(positions)
+
+    def prime(self, history: list[int]) -> None:
+        self.proposer.prime(history)
+
+    def block(self, seq) -> tuple[torch.Tensor, object, str]:
+        """`seq`'s next block: its newest id and the proposals after it (never past max_tokens: the
+        last one's logits give the token after it), every row's logits, attended as decode steps."""
+        room = seq.gen.max_tokens - len(seq.generated) - 1
+        ids, qs = self.proposer.propose(seq.history, min(self.tokens, max(room, 0)), seq.gen.sampling,
+                                        seq.shaper.constraint) if room > 0 else ([], None)
+        self.proposal = (ids, qs)
+        seq.logits = None
+        return torch.tensor(seq.history[-1:] + ids, dtype=torch.long), seq.state, "steps" if ids else "last"
+
+    def verify(self, seq, logits: torch.Tensor) -> list:
+        """Each row's logits in turn, while the target's choice is the proposal; the tokens `seq`
+        let out."""
+        (ids, qs), self.proposal = self.proposal, None
+        self.steps += 1
+        self.proposed += len(ids)
+        out: list = []
+        for j in range(len(ids) + 1):
+            seq.logits, seq.ready = logits[j], True
+            guess = (ids[j], qs[j] if qs is not None else None) if j < len(ids) else None
+            out += seq.sample(guess)
+            if seq.finished or guess is None or seq.generated[-1] != guess[0]:
+                break
+            self.accepted += 1
+        keep = len(seq.history) - 1  # the state holds all but the newest id, as after any step
+        if seq.state.position > keep:
+            seq.state.trim(keep)
+        self.proposer.settle(seq.history)
+        return out

@@ -4,19 +4,18 @@
   token) and yield its tokens until it finishes;
 - `stream_generate(model, prompt_ids, spec, cfg, ...)`: a sequence made from a prompt, streamed.
 
-`prefill` runs ids through a state for the measurements that need no sampling (tools/).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence as Ids
-
-import torch
+from typing import Iterable, Iterator
+from typing import Sequence as Ids
 
 from larqlpy.config import GenerationConfig
-from larqlpy.decode.sequence import Given, Held, Sequence, Token
+from larqlpy.decode.output import Token
+from larqlpy.decode.sequence import Sequence
 from larqlpy.engines import EngineSpec
-from larqlpy.engines.stores.base import EngineState
+from larqlpy.state.sources import Given, Held
 
 
 def generate_step(model, seq: Sequence) -> Iterator[Token]:
@@ -34,13 +33,3 @@ def stream_generate(model, prompt_ids: Ids[int], spec: EngineSpec = EngineSpec()
     source = Given(held) if held is not None else None
     yield from generate_step(model, Sequence(model, list(prompt_ids), spec, cfg, stop_ids=stop_ids,
                                              tokenizer=tokenizer, source=source))
-
-
-def prefill(model, state: EngineState, ids: Ids[int], chunk: int, all_logits: bool = False) -> torch.Tensor:
-    """Run ids through the model in chunks; logits of the last position (or of every position)."""
-    outs = []
-    chunk = min(chunk, state.max_chunk or chunk)
-    for lo in range(0, len(ids), chunk):
-        block = torch.as_tensor(ids[lo:lo + chunk], dtype=torch.long)  # a list, or a tensor of ids
-        outs.append(model(block, state, all_logits=all_logits))
-    return torch.cat(outs) if all_logits else outs[-1]

@@ -22,8 +22,8 @@ from larqlpy.engines.options import OptionSpec, canonical_layer_bits, int_in, on
 from larqlpy.engines.presets import CODEC_DEFAULTS, CODEC_PLAIN, RECOMMENDED
 from larqlpy.engines.provider import Provider
 from larqlpy.errors import LarqlError
-from larqlpy.kernels import tqformat
-from larqlpy.kernels.tqformat import WIDTHS
+from larqlpy.kernels.kvcodec import tqformat
+from larqlpy.kernels.kvcodec.tqformat import WIDTHS
 
 WIDTH_HELP = "bits per coordinate: " + ", ".join(map(str, WIDTHS))
 BITS = OptionSpec("bits", width_in((3, 4)), help="bits per coordinate of K and V: 3 or 4")

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from larqlpy.kernels.tqformat import WIDTHS
+from larqlpy.kernels.kvcodec.tqformat import WIDTHS
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     import torch
 
     from larqlpy.engines.presets import Preset
-    from larqlpy.engines.stores.base import EngineState, LayerStore
+    from larqlpy.engines.stores.base import LayerStore
+    from larqlpy.engines.stores.state import EngineState
 
 
 class Provider:
@@ -95,7 +96,7 @@ class Provider:
         raise NotImplementedError
 
     def new_state(self, geometries: Sequence[LayerGeometry], device: "torch.device") -> "EngineState":
-        from larqlpy.engines.stores.base import EngineState  # torch: loaded when rows are first stored
+        from larqlpy.engines.stores.state import EngineState  # torch: loaded when rows are first stored
 
         self.check_geometry(geometries)
         return EngineState(self.identity, self.resolved(geometries), [self.make_store(g, device) for g in geometries])

@@ -20,7 +20,7 @@ from larqlpy.errors import LarqlError
 if TYPE_CHECKING:
     import torch
 
-    from larqlpy.engines.stores.base import EngineState
+    from larqlpy.engines.stores.state import EngineState
 
 PROVIDERS: dict[str, type[Provider]] = {cls.identity: cls
                                         for cls in (Canonical, Window, Codec, CodecRecent, Int4Group, Cells)}

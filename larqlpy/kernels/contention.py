@@ -4,8 +4,8 @@ waiting that follows from it (no torch, no numba: decided before either starts i
 The kernels' threads (one OpenMP runtime serves torch and numba here) spin after every parallel
 region, waiting for the next one. On a quiet machine that makes each of the many small regions of
 a decode step start at once; beside another busy process the spinning threads take the CPU from
-the threads doing the work, and throughput collapses (docs/batch.md: a one-core background load
-cost 2.5-3.3x the time, where sleeping threads lose nothing). So a process that starts beside
+the threads doing the work, and throughput collapses where sleeping threads lose nothing
+(docs/batch.md has the figures). So a process that starts beside
 other runnable work waits by sleeping (OMP_WAIT_POLICY=PASSIVE); one that starts on a quiet
 machine spins. The choice is made once, at start: OpenMP reads it when it starts its threads.
 """

@@ -18,9 +18,10 @@ import torch
 import torch.nn as nn
 
 from larqlpy.engines.geometry import LayerGeometry
-from larqlpy.engines.stores.base import AttentionParams, EngineState
+from larqlpy.engines.stores.base import AttentionParams
 from larqlpy.engines.stores.dispatch import attend_block
-from larqlpy.kernels.matvec import embedding, gated, linear, qkv_rope, residual_norm, rms_norm, stacked
+from larqlpy.engines.stores.state import EngineState
+from larqlpy.kernels.weights.matvec import embedding, gated, linear, qkv_rope, residual_norm, rms_norm, stacked
 from larqlpy.model.config import ModelConfig, RopeConfig
 from larqlpy.model.tensors import block_weights
 
@@ -201,3 +202,15 @@ class Decoder(nn.Module):
             out.append(logits[at:at + n] if n else None)
             at += n
         return out
+
+
+def prefill(model: Decoder, state: EngineState, ids: Sequence[int] | torch.Tensor, chunk: int,
+            all_logits: bool = False) -> torch.Tensor:
+    """Run ids through the model in chunks, sampling nothing (a draft's or a branch's prompt, a
+    measurement); logits of the last position (or of every position)."""
+    outs = []
+    chunk = min(chunk, state.max_chunk or chunk)
+    for lo in range(0, len(ids), chunk):
+        block = torch.as_tensor(ids[lo:lo + chunk], dtype=torch.long)  # a list, or a tensor of ids
+        outs.append(model(block, state, all_logits=all_logits))
+    return torch.cat(outs) if all_logits else outs[-1]

@@ -28,13 +28,14 @@ from starlette.routing import Route
 
 from larqlpy.config import ServeConfig
 from larqlpy.errors import LarqlError
-from larqlpy.prefix_cache import PrefixCache
-from larqlpy.prepare import prepare_all
-from larqlpy.request import Request
-from larqlpy.server import protocol
+from larqlpy.pipeline.prepare import prepare_all
+from larqlpy.pipeline.request import Request
+from larqlpy.server import openai, protocol
 from larqlpy.server.engine import Handle, QueueFull, ServeEngine, ShuttingDown
 from larqlpy.server.metrics import Metrics
 from larqlpy.server.protocol import ApiError
+from larqlpy.state.prefix_cache import PrefixCache
+from larqlpy.weights.loader import LoadedModel
 
 LOG = logging.getLogger("uvicorn.error")  # uvicorn's own log: what the server prints
 
@@ -44,7 +45,7 @@ class Served:
     """Everything a route needs: the loaded model, its name, the engine and its kept states, the
     settings, and the engine requests run when they name none."""
 
-    loaded: object
+    loaded: LoadedModel
     name: str
     engine: ServeEngine
     cache: PrefixCache
@@ -85,11 +86,11 @@ async def generate(request: HttpRequest, chat: bool):
     s = served(request)
     body = protocol.parse_body(await read_limited(request, s.cfg.max_body_bytes), s.cfg.max_body_bytes)
     protocol.check_model(body, s.name)
-    stream, include_usage = protocol.streaming(body)
+    stream, include_usage = openai.streaming(body)
     if chat and not s.has_template:
         raise ApiError(400, f"the model '{s.name}' has no chat template: use /v1/completions")
     try:
-        seqs = prepare_all(s.loaded, Request.from_openai(body, chat, s.cfg.max_tokens_limit, s.default),
+        seqs = prepare_all(s.loaded, openai.read_request(body, chat, s.cfg.max_tokens_limit, s.default),
                            source=s.cache)
     except LarqlError as e:
         raise protocol.invalid(e) from None
@@ -157,17 +158,17 @@ async def whole(request: HttpRequest, handles: list[Handle], rid: str, chat: boo
         return Response(status_code=499)  # the client went away
     seqs = [h.seq for h in handles]
     s.metrics.served(seqs)
-    return JSONResponse(protocol.response(rid, chat, s.name, seqs))
+    return JSONResponse(openai.response(rid, chat, s.name, seqs))
 
 
 async def streamed(request: HttpRequest, handles: list[Handle], rid: str, chat: bool, include_usage: bool):
     s, seqs = served(request), [h.seq for h in handles]
-    deltas = [protocol.ChatDeltas(seq.request.tools) for seq in seqs]
+    deltas = [openai.ChatDeltas(seq.request.tools) for seq in seqs]
     pending = [[] for _ in seqs]  # log-probabilities of tokens whose text has not gone out yet
     sent, ended, cut = [0] * len(seqs), 0, False  # text sent per choice
     if chat:
         for i in range(len(seqs)):
-            yield json.dumps(protocol.chunk(rid, chat, s.name, None, None, first=True, index=i))
+            yield json.dumps(openai.chunk(rid, chat, s.name, None, None, first=True, index=i))
     async with aclosing(events(request, handles)) as source:
         async for i, kind, value in source:
             seq = seqs[i]
@@ -177,18 +178,18 @@ async def streamed(request: HttpRequest, handles: list[Handle], rid: str, chat: 
             if kind == "token":
                 pending[i].append((value.id, value.logprob))
                 for out in (deltas[i].feed(value.text) if chat else [value.text]) if value.text else []:
-                    yield json.dumps(protocol.chunk(rid, chat, s.name, out, None, index=i,
-                                                    lps=protocol.logprobs(seq, chat, pending[i], sent[i])))
+                    yield json.dumps(openai.chunk(rid, chat, s.name, out, None, index=i,
+                                                  lps=openai.logprobs(seq, chat, pending[i], sent[i])))
                     pending[i] = []
                 sent[i] += len(value.text)
                 continue
             cut, ended = cut or kind == "cut", ended + 1
             for out in deltas[i].close() if chat else []:
-                yield json.dumps(protocol.chunk(rid, chat, s.name, out, None, index=i))
+                yield json.dumps(openai.chunk(rid, chat, s.name, out, None, index=i))
             finish = "tool_calls" if deltas[i].n else seq.finish_reason or "length"
-            last = protocol.chunk(rid, chat, s.name, None if chat else "", finish, index=i,
-                                  lps=protocol.logprobs(seq, chat, pending[i], sent[i]) if pending[i] else None)
-            last["larqlpy"] = protocol.extra(seq)
+            last = openai.chunk(rid, chat, s.name, None if chat else "", finish, index=i,
+                                lps=openai.logprobs(seq, chat, pending[i], sent[i]) if pending[i] else None)
+            last["larqlpy"] = openai.extra(seq)
             yield json.dumps(last)
     if ended < len(seqs):
         return  # the client went away
@@ -199,7 +200,7 @@ async def streamed(request: HttpRequest, handles: list[Handle], rid: str, chat: 
     if include_usage:
         yield json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                           "created": int(time.time()), "model": s.name, "choices": [],
-                          "usage": protocol.usage(seqs)})
+                          "usage": openai.usage(seqs)})
     s.metrics.served(seqs)
     yield "[DONE]"
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from larqlpy.budget import KVBudget
 from larqlpy.decode.scheduler import Event, Scheduler
 from larqlpy.decode.sequence import Sequence
-from larqlpy.prefix_cache import PrefixCache
+from larqlpy.state.prefix_cache import PrefixCache
+from larqlpy.weights.loader import LoadedModel
 
 
 class QueueFull(Exception):
@@ -53,7 +54,7 @@ class Snapshot:
 
 
 class ServeEngine:
-    def __init__(self, loaded, cache: PrefixCache, budget: KVBudget, parallel: int | None = None,
+    def __init__(self, loaded: LoadedModel, cache: PrefixCache, budget: KVBudget, parallel: int | None = None,
                  queue_size: int = 64):
         self.loaded, self.cache, self.queue_size = loaded, cache, queue_size
         self.sched = Scheduler(loaded.model, parallel, budget)

@@ -17,16 +17,17 @@ from larqlpy.budget import KVBudget
 from larqlpy.calibration import ensure as ensure_calibration
 from larqlpy.config import ServeConfig
 from larqlpy.errors import LarqlError
-from larqlpy.prefix_cache import PrefixCache
-from larqlpy.request import Request
+from larqlpy.pipeline.request import Request
 from larqlpy.server.app import Served, build_app
-from larqlpy.server.engine import ServeEngine
 from larqlpy.server.bind import listen
+from larqlpy.server.engine import ServeEngine
 from larqlpy.server.metrics import Metrics
+from larqlpy.state.prefix_cache import PrefixCache
 from larqlpy.text.chat_template import ChatTemplate
+from larqlpy.weights.loader import LoadedModel
 
 
-def assemble(loaded, config: ServeConfig) -> Served:
+def assemble(loaded: LoadedModel, config: ServeConfig) -> Served:
     """What the app serves: one KV budget for the live sequences and the kept states beside them."""
     budget = KVBudget(config.kv_budget)
     cache = PrefixCache(loaded, budget, config.disk_budget, config.state_dir)
@@ -41,7 +42,7 @@ def assemble(loaded, config: ServeConfig) -> Served:
                   Metrics(engine), has_template)
 
 
-def serve(loaded, config: ServeConfig, announce: Callable[[dict], None] | None = None,
+def serve(loaded: LoadedModel, config: ServeConfig, announce: Callable[[dict], None] | None = None,
           sock: socket.socket | None = None) -> None:
     """Serve `loaded` as `config` says, on `sock` (bound by `listen` before the weights loaded, or
     now); `announce` hears what it serves before it answers."""

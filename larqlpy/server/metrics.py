@@ -27,8 +27,8 @@ class Metrics:
         self.tokens.labels("prompt").inc(len(seqs[0].prompt_ids))
         self.tokens.labels("completion").inc(sum(len(s.output) for s in seqs))
         self.tokens.labels("cached").inc(seqs[0].held_from)
-        for kind, attr in (("proposed", "proposed"), ("accepted", "accepted"), ("steps", "target_steps")):
-            self.speculative.labels(kind).inc(sum(getattr(s, attr) for s in seqs))
+        for kind in ("proposed", "accepted", "steps"):
+            self.speculative.labels(kind).inc(sum(getattr(s.verifier, kind) for s in seqs if s.verifier is not None))
 
     def failed(self, status: int) -> None:
         self.requests.labels(str(status)).inc()

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from larqlpy.engines.stores.base import EngineState
+from larqlpy.engines.stores.state import EngineState
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write
 from larqlpy.state.format import ALIGN, MAGIC, PAGE, PREFIX, VERSION, SavedState, align, jsonable
+
 
 def save_state(path: str | Path, state: EngineState, *, model_fingerprint: str, tokenizer_fingerprint: str,
                tokens: list[int], logits: torch.Tensor | None, extra: dict | None = None,

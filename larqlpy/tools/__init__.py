@@ -1,1 +1,1 @@
-"""Measurement tools over a loaded model: calibrate, observe, ladder, quality, residency, monitor."""
+"""Measurement tools over a loaded model: observe, ladder, needle, quality, residency, monitor."""

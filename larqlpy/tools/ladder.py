@@ -22,8 +22,9 @@ from larqlpy.engines import EngineSpec, build_provider, new_state, preset_spec
 from larqlpy.engines.presets import LADDER
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write
-from larqlpy.decode.stream import prefill
+from larqlpy.model.decoder import prefill
 from larqlpy.tools.quality import kl
+from larqlpy.weights.loader import LoadedModel
 
 TEXT = Path(__file__).resolve().parent.parent / "data" / "long.txt"
 
@@ -69,7 +70,7 @@ def row_cosine(state, ref_state) -> float:
     return total / count if count else 1.0
 
 
-def ladder(loaded, positions: Sequence[int], specs: Sequence[EngineSpec] | None = None, steps: int = 8,
+def ladder(loaded: LoadedModel, positions: Sequence[int], specs: Sequence[EngineSpec] | None = None, steps: int = 8,
            on_length=None) -> dict:
     model = loaded.model
     skipped = []
@@ -147,7 +148,8 @@ def _release_free_heap() -> None:
         pass
 
 
-def until_budget(loaded, spec: EngineSpec, budget: int, chunk: int = 128, max_positions: int = 16384) -> dict:
+def until_budget(loaded: LoadedModel, spec: EngineSpec, budget: int, chunk: int = 128,
+                 max_positions: int = 16384) -> dict:
     """Grow a context in chunks of `chunk` until the process's anonymous memory has grown by more
     than `budget` over where it stood before the engine's first row (the real peak, sampled after
     every chunk: KV rows plus every transient the engine and the forward pass need)."""

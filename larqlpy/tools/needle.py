@@ -20,8 +20,9 @@ from larqlpy.config import GenerationConfig
 from larqlpy.engines import build_provider, parse_engine_spec
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write
-from larqlpy.request import Request
-from larqlpy.runner import execute
+from larqlpy.pipeline.request import Request
+from larqlpy.pipeline.runner import execute
+from larqlpy.weights.loader import LoadedModel
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
@@ -65,13 +66,13 @@ def parse_fraction(text: str) -> float:
     return value
 
 
-def kv_bytes(loaded, identity: str, options: Sequence[str], positions: int) -> int:
+def kv_bytes(loaded: LoadedModel, identity: str, options: Sequence[str], positions: int) -> int:
     """What an engine's rows for `positions` positions take (accounted)."""
     provider = build_provider(parse_engine_spec(None, identity, list(options)))
     return sum(provider.layer_bytes(g, positions) for g in loaded.model.geometries())
 
 
-def prompt(loaded, positions: int, depth: float, key: int) -> Request:
+def prompt(loaded: LoadedModel, positions: int, depth: float, key: int) -> Request:
     """About `positions` tokens of filler with the key at `depth` (0: the start, 1: the end), asked
     for through the chat template when the model has one."""
     tok = loaded.tokenizer
@@ -86,7 +87,7 @@ def prompt(loaded, positions: int, depth: float, key: int) -> Request:
     return Request(prompt=hay + "\n" + ASK_PLAIN, gen=gen)
 
 
-def run_one(loaded, engine: Engine, req: Request, budget: int | None) -> dict:
+def run_one(loaded: LoadedModel, engine: Engine, req: Request, budget: int | None) -> dict:
     options = (*engine.options, f"budget={budget}") if budget is not None else engine.options
     r = execute(loaded, replace(req, continuation=engine.identity, options=tuple(options)))
     s = r["stats"]
@@ -97,8 +98,8 @@ def run_one(loaded, engine: Engine, req: Request, budget: int | None) -> dict:
     return row
 
 
-def needle(loaded, positions: Sequence[int], depths: Sequence[float], engines: Sequence[Engine], seed: int = 0,
-           on_row: Callable[[dict], None] | None = None) -> dict:
+def needle(loaded: LoadedModel, positions: Sequence[int], depths: Sequence[float], engines: Sequence[Engine],
+           seed: int = 0, on_row: Callable[[dict], None] | None = None) -> dict:
     """Every (length, depth) against every engine: found or not, and what it cost."""
     context = loaded.config.max_position_embeddings
     rows, skipped = [], []
@@ -127,7 +128,7 @@ def needle(loaded, positions: Sequence[int], depths: Sequence[float], engines: S
     return {"model": str(loaded.path), "rows": rows, "skipped": skipped}
 
 
-def capacity(loaded, engines: Sequence[Engine], budget: int, limit: int) -> list[dict]:
+def capacity(loaded: LoadedModel, engines: Sequence[Engine], budget: int, limit: int) -> list[dict]:
     """The longest context (up to `limit`) each engine's rows fit in `budget` bytes, accounted;
     cells/v1 holds any length in any budget (its cold cells leave memory), so its figure is the
     length whose rows it keeps resident, reported as such."""

@@ -11,9 +11,10 @@ from larqlpy.engines import EngineSpec, new_state
 from larqlpy.engines.lifecycle import default_rules_path
 from larqlpy.engines.stores.base import AttentionParams, QueryTap
 from larqlpy.errors import LarqlError
-from larqlpy.decode.stream import prefill
-from larqlpy.kernels.rowcodec import Int4GroupCodec, TurboQuantCodec
+from larqlpy.kernels.kvcodec.rowcodec import Int4GroupCodec, TurboQuantCodec
+from larqlpy.model.decoder import prefill
 from larqlpy.tools.quality import drift
+from larqlpy.weights.loader import LoadedModel
 
 QUANTILES = (0.001, 0.01, 0.5, 0.99, 0.999)
 OUTLIER_RATIO = 4.0  # a channel whose largest |value| is this many times the median channel's
@@ -85,7 +86,7 @@ def attention_kl(store, q: torch.Tensor, params: AttentionParams, codec) -> floa
 
 
 @torch.inference_mode()
-def kv_stats(loaded, ids: list[int], min_cosine: float = 0.995, codec: str = "tq4") -> dict:
+def kv_stats(loaded: LoadedModel, ids: list[int], min_cosine: float = 0.995, codec: str = "tq4") -> dict:
     state = new_state(EngineSpec(), loaded.model.geometries(), loaded.device)
     stores, seen = state.layers, [_LastQueries() for _ in state.layers]
     state.layers = [QueryTap(s, rec) for s, rec in zip(stores, seen)]
@@ -159,7 +160,7 @@ def load_questions(path: str | Path | None = None) -> list[dict]:
     return out
 
 
-def consistency(loaded, questions: list[dict], specs, max_tokens: int = 16) -> dict:
+def consistency(loaded: LoadedModel, questions: list[dict], specs, max_tokens: int = 16) -> dict:
     """Each engine's greedy answers against canonical/v1's: exact match, common prefix, KL."""
     refs: dict = {}
     rows = []

@@ -14,9 +14,10 @@ from typing import Sequence
 
 import torch
 
-from larqlpy.engines import EngineSpec, new_state
 from larqlpy.config import GenerationConfig
-from larqlpy.decode.stream import prefill, stream_generate
+from larqlpy.decode.stream import stream_generate
+from larqlpy.engines import EngineSpec, new_state
+from larqlpy.model.decoder import prefill
 from larqlpy.state.format import common_prefix
 
 

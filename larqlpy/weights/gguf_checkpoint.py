@@ -1,6 +1,6 @@
 """A GGUF file's tensors as the decoder takes them (what weights/checkpoint.py's Checkpoint is for a
 directory of safetensors files), read from a private mapping of the file: float32 ones zero-copy,
-quantized matrices unpacked into integer codes (kernels/gguf_blocks.py) for `weights` native, or
+quantized matrices unpacked into integer codes (kernels/weights/gguf_blocks.py) for `weights` native, or
 dequantized by gguf-py for the other formats. The file itself, its metadata cache: gguf_file.py."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from gguf.quants import dequantize
 
 from larqlpy.errors import LarqlError
 from larqlpy.files import is_gguf
-from larqlpy.kernels.gguf_blocks import LAYOUTS, TWO_LEVEL, BlockRows, packed_width, tiled_arrays, unpack_tiled
-from larqlpy.kernels.qweight import TILE, PackedWeight
-from larqlpy.kernels.simd import PLANES
+from larqlpy.kernels.weights.gguf_blocks import LAYOUTS, TWO_LEVEL, BlockRows, packed_width, tiled_arrays, unpack_tiled
+from larqlpy.kernels.weights.qweight import TILE, PackedWeight
+from larqlpy.kernels.weights.simd import PLANES
 from larqlpy.model.config import ModelConfig
 from larqlpy.weights.checkpoint import Checkpoint, wanted_tensors
 from larqlpy.weights.gguf_file import GGUFFile

@@ -20,12 +20,12 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from larqlpy.convert.archs import ARCHS, Arch, Meta
-from larqlpy.convert.gguf_meta import read_gguf, write_metadata
-from larqlpy.convert.tokenizers_gguf import build_tokenizer
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_directory, atomic_write, is_gguf
 from larqlpy.weights.checkpoint import SAMPLE
+from larqlpy.weights.gguf_archs import ARCHS, Arch, Meta
+from larqlpy.weights.gguf_meta import read_gguf, write_metadata
+from larqlpy.weights.gguf_tokenizer import build_tokenizer
 from larqlpy.weights.known_files import identity
 
 SUFFIX = ".larqlpy"

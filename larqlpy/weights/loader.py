@@ -16,20 +16,20 @@ from larqlpy.engines.geometry import check_kv_dtype, default_kv_dtype
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
 from larqlpy.files import is_gguf
-from larqlpy.kernels import prefetch
-from larqlpy.kernels.qweight import PackedPart, PackedWeight, check_format, stack
-from larqlpy.weights import calibration_file, native_file, packed_cache
-from larqlpy.weights.native_file import NativeFile
+from larqlpy.kernels.weights import prefetch
+from larqlpy.kernels.weights.qweight import PackedPart, PackedWeight, check_format, stack
 from larqlpy.model.config import ModelConfig
 from larqlpy.model.decoder import Block, Decoder
 from larqlpy.model.families import read_config
 from larqlpy.model.tensors import block_weights
+from larqlpy.text.tokenizer import Tokenizer
+from larqlpy.text.tokenizer_process import TokenizerProcess
+from larqlpy.weights import calibration_file, native_file, packed_cache
 from larqlpy.weights.checkpoint import Checkpoint
 from larqlpy.weights.gguf_checkpoint import GGUFCheckpoint, GGUFCodes, default_weights
 from larqlpy.weights.gguf_file import GGUFFile
 from larqlpy.weights.known_files import KnownFiles
-from larqlpy.text.tokenizer import Tokenizer
-from larqlpy.text.tokenizer_process import TokenizerProcess
+from larqlpy.weights.native_file import NativeFile
 
 
 @dataclass
@@ -235,7 +235,7 @@ def _stacks(native: NativeFile | GGUFCodes, parts: list[tuple[str, str | None]],
 
 def _install_packed(model: Decoder, packed: dict[str, PackedWeight], dev: torch.device) -> set[str]:
     """Put packed matrices in place of the float ones; returns the names (ours) they replace. Their
-    prefetch distance is this machine's for their size (kernels/prefetch.py)."""
+    prefetch distance is this machine's for their size (kernels/weights/prefetch.py)."""
     done, installed = set(), []
     for key, w in packed.items():
         owner, _, attr = key.rpartition(".")

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from larqlpy.errors import LarqlError
-from larqlpy.kernels.gguf_blocks import packed_width
-from larqlpy.kernels.qweight import PackedWeight
+from larqlpy.kernels.weights.gguf_blocks import packed_width
+from larqlpy.kernels.weights.qweight import PackedWeight
 
 FILE = "native.safetensors"
 FORMAT = "larqlpy-native/1"

@@ -26,7 +26,7 @@ from safetensors.numpy import save_file
 
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_path
-from larqlpy.kernels.qweight import PACK_VERSION, PackedWeight
+from larqlpy.kernels.weights.qweight import PACK_VERSION, PackedWeight
 from larqlpy.weights.checkpoint import MappedSafetensors
 
 # the file layout, in the file name (another is stale): 3 the sources' digests, 2 xxh3-64 checksums, 1 CRC32

@@ -1,4 +1,5 @@
-"""The boundary between attention and the KV engines: a layer's store, and a sequence's state.
+"""The boundary between attention and the KV engines: a layer's store (a sequence's state, all its
+layers' stores: state.py).
 
 Attention hands a layer's store the new K/V rows and the queries of one block and gets the attention
 output back (`LayerStore.attend`). The default `attend` appends, asks for the rows the block may read
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from larqlpy.engines.geometry import LayerGeometry
-from larqlpy.kernels.attention import Span, attend_one, takes
+from larqlpy.kernels.attention.decode import Span, attend_one, takes
 
 QUERY_TILE = 256  # prefill queries attended per tile
 
@@ -75,7 +76,7 @@ def causal_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, s
     """Causal attention of T queries over `past` rows every one of them sees, then their own T rows
     (k, v: (Hkv, past + T, D)), with no mask to build or read: the past through torch's CPU flash
     kernel as one product per KV head, the own rows as its causal square, the two joined by their
-    log-sum-exps. At 16K rows a 256-query tile takes 0.6x the time of one masked call (docs/codec.md)."""
+    log-sum-exps: cheaper than one masked call at long lengths (docs/codec.md has the figures)."""
     n_heads, t, d = q.shape
     n_kv = k.shape[0]
     group = n_heads // n_kv
@@ -240,124 +241,3 @@ class QueryTap:
     def attend(self, q, k, v, p):
         self.on_query(self.store, q, p)
         return self.store.attend(q, k, v, p)
-
-
-class Shared:
-    """Something every layer of one sequence's state shares (a decode buffer, a cell manager).
-    The model calls `end_block` once after its layer loop; the defaults do nothing."""
-
-    def nbytes(self) -> int:
-        return 0
-
-    def end_block(self) -> None:
-        """After every layer has attended a block."""
-
-    def report(self) -> dict:
-        """Engine-specific figures (e.g. cell transitions) for the run's statistics."""
-        return {}
-
-    def shrink(self, target: int) -> bool:
-        """Memory pressure from outside (a kept state over a server's budget): bring the state's
-        resident bytes toward `target` by the engine's own rules; whether anything moved."""
-        return False
-
-    def unshrink(self) -> None:
-        """The pressure is over (the state is in use again): back to the engine's own settings."""
-
-    def keep_rollback(self, n: int) -> None:
-        """The state may be trimmed back `n` positions (`EngineState.keep_rollback`)."""
-
-
-class Scratch(Shared):
-    """One decode buffer for a whole engine state, reused by every layer (grows to the largest) and
-    freed after each block: decode steps that attend on codes need none."""
-
-    def __init__(self, device: torch.device):
-        self.buf = torch.empty(0, dtype=torch.float32, device=device)
-
-    def get(self, *shape: int) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
-        if n > self.buf.numel():
-            self.buf = torch.empty(n, dtype=torch.float32, device=self.buf.device)
-        return self.buf[:n].view(*shape)
-
-    def nbytes(self) -> int:
-        return self.buf.untyped_storage().nbytes()
-
-    def end_block(self) -> None:
-        self.buf = torch.empty(0, dtype=torch.float32, device=self.buf.device)
-
-
-class EngineState:
-    """All layers' stores for one sequence, what they share, and the logical position counter."""
-
-    def __init__(self, identity: str, options: dict, stores: Sequence[LayerStore], shared: Sequence[Shared] = ()):
-        self.identity = identity
-        self.options = dict(options)
-        self.layers = list(stores)
-        self.shared = list(shared)
-        self.max_chunk: int | None = None  # an engine that must act between blocks caps the block size
-
-    @property
-    def position(self) -> int:
-        return self.layers[0].end if self.layers else 0
-
-    def reserve(self, positions: int) -> None:
-        for s in self.layers:
-            s.reserve(positions)
-
-    def fork_from(self, parent: "EngineState") -> None:
-        """Become a branch of `parent` (this a fresh state's twin, `parent` holding a prompt): every
-        layer forks (`LayerStore.fork`)."""
-        for mine, theirs in zip(self.layers, parent.layers):
-            mine.fork(theirs)
-
-    def keep_rollback(self, n: int) -> None:
-        """Let every layer be trimmed back `n` positions (`LayerStore.keep_rollback`)."""
-        for s in self.layers:
-            s.keep_rollback(n)
-        for part in self.shared:
-            part.keep_rollback(n)
-
-    def can_trim(self, end: int) -> bool:
-        return all(s.can_trim(end) for s in self.layers)
-
-    def trim(self, end: int) -> None:
-        """Forget positions from `end` on, in every layer (`can_trim` said it can)."""
-        for s in self.layers:
-            s.trim(end)
-
-    def shrink(self, target: int) -> bool:
-        return any([part.shrink(target) for part in self.shared])
-
-    def unshrink(self) -> None:
-        for part in self.shared:
-            part.unshrink()
-
-    def end_block(self) -> None:
-        """The model's hook after its layer loop: shared parts act once per block."""
-        for part in self.shared:
-            part.end_block()
-
-    def resident_bytes(self) -> int:
-        return sum(s.resident_bytes() for s in self.layers) + sum(p.nbytes() for p in self.shared)
-
-    def resident_by_kind(self) -> dict[str, int]:
-        """Rows' bytes per layer kind, plus shared buffers under "scratch" when there are any."""
-        out: dict[str, int] = {}
-        for s in self.layers:
-            out[s.geometry.kind] = out.get(s.geometry.kind, 0) + s.resident_bytes()
-        if self.shared:
-            out["scratch"] = sum(p.nbytes() for p in self.shared)
-        return out
-
-    def retained_rows(self) -> int:
-        return sum(end - base for base, end in (s.retained() for s in self.layers))
-
-    def report(self) -> dict:
-        out: dict = {}
-        for part in self.shared:
-            out.update(part.report())
-        return out

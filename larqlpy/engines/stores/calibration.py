@@ -22,7 +22,7 @@ import torch
 
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.errors import LarqlError
-from larqlpy.kernels import tq_step
+from larqlpy.kernels.kvcodec import tq_step
 
 
 class _Turns:
@@ -135,13 +135,13 @@ class KeyCalibration:
         return NONE if self.turning is None else self.turns.rows_array(first, n)
 
     def kernel_args(self, first: int, n: int) -> tuple[np.ndarray, ...]:
-        """For the fused decode kernel (kernels/tq_attend.py), rows at positions first..first+n-1:
+        """For the fused decode kernel (kernels/kvcodec/tq_attend.py), rows at positions first..first+n-1:
         (1 / scale, mean, turning (Hkv, D), [cos | sin] rows (n, D)), the last two empty when no head
         turns. CPU only."""
         return *self._arrays[:3], self._cs(first, n)
 
     def step_args(self, first: int) -> tuple[np.ndarray, ...]:
-        """For a decode step's keys at position `first` (kernels/tq_step.py): (mean, scale, turning
+        """For a decode step's keys at position `first` (kernels/kvcodec/tq_step.py): (mean, scale, turning
         (Hkv, D), the position's [cos | sin] row (1, D)), the last two empty when no head turns."""
         _, mean, turning, scale = self._arrays
         return mean, scale, turning, self._cs(first, 1)

@@ -3,21 +3,21 @@ one manager per sequence that holds the budget."""
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 from collections import Counter
 
-import dataclasses
 import numpy as np
 import torch
 
 from larqlpy.engines.geometry import KV_DTYPES, LayerGeometry
 from larqlpy.engines.lifecycle import Event, Rules, State
-from larqlpy.engines.stores.base import EngineState, LayerStore, Scratch, Shared
+from larqlpy.engines.stores.base import LayerStore
 from larqlpy.engines.stores.calibration import require_calibration
 from larqlpy.engines.stores.kvcodec import KVCodec, precision_widths
-from larqlpy.engines.stores.kvdtype import from_numpy, to_numpy, torch_dtype
+from larqlpy.engines.stores.kvdtype import from_numpy, readonly_tensor, to_numpy, torch_dtype
 from larqlpy.engines.stores.mapped import MappedFile, SpillFile
-from larqlpy.kernels.rowcodec import TurboQuantCodec
+from larqlpy.engines.stores.state import EngineState, Scratch, Shared
+from larqlpy.kernels.kvcodec.rowcodec import TurboQuantCodec
 
 
 class Cell:
@@ -105,7 +105,7 @@ class CellStore(LayerStore):
             else:  # PERSISTED: bring it back for this read only
                 cell.state = rules.apply(Event.CACHE_MISS, State.PERSISTED, State.RECOVERING)
                 exact = cell.precision == self.geometry.kv_dtype
-                fields = {name: _readonly_tensor(cell.backing.read(loc), self.dtype if exact else None)
+                fields = {name: readonly_tensor(cell.backing.read(loc), self.dtype if exact else None)
                           for name, loc in cell.where.items()}
                 if exact:
                     buf[0][:, dst], buf[1][:, dst] = fields["k"][:, a:b], fields["v"][:, a:b]
@@ -341,10 +341,3 @@ def new_cells_state(provider, geometries, device: torch.device) -> EngineState:
         state.max_chunk = rules.cell_size  # hold the budget between blocks of one cell
     return state
 
-
-def _readonly_tensor(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A tensor over mmap'd bytes (only ever read from), without torch's non-writable warning; of
-    `dtype` when the bytes are exact rows (bf16 ones are stored as their bits)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a) if dtype is None else from_numpy(a, dtype)

@@ -2,7 +2,7 @@
 
 Reading: prefill blocks decode the rows they may see into one scratch buffer shared by all layers
 (bounded by one layer) and run the usual attention. Decode steps on the CPU attend on the codes
-directly, in one kernel call per layer (kernels/tq_attend.py): every KV head, the main codes, the
+directly, in one kernel call per layer (kernels/kvcodec/tq_attend.py): every KV head, the main codes, the
 recent tier, exact keys and sinks, the calibration's bias, the softmax and the sum of values.
 """
 
@@ -12,14 +12,15 @@ import numpy as np
 import torch
 
 from larqlpy.engines.geometry import LayerGeometry
-from larqlpy.engines.stores.base import EngineState, Scratch
 from larqlpy.engines.stores.calibration import NO_CALIBRATION, require_calibration
 from larqlpy.engines.stores.kvcodec import KVCodec
 from larqlpy.engines.stores.kvdtype import torch_dtype
-from larqlpy.engines.stores.rows import Rows, RowSet, RowStore
+from larqlpy.engines.stores.rows import Rows
+from larqlpy.engines.stores.rowstore import RowSet, RowStore
 from larqlpy.engines.stores.stack import Stack, stack_sets
-from larqlpy.kernels import tq_attend, tq_step
-from larqlpy.kernels.rowcodec import TurboQuantCodec, row_codec
+from larqlpy.engines.stores.state import EngineState, Scratch
+from larqlpy.kernels.kvcodec import tq_attend, tq_step
+from larqlpy.kernels.kvcodec.rowcodec import TurboQuantCodec, row_codec
 
 
 class CodecStore(RowStore):

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from larqlpy.engines.stores.base import AttentionParams, LayerStore
-from larqlpy.kernels.attention import attend_rows, takes
+from larqlpy.kernels.attention.decode import attend_rows, takes
 
 
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: Sequence[LayerStore], sizes: list[int],

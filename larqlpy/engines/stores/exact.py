@@ -9,8 +9,9 @@ import torch
 
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.stores.kvdtype import torch_dtype
-from larqlpy.engines.stores.rows import Rows, RowSet, RowStore
-from larqlpy.kernels.attention import CHUNK, Span
+from larqlpy.engines.stores.rows import Rows
+from larqlpy.engines.stores.rowstore import RowSet, RowStore
+from larqlpy.kernels.attention.decode import CHUNK, Span
 
 
 class ExactStore(RowStore):

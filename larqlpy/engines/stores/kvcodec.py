@@ -4,7 +4,7 @@ cells) both store rows through this one class.
 
 Fields are named `k_<field>` and `v_<field>` (a TurboQuant row: `k_norm`, `k_code`, ...), shaped
 (Hkv, N, *field_shape). On the CPU a TurboQuant pair can also attend on its codes without decoding a
-row (kernels/tq_attend.py), reading them in place (`sides`: a branch's shared prompt rows, then
+row (kernels/kvcodec/tq_attend.py), reading them in place (`sides`: a branch's shared prompt rows, then
 its own).
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from larqlpy.engines.stores.calibration import KeyCalibration
-from larqlpy.kernels.rowcodec import RowCodec, CodeSpan, TurboQuantCodec
+from larqlpy.kernels.kvcodec.rowcodec import CodeSpan, RowCodec, TurboQuantCodec
 
 
 def precision_label(k: RowCodec, v: RowCodec) -> str:
@@ -102,6 +102,6 @@ class KVCodec:
 
     def code_set(self, arrays: dict[str, np.ndarray]) -> tuple:
         """A code set's buffers (numpy, rows first) with the codebooks that write them: where
-        kernels/tq_step.py's one call writes a decode step's rows (fused codecs)."""
+        kernels/kvcodec/tq_step.py's one call writes a decode step's rows (fused codecs)."""
         return (self.k.boundaries, self.k.bits, self.v.boundaries, self.v.bits, arrays["k_norm"], arrays["k_code"],
                 arrays["v_norm"], arrays["v_code"])

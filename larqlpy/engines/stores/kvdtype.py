@@ -5,6 +5,8 @@ come back as the same bits, never through a numeric conversion."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -28,3 +30,11 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         raise ValueError(f"rows saved as {a.dtype}, expected {want}")
     t = torch.from_numpy(a)
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+def readonly_tensor(a: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tensor over mmap'd bytes (only ever read from), without torch's non-writable warning; of
+    `dtype` when the bytes are exact rows (bf16 ones are stored as their bits)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a) if dtype is None else from_numpy(a, dtype)

@@ -1,0 +1,310 @@
+"""A GGUF matrix's quantized blocks taken apart into integer codes, straight from the block bytes:
+what `weights` native runs when it loads a .gguf file directly.
+
+The result is convert/native.py's, code for code (tests/test_gguf_file.py holds them equal on random
+blocks of every type and on the shipped files): codes u (out, in) uint8, one float32 scale (and
+minimum) per group, the zero point and the code width of kernels/weights/qweight.py, such that
+scale * (u - zero) (+ minimum), rounded one operation at a time in float32, is gguf-py's dequantized
+value. convert/native.py reads the codes by probing gguf-py's dequantizer (slow, and the reference);
+these loops read the bits as ggml's block layouts lay them out, fast enough to unpack at load.
+
+numba reads the float16 fields (d, dmin, m) from the block bytes, unpacks the bits and multiplies
+the K-quants' sub-block scales in, as gguf-py does: (d * sc) first. One decoder of a block serves both
+outputs: row-major codes (`unpack`, what the tests hold against the probes) and the tiled layout the
+kernels read (`unpack_tiled`: written in place, rows anywhere in a stacked matrix, no row-major copy).
+The tiled layout keeps a K-quant's scales as the file does (`TWO_LEVEL`): its integer sub-block
+scales, and each block's d and -dmin apart.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from larqlpy.kernels import jitcache
+from larqlpy.kernels.weights import qdot
+from larqlpy.kernels.weights.packing import code_shape
+from larqlpy.kernels.weights.qdot import NO_OUTER, half_bits
+from larqlpy.kernels.weights.simd import ROWS as TILE
+
+# type name -> (block bytes, values per block, code bits, group, zero, affine)
+LAYOUTS = {
+    "Q8_0": (34, 32, 8, 32, 128, False), "Q5_0": (22, 32, 8, 32, 128, False), "Q4_0": (18, 32, 4, 32, 8, False),
+    "Q4_1": (20, 32, 4, 32, 0, True), "Q5_1": (24, 32, 8, 32, 0, True),
+    "Q4_K": (144, 256, 4, 32, 0, True), "Q5_K": (176, 256, 8, 32, 0, True), "Q6_K": (210, 256, 8, 16, 128, False),
+}
+KIND = {name: i for i, name in enumerate(LAYOUTS)}
+# Types whose 8-bit codes above span 5 or 6 bits: (width, base), run as u - base at that width, zero
+# - base (the same integers u - zero, so the same values bit for bit) -- the file's own bits.
+NARROW = {"Q5_0": (5, 112), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 96)}
+# Types whose group scales are a block's float16 d times the file's integer sub-block scale: packed
+# as those integers and d apart (the file's own 4.5 / 5.5 / 6.56 bits a weight, where float32 group
+# scales would add 1 to 2 bits); d * sc is exact in float32, so the kernels' scale is the same value.
+TWO_LEVEL = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def packed_width(qtype: str) -> tuple[int, int]:
+    """(bits, base) a matrix of this type is packed at: its narrow width, else its codes' own."""
+    return NARROW.get(qtype, (LAYOUTS[qtype][2], 0))
+
+
+@njit(inline="always", cache=True)
+def _scale_min_k4(s, at, j):  # pragma: no cover - jitted
+    """Sub-block j's 6-bit scale and minimum of a Q4_K / Q5_K block at byte `at` (12 bytes at at + 4)."""
+    if j < 4:
+        return np.int32(s[at + 4 + j] & 63), np.int32(s[at + 8 + j] & 63)
+    sc = np.int32((s[at + 8 + j] & 15) | ((s[at + j] >> 6) << 4))
+    m = np.int32((s[at + 8 + j] >> 4) | ((s[at + 4 + j] >> 6) << 4))
+    return sc, m
+
+
+@njit(inline="always", cache=True)
+def _half_at(row, at):  # pragma: no cover - jitted
+    return half_bits(np.int32(row[at]) | (np.int32(row[at + 1]) << 8))
+
+
+@njit(inline="always", cache=True)
+def _outer(row, at, kind, sc, mn):  # pragma: no cover - jitted
+    """A K-quant block's sub-block scales (and minimums) as the file's integers into sc / mn, and its
+    float16 d and dmin as bits, dmin's sign flipped (a minimum is -(dmin * m))."""
+    if kind == 7:  # Q6_K: signed 8-bit scales, d at 208
+        for j in range(16):
+            sc[j] = np.float32(np.int8(row[at + 192 + j]))
+        return np.uint16(np.int32(row[at + 208]) | (np.int32(row[at + 209]) << 8)), np.uint16(0)
+    for j in range(8):
+        s, m = _scale_min_k4(row, at, j)
+        sc[j], mn[j] = np.float32(s), np.float32(m)
+    d = np.int32(row[at]) | (np.int32(row[at + 1]) << 8)
+    return np.uint16(d), np.uint16((np.int32(row[at + 2]) | (np.int32(row[at + 3]) << 8)) ^ 0x8000)
+
+
+@njit(inline="always", cache=True)
+def _decode(row, at, kind, buf, sc, mn):  # pragma: no cover - jitted
+    """The block at byte `at` of `row`: its codes into buf, its groups' scales (and minimums) into
+    sc / mn."""
+    d = _half_at(row, at + 208 if kind == 7 else at)
+    d2 = _half_at(row, at + 2)  # m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K); unused by the others
+    if kind == 0:  # Q8_0: int8 q + 128
+        for j in range(32):
+            buf[j] = row[at + 2 + j] ^ 128
+        sc[0] = d
+    elif kind == 2 or kind == 3:  # Q4_0 (qs at 2), Q4_1 (m at 2, qs at 4)
+        q = at + (2 if kind == 2 else 4)
+        for j in range(16):
+            buf[j] = row[q + j] & 15
+            buf[j + 16] = row[q + j] >> 4
+        sc[0], mn[0] = d, d2
+    elif kind == 1 or kind == 4:  # Q5_0 (qh at 2, qs at 6; q - 16 + 128), Q5_1 (m at 2, qh at 4, qs at 8)
+        h = at + (2 if kind == 1 else 4)
+        qh = np.uint32(row[h]) | (np.uint32(row[h + 1]) << 8) | (np.uint32(row[h + 2]) << 16) | \
+            (np.uint32(row[h + 3]) << 24)
+        shift = 112 if kind == 1 else 0
+        for j in range(16):
+            b = np.int32(row[h + 4 + j])
+            buf[j] = (b & 15) + (((qh >> j) & 1) << 4) + shift
+            buf[j + 16] = (b >> 4) + (((qh >> (j + 16)) & 1) << 4) + shift
+        sc[0], mn[0] = d, d2
+    elif kind == 5 or kind == 6:  # Q4_K / Q5_K: 8 sub-blocks of 32, low nibbles then high per 64
+        qs = at + (48 if kind == 6 else 16)
+        for j in range(8):
+            s, m = _scale_min_k4(row, at, j)
+            sc[j] = d * np.float32(s)
+            mn[j] = -(d2 * np.float32(m))
+            c, half = j // 2, j % 2
+            for v in range(32):
+                b = np.int32(row[qs + 32 * c + v])
+                q = (b >> 4) if half else (b & 15)
+                if kind == 6:
+                    q |= ((np.int32(row[at + 16 + v]) >> j) & 1) << 4
+                buf[32 * j + v] = q if s > 0 else 0  # a scale of 0: the codes are undefined
+    else:  # Q6_K: q + 128 in 16 sub-blocks of 16
+        for j in range(16):
+            sc[j] = d * np.float32(np.int32(np.int8(row[at + 192 + j])))
+        for n in range(2):
+            for v in range(32):
+                low = np.int32(row[at + 64 * n + v])
+                high = np.int32(row[at + 64 * n + v + 32])
+                h = np.int32(row[at + 128 + 32 * n + v])
+                q = ((low & 15) | ((h & 3) << 4), (high & 15) | (((h >> 2) & 3) << 4),
+                     (low >> 4) | (((h >> 4) & 3) << 4), (high >> 4) | (((h >> 6) & 3) << 4))
+                for t in range(4):
+                    p = 128 * n + 32 * t + v
+                    buf[p] = np.uint8(q[t] + 96) if row[at + 192 + p // 16] != 0 else np.uint8(128)
+
+
+@njit(parallel=True, cache=True)
+def _rows(raw, kind, per, size, u, scale, minimum):  # pragma: no cover - jitted
+    """Row-major: u (n, k), scale / minimum (n, groups)."""
+    bpr = raw.shape[1] // size
+    gpb = scale.shape[1] // bpr
+    for r in prange(raw.shape[0]):
+        buf = np.empty(256, np.uint8)
+        sc, mn = np.zeros(16, np.float32), np.zeros(16, np.float32)
+        for b in range(bpr):
+            _decode(raw[r], b * size, kind, buf, sc, mn)
+            u[r, b * per:(b + 1) * per] = buf[:per]
+            scale[r, b * gpb:(b + 1) * gpb] = sc[:gpb]
+            if minimum.shape[0]:
+                minimum[r, b * gpb:(b + 1) * gpb] = mn[:gpb]
+
+
+_BYTES = np.uint64(0x0101010101010101)
+_GATHER = np.uint64(0x0102040810204080)  # byte i's low bit to bit 56 + i of the product (no carries)
+
+
+@njit(inline="always", cache=True)
+def _put(codes, t, o, slot, words, eights, per, bits, base):  # pragma: no cover - jitted
+    """One block's codes (the decoder's buffer as `words` uint32 and `eights` uint64, less base) into
+    row `slot` of tile t from octet (or quad) o on: a word per 4 (8 bits) or 8 (nibbles) inputs, and at
+    5 and 6 bits the high bits ORed into the row's high word (simd.high_at). Eight
+    codes at a time as one integer: every code is at least `base`, so subtracting it from each byte
+    borrows nowhere."""
+    if bits == 8:
+        for w in range(per // 4):
+            codes[t, o + w, slot] = words[w]
+        return
+    less = np.uint64(base) * _BYTES
+    for w in range(per // 8):  # inputs 8o+i in the low nibbles, 8o+4+i in the high
+        x = eights[w] - less
+        nib = x & np.uint64(0x0F0F0F0F0F0F0F0F)
+        codes[t, o + w, slot] = np.uint32((nib & np.uint64(0xFFFFFFFF)) | ((nib >> np.uint64(32)) << np.uint64(4)))
+        if bits > 4:  # 5, 6 bits: inputs 8o+i's high bits at field f, 8o+4+i's at f + 1 (simd.high_at)
+            p, ow = bits - 4, o + w
+            per, slots = 4 // p, TILE // (4 // p)
+            f = 2 * (ow % per)
+            high = (x >> np.uint64(4)) & (_BYTES * np.uint64((1 << p) - 1))
+            word = ((high & np.uint64(0xFFFFFFFF)) << np.uint64(f * p)) | \
+                ((high >> np.uint64(32)) << np.uint64((f + 1) * p))
+            codes[t, ow // per * per + slot // slots, TILE + slot % slots] |= np.uint32(word)
+
+
+@njit(parallel=True, cache=True)
+def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, outer,
+           seen):  # pragma: no cover
+    """Source row i to destination row lo + i of a tiled matrix (codes as words (tiles, k/4 or k/8,
+    TILE + 16 P) at `bits`, the codes less `base`; zeroed beforehand at 5 and 6 bits); scale /
+    minimum tiled too (tiles, groups, TILE): float32, or with `outer` (tiles, blocks, 2, TILE) the
+    K-quants' integer sub-block scales, their blocks' d and -dmin in outer; rows: the source row of
+    each destination row; seen[t] = (lowest, highest) code written into tile t. A tile's rows go to
+    one thread: rows of one tile share cache lines (and 5- / 6-bit rows their high words)."""
+    n = rows.shape[0]
+    bpr = raw.shape[1] // size
+    gpb = scale.shape[1] // bpr
+    t0, t1 = lo // TILE, (lo + n - 1) // TILE + 1
+    for t in prange(t0, t1):
+        buf = np.empty(256, np.uint8)
+        words, eights = buf.view(np.uint32), buf.view(np.uint64)  # views made once: each costs a reference count
+        sc, mn = np.zeros(16, np.float32), np.zeros(16, np.float32)
+        low, high = 255, 0
+        for dest in range(max(lo, t * TILE), min(lo + n, (t + 1) * TILE)):
+            slot = dest % TILE
+            row = raw[rows[dest - lo]]
+            for b in range(bpr):
+                _decode(row, b * size, kind, buf, sc, mn)
+                for j in range(per):
+                    low, high = min(low, np.int32(buf[j]) - base), max(high, np.int32(buf[j]) - base)
+                _put(codes, t, b * per // (4 if bits == 8 else 8), slot, words, eights, per, bits, base)
+                if outer.shape[0]:  # the integers in place of the products d * sc, dmin * m
+                    outer[t, b, 0, slot], outer[t, b, 1, slot] = _outer(row, b * size, kind, sc, mn)
+                for g in range(gpb):
+                    scale[t, b * gpb + g, slot] = sc[g]
+                    if minimum.shape[0]:
+                        minimum[t, b * gpb + g, slot] = mn[g]
+        seen[t, 0], seen[t, 1] = min(seen[t, 0], low), max(seen[t, 1], high)
+
+
+def values(u: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, zero: int) -> np.ndarray:
+    """The float32 values row-major codes stand for, rounded as qweight.py's kernels round them:
+    scale * (u - zero) (+ minimum), one operation at a time."""
+    group = u.shape[1] // scale.shape[1]
+    v = np.repeat(scale, group, axis=1) * (u.astype(np.int32) - zero).astype(np.float32)
+    return v if minimum is None else v + np.repeat(minimum, group, axis=1)
+
+
+def unpack(raw: np.ndarray, qtype: str, shape: tuple[int, int]):
+    """(u (n, k) uint8, scale (n, groups) float32, minimum or None, zero, bits) of an (out, in) matrix
+    whose rows are `raw`'s bytes (any shape with n * k / values-per-block blocks), or None for a type
+    held as float."""
+    if qtype not in LAYOUTS:
+        return None
+    size, per, bits, group, zero, affine = LAYOUTS[qtype]
+    n, k = shape
+    u = np.empty((n, k), np.uint8)
+    scale = np.empty((n, k // group), np.float32)
+    minimum = np.empty((n if affine else 0, k // group), np.float32)
+    _rows(np.asarray(raw).reshape(n, -1), KIND[qtype], per, size, u, scale, minimum)
+    return u, scale, minimum if affine else None, zero, bits
+
+
+def tiled_arrays(qtype: str, n: int, k: int) -> tuple:
+    """Zeroed arrays an (n, k) matrix of `qtype` is unpacked into at its packed width (`unpack_tiled`):
+    codes, scale, minimum (empty when not affine), outer (None but for a K-quant) and seen. The
+    padding rows keep scale 0."""
+    _, per, _, group, _, affine = LAYOUTS[qtype]
+    bits, _ = packed_width(qtype)
+    nt, two = -(-n // TILE), qtype in TWO_LEVEL
+    dtype = np.int8 if two else np.float32
+    return (_zeros(code_shape(nt, k, bits), np.uint8), _zeros((nt, k // group, TILE), dtype),
+            _zeros((nt if affine else 0, k // group, TILE), dtype),
+            _zeros((nt, k // per, 2, TILE), np.uint16) if two else None,
+            np.tile(np.array([[255, 0]], np.int32), (nt, 1)))
+
+
+def _zeros(shape: tuple, dtype) -> np.ndarray:
+    """Zeroed memory of its own mapping in small pages: a load writes it once, and a huge page's
+    first touch can wait on the kernel compacting memory (numpy asks for huge pages above 4 MB),
+    which cost a 0.5B's load a quarter of a second with no gain in decode (docs/weights.md)."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if size < 1 << 20:
+        return np.zeros(shape, dtype)
+    m = mmap.mmap(-1, size)  # zero pages, given on first touch
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(m, dtype).reshape(shape)
+
+
+def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.ndarray, lo: int,
+                 codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, seen: np.ndarray,
+                 width: tuple[int, int] | None = None, outer: np.ndarray | None = None) -> None:
+    """unpack(), written as rows lo + i (source row rows[i]) of a tiled matrix (kernels/weights/qweight.py's
+    layout at width = (bits, base) -- the type's own 8- or 4-bit codes when None -- : codes
+    (tiles, ..., 4) uint8, zeroed at 5 and 6 bits, scale / minimum (tiles, groups, TILE)
+    float32, minimum empty when not affine; or, for a K-quant with `outer` (tiles, blocks, 2, TILE)
+    uint16, its integer sub-block scales as int8 and each block's float16 d and -dmin in outer); seen
+    (tiles, 2) int32 gathers each tile's lowest and highest code."""
+    size, per, bits, group, zero, affine = LAYOUTS[qtype]
+    bits, base = width or (bits, 0)
+    _tiled(np.asarray(raw).reshape(shape[0], -1), KIND[qtype], per, size, bits, base,
+           np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], scale, minimum,
+           NO_OUTER if outer is None else outer, seen)
+
+
+class BlockRows:
+    """An (out, in) matrix left as a GGUF's blocks in the file's mapping and read a row at a time:
+    an untied embedding is only gathered from, one row a token, so it needs no packed copy and
+    costs the process only the pages of the rows it reads. Rows come back as the values `native`'s
+    packed codes give (scale * (u - zero) (+ minimum), in float32, one operation at a time)."""
+
+    def __init__(self, raw: np.ndarray, qtype: str, shape: tuple[int, int]):
+        self.raw, self.qtype, self.shape = np.asarray(raw).reshape(shape[0], -1), qtype, tuple(shape)
+        self.device = torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def to(self, device: torch.device) -> "BlockRows":
+        if torch.device(device).type != "cpu":
+            raise ValueError("a GGUF's blocks are gathered from on the CPU only")
+        return self
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        flat = idx.reshape(-1).to(torch.int64).numpy()
+        u, scale, minimum, zero, _ = unpack(self.raw[flat], self.qtype, (len(flat), self.shape[1]))
+        return torch.from_numpy(values(u, scale, minimum, zero)).view(*idx.shape, self.shape[1])
+
+
+jitcache.tie(globals(), qdot)  # the decoders inline qdot.py's half_bits

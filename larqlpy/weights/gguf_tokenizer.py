@@ -1,0 +1,142 @@
+"""Tokenizers rebuilt from a GGUF's vocabulary with the `tokenizers` library, and the
+tokenizer_config.json beside them (special tokens, BOS, the chat template).
+
+- Gemma's SentencePiece BPE (tokenizer.ggml.model "llama" on gemma3): merges rebuilt from the vocabulary.
+- Byte-level BPE (tokenizer.ggml.model "gpt2": SmolLM2, Llama 3, Qwen): the file's vocabulary and
+  merges, split before BPE the way llama.cpp's pre-tokenizer type (tokenizer.ggml.pre) says.
+"""
+
+from __future__ import annotations
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from larqlpy.errors import LarqlError
+from larqlpy.weights.gguf_archs import Meta
+
+# llama.cpp's pre-tokenizer regexes, by tokenizer.ggml.pre (llama-vocab.cpp): what splits text into the
+# pieces BPE merges within. None: GPT-2's own split, which the ByteLevel pre-tokenizer carries.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLITS = {"gpt2": None, "default": None, "smollm": "digits", "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT,
+          "llama-v3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
+
+
+def build_tokenizer(m: Meta):
+    """(tokenizer, tokenizer_config) for the GGUF's vocabulary."""
+    model = m.get("tokenizer.ggml.model")
+    if model == "llama" and m.arch == "gemma3":
+        tok, config = sentencepiece_bpe(m)
+    elif model == "gpt2":
+        tok, config = byte_level_bpe(m)
+    else:
+        raise LarqlError(f"tokenizer.ggml.model {model!r} on {m.arch} is not supported by convert-gguf "
+                         "(byte-level BPE, and Gemma's SentencePiece, are)")
+    template = m.get("tokenizer.chat_template")
+    if isinstance(template, str):
+        config["chat_template"] = template
+    return tok, config
+
+
+def byte_level_bpe(m: Meta):
+    tokens = list(m.get("tokenizer.ggml.tokens"))
+    types = list(m.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = m.get("tokenizer.ggml.merges")
+    if not merges:
+        raise LarqlError("a byte-level BPE GGUF without tokenizer.ggml.merges cannot be converted")
+    pre = m.get("tokenizer.ggml.pre", "default")
+    if pre not in SPLITS:
+        raise LarqlError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported by convert-gguf "
+                         f"(supported: {', '.join(SPLITS)})")
+    spell = byte_spelling()
+    alphabet = set(spell.values())
+    # llama.cpp keeps the vocabulary in GPT-2's byte alphabet; a token outside it is respelled through it
+    vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(x.split(" ", 1)) for x in merges], dropout=None,
+                               fuse_unk=False, byte_fallback=False))
+    split = SPLITS[pre]
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif split == "digits":  # SmolLM: every digit on its own, then GPT-2's split
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    # Control tokens (type 3, e.g. <|im_end|>) are special; user-defined ones (type 4) match whole.
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, ty in zip(tokens, types) if ty == 3 and t in vocab])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, ty in zip(tokens, types) if ty == 4 and t in vocab])
+    return tok, _config(m, tokens, add_bos_default=False, cls="GPT2Tokenizer")
+
+
+def _config(m: Meta, tokens: list[str], add_bos_default: bool, cls: str) -> dict:
+    def token(key: str) -> str | None:
+        i = m.get(key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    config = {"add_bos_token": bool(m.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+              "add_eos_token": bool(m.get("tokenizer.ggml.add_eos_token", False)),
+              "bos_token": token("tokenizer.ggml.bos_token_id"), "eos_token": token("tokenizer.ggml.eos_token_id"),
+              "unk_token": token("tokenizer.ggml.unknown_token_id"),
+              "pad_token": token("tokenizer.ggml.padding_token_id"), "tokenizer_class": cls}
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def byte_spelling() -> dict[int, str]:
+    """GPT-2's byte -> printable character map: printable Latin-1 bytes stand for themselves, the
+    other 68 are moved to U+0100 onwards (what byte-level BPE vocabularies are written in)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def sentencepiece_bpe(m: Meta):
+    """A `tokenizers` BPE tokenizer equivalent to the GGUF's SentencePiece vocabulary.
+
+    (Gemma's: tokenizer.ggml.model "llama" on a gemma architecture.) The file carries no merges, so they
+    are rebuilt: every split of a token into two tokens is a
+    merge, ranked by the merged token's position in the vocabulary (Gemma's scores do not follow
+    its merge order; positions do). Tokens made only of spaces are stored with real spaces but the
+    normalizer turns spaces into U+2581, so they are respelled first.
+    """
+    tokens = list(m.get("tokenizer.ggml.tokens"))
+    types = list(m.get("tokenizer.ggml.token_type"))
+    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    merges = []
+    for token, index in vocab.items():
+        local = [(token[:j], token[j:], index) for j in range(1, len(token))
+                 if token[:j] in vocab and token[j:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (-m[2], len(m[0]), len(m[1])), reverse=True)
+    unk = tokens[int(m.get("tokenizer.ggml.unknown_token_id", 3))]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(left, right) for left, right, _ in merges], unk_token=unk,
+                               fuse_unk=True, byte_fallback=True, dropout=None))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # Control tokens (type 3) are special; user-defined ones (type 4, e.g. "\n\n") match whole.
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == 3])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, ty in zip(tokens, types) if ty == 4 and t in vocab])
+    bos_id = int(m.get("tokenizer.ggml.bos_token_id", 2))
+    if bool(m.get("tokenizer.ggml.add_bos_token", True)):
+        bos = tokens[bos_id]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, bos_id)])
+    config = {"add_bos_token": bool(m.get("tokenizer.ggml.add_bos_token", True)),
+              "add_eos_token": bool(m.get("tokenizer.ggml.add_eos_token", False)),
+              "bos_token": tokens[bos_id], "eos_token": tokens[int(m.get("tokenizer.ggml.eos_token_id", 1))],
+              "unk_token": unk, "pad_token": tokens[int(m.get("tokenizer.ggml.padding_token_id", 0))],
+              "tokenizer_class": "GemmaTokenizer"}
+    return tok, config
