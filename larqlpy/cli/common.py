@@ -38,7 +38,7 @@ CONTINUATION = typer.Option(None, "--continuation", help="provider identity, e.g
 CONTINUATION_OPTION = typer.Option([], "--continuation-option", help="key=value (repeatable)")
 ALLOW_UNUSED = typer.Option(False, "--allow-unused-tensors",
                             help="load weight files that hold tensors the model's family does not use "
-                                 "(refused otherwise: a config.json over another model's weights)")
+                                 "(refused otherwise: a config.json or a GGUF's metadata over another model's weights)")
 CHAT_TEMPLATE = typer.Option(None, "--chat-template", help="a jinja chat template file instead of the model's")
 
 # Library parameter -> how a CLI user gives it. The library names parameters in backticks

@@ -39,7 +39,8 @@ def convert_gguf(src: Path = typer.Argument(..., help="a .gguf file (gemma3, lla
                  dest: Path = typer.Argument(..., help="output directory (HF layout)"),
                  force: bool = typer.Option(False, "--force", help="overwrite DEST if it exists"),
                  dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float32 (exact): the "
-                                           "quantized matrices' precision in DEST")):
+                                           "quantized matrices' precision in DEST"),
+                 allow_unused_tensors: bool = ALLOW_UNUSED):
     """Dequantize a GGUF into safetensors + config.json + tokenizer.json (+ its chat template). `run`
     and every other command also take the .gguf file itself, with no conversion."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -54,7 +55,7 @@ def convert_gguf(src: Path = typer.Argument(..., help="a .gguf file (gemma3, lla
         def step(what: str, done: int, total: int) -> None:
             bar.update(task, description=what[:40], completed=done, total=total)
 
-        convert(src, dest, step, force=force, dtype=dtype)
+        convert(src, dest, step, force=force, dtype=dtype, allow_unused_tensors=allow_unused_tensors)
     err.print(f"wrote {dest}")
 
 

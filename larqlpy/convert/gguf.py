@@ -1,11 +1,12 @@
 """GGUF (llama.cpp) -> Hugging Face layout: f32 safetensors, config.json, tokenizer.json and
-tokenizer_config.json (with the chat template), for the architectures in archs.py; and beside them
-native.safetensors, the quantized matrices as their own integer codes (convert/native.py), which
-`weights` native runs.
+tokenizer_config.json (with the chat template), for the architectures in weights/gguf_archs.py; and
+beside them native.safetensors, the quantized matrices as their own integer codes
+(convert/native.py), which `weights` native runs.
 
 GGUF conventions minded here: tensor shapes are listed innermost-first (the numpy view the `gguf`
 package gives is already [rows, cols] = HF's [out, in]); each architecture's own conventions
-(norms stored as 1 + w, permuted q/k rows) are in archs.py, its tokenizer in tokenizers_gguf.py.
+(norms stored as 1 + w, permuted q/k rows) are in weights/gguf_archs.py, its tokenizer in
+weights/gguf_tokenizer.py, what is checked before either is read in weights/gguf_check.py.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from safetensors.torch import save_file
 from larqlpy.convert.native import native_codes
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_directory, check_output
-from larqlpy.model.families import read_config
+from larqlpy.model.families import config_from_dict, read_config
 from larqlpy.weights import native_file
-from larqlpy.weights.checkpoint import Checkpoint, check_finite
-from larqlpy.weights.gguf_archs import Meta
+from larqlpy.weights.checkpoint import Checkpoint, check_finite, wanted_tensors
+from larqlpy.weights.gguf_archs import Arch
+from larqlpy.weights.gguf_check import refuse_unused, unused_tensors
 from larqlpy.weights.gguf_meta import read_gguf, write_metadata
 from larqlpy.weights.gguf_tokenizer import build_tokenizer
 
@@ -32,29 +34,31 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 
 def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = None, force: bool = False,
-                 dtype: str = "bfloat16") -> Path:
+                 dtype: str = "bfloat16", allow_unused_tensors: bool = False) -> Path:
     """Dequantize a GGUF (gemma3, llama, qwen2) into an HF-layout directory, written to a temp directory
     and renamed when whole. dtype: what the quantized matrices are written as -- bfloat16 (half the
     bytes; a GGUF's values are rarely bfloat16 exactly) or float32 (exact); matrices the file holds
-    as float stay in their own precision where dtype is bfloat16, and norms and biases are float32."""
+    as float stay in their own precision where dtype is bfloat16, and norms and biases are float32.
+    A file holding tensors its architecture does not take is refused (as `run` refuses it) unless
+    `allow_unused_tensors`; they are not written."""
     src, dest = Path(src), Path(dest)
     if dtype not in STORED:
         raise LarqlError(f"`dtype`: expected {' or '.join(STORED)}, got {dtype!r}")
     if dest.exists() and not force:
         raise LarqlError(f"{dest}: already exists (pass `force` to overwrite)")
     check_output(dest, "DEST", inputs=[src], directory=True)
-    reader, arch = read_gguf(src)
-    meta = Meta(reader, arch.name)
+    meta, arch = read_gguf(src)
     config = arch.config(meta)
+    ours = used_tensors(src, meta.reader.tensors, arch, config, allow_unused_tensors)
     step = progress or (lambda what, done, total: None)
-    ours = [(t, arch.hf_name(t.name)) for t in reader.tensors]
-    ours = [(t, m) for t, m in ours if m is not None]
     total = len(ours) + 1
+    step("tokenizer", 0, total)
+    tokenizer = build_tokenizer(meta)  # before the tensors: a bad vocabulary is refused before minutes of work
     tensors: dict[str, torch.Tensor] = {}
     codes: dict[str, tuple] = {}
     floats: dict[str, str] = {}
     for i, (t, (name, is_norm)) in enumerate(ours):
-        step(f"dequantize {t.name}", i, total)
+        step(f"dequantize {t.name}", i + 1, total)
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         except Exception as e:
@@ -72,16 +76,26 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
                                None if minimum is None else arch.restore(t.name, minimum, config),
                                zero, bits, t.tensor_type.name)
         tensors[name] = stored(arch.hf_values(t.name, w, config, is_norm), t.tensor_type.name, dtype)
-    step("tokenizer", len(ours), total)
-    tokenizer = build_tokenizer(meta)
 
     with atomic_directory(dest, replace=True) as tmp:  # a crash leaves no half-written model directory
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": src.name})
         write_metadata(tmp, {**config, "torch_dtype": dtype}, *tokenizer)
-        fingerprint = Checkpoint(tmp, read_config(tmp), allow_unused_tensors=True).fingerprint  # not the path
+        fingerprint = Checkpoint(tmp, read_config(tmp)).fingerprint  # not the path
         native_file.write(tmp / native_file.FILE, codes, floats, fingerprint)
     step("done", total, total)
     return dest
+
+
+def used_tensors(src: Path, tensors: list, arch: Arch, config: dict, allow_unused_tensors: bool) -> list:
+    """(tensor, (HF name, stored as 1 + w)) for each tensor the architecture takes; the others refused
+    unless allowed (then left out), and a missing one refused, before any is read."""
+    ours = [(t, arch.hf_name(t.name)) for t in tensors]
+    wanted = wanted_tensors(src, config_from_dict(config), {m[0]: src for _, m in ours if m is not None})
+    used = {hf for hf, _ in wanted.values()}
+    unused = unused_tensors([t.name for t in tensors], arch, used)
+    if unused and not allow_unused_tensors:
+        refuse_unused(src, arch, unused)
+    return [(t, m) for t, m in ours if m is not None and m[0] in used]
 
 
 STORED = ("bfloat16", "float32")

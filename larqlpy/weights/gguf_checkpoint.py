@@ -20,6 +20,7 @@ from larqlpy.kernels.weights.qweight import TILE, PackedWeight
 from larqlpy.kernels.weights.simd import PLANES
 from larqlpy.model.config import ModelConfig
 from larqlpy.weights.checkpoint import Checkpoint, wanted_tensors
+from larqlpy.weights.gguf_check import refuse_unused, unused_tensors
 from larqlpy.weights.gguf_file import GGUFFile
 
 CHUNK_BYTES = 16 << 20  # of a matrix's blocks unpacked at a time (GGUFCodes._chunks)
@@ -27,9 +28,10 @@ CHUNK_BYTES = 16 << 20  # of a matrix's blocks unpacked at a time (GGUFCodes._ch
 
 class GGUFCheckpoint:
     """A GGUF file's tensors under the names and shapes the decoder takes: what weights/checkpoint.py's
-    Checkpoint is for a directory of safetensors files."""
+    Checkpoint is for a directory of safetensors files. A file holding tensors its architecture does
+    not take is refused, as a directory is, unless `allow_unused_tensors`."""
 
-    def __init__(self, file: GGUFFile, cfg: ModelConfig):
+    def __init__(self, file: GGUFFile, cfg: ModelConfig, allow_unused_tensors: bool = False):
         self.file, self.cfg, self.path = file, cfg, file.path
         self.raw_config = json.loads((file.dir / "config.json").read_text())
         self.names: dict[str, tuple[str, bool]] = {}  # HF name -> (gguf name, stored as 1 + w)
@@ -39,7 +41,9 @@ class GGUFCheckpoint:
                 self.names[hf[0]] = (name, hf[1])
         self.files = {hf: file.path for hf in self.names}
         self.wanted = wanted_tensors(file.path, cfg, self.files)
-        self.unused: list[str] = []
+        self.unused = unused_tensors(file.tensors, file.arch, {hf for hf, _ in self.wanted.values()})
+        if self.unused and not allow_unused_tensors:
+            refuse_unused(file.path, file.arch, self.unused)
         self.handles = {file.path: None}
         self.dtypes: dict[str, str] = {}
         for ours, (hf, shape) in self.wanted.items():
@@ -158,7 +162,9 @@ class GGUFCodes:
 
 def checkpoint(path: Path, cfg: ModelConfig, allow_unused_tensors: bool = False) -> Checkpoint | GGUFCheckpoint:
     """The weights behind a model path: a GGUF file's tensors, or a directory's safetensors files."""
-    return GGUFCheckpoint(GGUFFile(path), cfg) if is_gguf(path) else Checkpoint(path, cfg, allow_unused_tensors)
+    if is_gguf(path):
+        return GGUFCheckpoint(GGUFFile(path), cfg, allow_unused_tensors)
+    return Checkpoint(path, cfg, allow_unused_tensors)
 
 
 def default_weights(ckpt: Checkpoint | GGUFCheckpoint) -> str:

@@ -1,19 +1,21 @@
-"""A GGUF's header, and the files a model directory holds beside its weights (config.json,
-generation_config.json, tokenizer.json, tokenizer_config.json), without torch: what `convert-gguf`
-writes into its directory and a .gguf run directly into its metadata cache (weights/gguf_file.py)."""
+"""A GGUF's header, read and checked (weights/gguf_check.py), and the files a model directory holds
+beside its weights (config.json, generation_config.json, tokenizer.json, tokenizer_config.json),
+without torch: what `convert-gguf` writes into its directory and a .gguf run directly into its
+metadata cache (weights/gguf_file.py)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import gguf
-
 from larqlpy.errors import LarqlError
-from larqlpy.weights.gguf_archs import ARCHS
+from larqlpy.weights.gguf_archs import ARCHS, Arch, Meta
+from larqlpy.weights.gguf_check import Reader, check_header
 
 
-def read_gguf(src: Path):
+def read_gguf(src: Path) -> tuple[Meta, Arch]:
+    """The file's metadata and architecture, its header checked whole (gguf_check) before anything is
+    built from it."""
     if src.is_dir():
         raise LarqlError(f"{src}: is a directory, not a GGUF file")
     if not src.is_file():
@@ -23,7 +25,9 @@ def read_gguf(src: Path):
     if magic != b"GGUF":
         raise LarqlError(f"{src}: not a readable GGUF file (it does not start with the GGUF magic)")
     try:
-        reader = gguf.GGUFReader(str(src))
+        reader = Reader(src)
+    except LarqlError:
+        raise
     except Exception:  # gguf's reader fails on a short file with numpy's own words
         raise LarqlError(f"{src}: not a readable GGUF file "
                          f"(truncated or damaged: {src.stat().st_size:,} bytes)") from None
@@ -31,9 +35,11 @@ def read_gguf(src: Path):
     arch = None if arch is None else arch.contents()
     if arch is None:
         raise LarqlError(f"{src}: not a model GGUF (it has no general.architecture)")
-    if arch not in ARCHS:
-        raise LarqlError(f"{src}: architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
-    return reader, ARCHS[arch]
+    if not isinstance(arch, str) or arch not in ARCHS:
+        raise LarqlError(f"{src}: general.architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+    meta = Meta(reader, arch)
+    check_header(src, meta)
+    return meta, ARCHS[arch]
 
 
 def write_metadata(dest: Path, config: dict, tokenizer, tok_config: dict) -> None:

@@ -21,18 +21,19 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPLITS = {"gpt2": None, "default": None, "smollm": "digits", "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT,
           "llama-v3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
+# Gemma's special tokens where its file names none.
+SENTENCEPIECE_IDS = {"tokenizer.ggml.unknown_token_id": 3, "tokenizer.ggml.bos_token_id": 2,
+                     "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.padding_token_id": 0}
 
 
 def build_tokenizer(m: Meta):
-    """(tokenizer, tokenizer_config) for the GGUF's vocabulary."""
-    model = m.get("tokenizer.ggml.model")
-    if model == "llama" and m.arch == "gemma3":
+    """(tokenizer, tokenizer_config) for the GGUF's vocabulary, its header checked by gguf_check (the
+    tokenizer model and pre-tokenizer supported, token types one a token, ids in the vocabulary);
+    the merges are checked here, as `tokenizers` builds the BPE."""
+    if m.get("tokenizer.ggml.model") == "llama":  # gemma3's: gguf_check refuses it on the others
         tok, config = sentencepiece_bpe(m)
-    elif model == "gpt2":
-        tok, config = byte_level_bpe(m)
     else:
-        raise LarqlError(f"tokenizer.ggml.model {model!r} on {m.arch} is not supported by convert-gguf "
-                         "(byte-level BPE, and Gemma's SentencePiece, are)")
+        tok, config = byte_level_bpe(m)
     template = m.get("tokenizer.chat_template")
     if isinstance(template, str):
         config["chat_template"] = template
@@ -43,19 +44,17 @@ def byte_level_bpe(m: Meta):
     tokens = list(m.get("tokenizer.ggml.tokens"))
     types = list(m.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     merges = m.get("tokenizer.ggml.merges")
-    if not merges:
-        raise LarqlError("a byte-level BPE GGUF without tokenizer.ggml.merges cannot be converted")
-    pre = m.get("tokenizer.ggml.pre", "default")
-    if pre not in SPLITS:
-        raise LarqlError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported by convert-gguf "
-                         f"(supported: {', '.join(SPLITS)})")
     spell = byte_spelling()
     alphabet = set(spell.values())
     # llama.cpp keeps the vocabulary in GPT-2's byte alphabet; a token outside it is respelled through it
     vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(x.split(" ", 1)) for x in merges], dropout=None,
-                               fuse_unk=False, byte_fallback=False))
-    split = SPLITS[pre]
+    try:  # `tokenizers` checks every merge against the vocabulary as it builds (gguf_check leaves it that)
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(x.split(" ", 1)) for x in merges], dropout=None,
+                                   fuse_unk=False, byte_fallback=False))
+    except Exception as e:
+        why = bad_merge(merges, vocab) or f"tokenizer.ggml.merges: {str(e).splitlines()[0]}"
+        raise LarqlError(f"{m.reader.src}: {why}") from None
+    split = SPLITS[m.get("tokenizer.ggml.pre", "default")]
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     elif split == "digits":  # SmolLM: every digit on its own, then GPT-2's split
@@ -72,6 +71,20 @@ def byte_level_bpe(m: Meta):
     tok.add_tokens([AddedToken(t, normalized=False, special=False)
                     for t, ty in zip(tokens, types) if ty == 4 and t in vocab])
     return tok, _config(m, tokens, add_bos_default=False, cls="GPT2Tokenizer")
+
+
+def bad_merge(merges: list[str], vocab: dict[str, int]) -> str | None:
+    """What is wrong with the first merge that is not two tokens of the vocabulary (as the tokenizer
+    spells it) and a space, making a third."""
+    for i, merge in enumerate(merges):
+        left, space, right = merge.partition(" ")
+        if not space:
+            return f"tokenizer.ggml.merges[{i}] is {merge!r:.60}: not two tokens and a space"
+        for t in (left, right, left + right):
+            if t not in vocab:
+                return (f"tokenizer.ggml.merges[{i}] is {merge!r:.60}: {t!r:.40} is not a token of "
+                        "tokenizer.ggml.tokens (in GPT-2's byte spelling)")
+    return None
 
 
 def _config(m: Meta, tokens: list[str], add_bos_default: bool, cls: str) -> dict:
@@ -109,7 +122,7 @@ def sentencepiece_bpe(m: Meta):
     normalizer turns spaces into U+2581, so they are respelled first.
     """
     tokens = list(m.get("tokenizer.ggml.tokens"))
-    types = list(m.get("tokenizer.ggml.token_type"))
+    types = list(m.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {t: i for i, t in enumerate(spelled)}
     merges = []
@@ -119,7 +132,8 @@ def sentencepiece_bpe(m: Meta):
         local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
         merges.extend(local)
     merges.sort(key=lambda m: (-m[2], len(m[0]), len(m[1])), reverse=True)
-    unk = tokens[int(m.get("tokenizer.ggml.unknown_token_id", 3))]
+    ids = {k: int(m.get(k, v)) for k, v in SENTENCEPIECE_IDS.items()}
+    unk = tokens[ids["tokenizer.ggml.unknown_token_id"]]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[(left, right) for left, right, _ in merges], unk_token=unk,
                                fuse_unk=True, byte_fallback=True, dropout=None))
     tok.normalizer = normalizers.Replace(" ", "\u2581")
@@ -129,14 +143,14 @@ def sentencepiece_bpe(m: Meta):
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == 3])
     tok.add_tokens([AddedToken(t, normalized=False, special=False)
                     for t, ty in zip(tokens, types) if ty == 4 and t in vocab])
-    bos_id = int(m.get("tokenizer.ggml.bos_token_id", 2))
+    bos_id = ids["tokenizer.ggml.bos_token_id"]
     if bool(m.get("tokenizer.ggml.add_bos_token", True)):
         bos = tokens[bos_id]
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                            special_tokens=[(bos, bos_id)])
     config = {"add_bos_token": bool(m.get("tokenizer.ggml.add_bos_token", True)),
               "add_eos_token": bool(m.get("tokenizer.ggml.add_eos_token", False)),
-              "bos_token": tokens[bos_id], "eos_token": tokens[int(m.get("tokenizer.ggml.eos_token_id", 1))],
-              "unk_token": unk, "pad_token": tokens[int(m.get("tokenizer.ggml.padding_token_id", 0))],
+              "bos_token": tokens[bos_id], "eos_token": tokens[ids["tokenizer.ggml.eos_token_id"]],
+              "unk_token": unk, "pad_token": tokens[ids["tokenizer.ggml.padding_token_id"]],
               "tokenizer_class": "GemmaTokenizer"}
     return tok, config

@@ -97,7 +97,8 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     home = path if gguf is None else gguf.dir  # config, tokenizer, calibration and caches
     cfg = read_config(home)
     tokenizer = Tokenizer.from_dir(home, cfg) if tokenizer is None else tokenizer.tokenizer()
-    ckpt = Checkpoint(path, cfg, allow_unused_tensors) if gguf is None else GGUFCheckpoint(gguf, cfg)
+    ckpt = Checkpoint(path, cfg, allow_unused_tensors) if gguf is None else \
+        GGUFCheckpoint(gguf, cfg, allow_unused_tensors)
     weights = weights or default_weights(ckpt)
     model = Decoder(cfg, device=dev, dtype=tdtype)
     model.kv_dtype = kv_dtype or default_kv_dtype(weights)

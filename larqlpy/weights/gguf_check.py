@@ -1,0 +1,194 @@
+"""A GGUF's header checked as one step, before anything is built from it (config.json, the tokenizer,
+the tensor table): every size, count, index and offset the rest of weights/ reads, refused here in
+one line naming its key and value -- not met later as a ZeroDivisionError, an IndexError, a
+MemoryError or, worse, as a model that runs and is wrong (token types zipped short, a tensor read
+off its alignment). Two checks stand elsewhere: merges naming tokens outside the vocabulary, met
+by `tokenizers` as it builds the BPE (gguf_tokenizer.py names the merge: in Rust the check is
+free), and tensors the architecture does not take, which need the config and can be allowed
+(unused_tensors, refused by gguf_checkpoint.py and convert-gguf)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from larqlpy.errors import LarqlError
+from larqlpy.weights.gguf_archs import Arch, Meta
+from larqlpy.weights.gguf_tokenizer import SENTENCEPIECE_IDS, SPLITS
+
+# Sane upper bounds, each a few times the largest open model's (hidden 16,384, FFN 53,248, 10M
+# context, 262k vocabulary, head_dim 256): past them a header is damaged, not a model.
+MAX_EMBEDDING = 1 << 16
+MAX_FFN = 1 << 18
+MAX_CONTEXT = 1 << 24
+MAX_VOCAB = 1 << 21
+MAX_HEAD_DIM = 1 << 12
+EXTRA_SIZES = {"gemma3": ("attention.sliding_window",)}  # what an architecture's config reads beyond the common ones
+INTEGERS = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+            GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
+
+
+class Reader(gguf.GGUFReader):
+    """gguf-py's reader, with each tensor's place checked before gguf-py maps its bytes: gguf-py takes
+    an offset off the alignment as it is (a float32 norm read shifted by a value), and fails on one
+    past the end in numpy's words."""
+
+    def __init__(self, src: Path):
+        self.src = src
+        super().__init__(str(src))
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:  # gguf-py's own step, after the metadata
+        check_places(self.src, start_offs, fields, int(self.alignment), len(self.data))
+        super()._build_tensors(start_offs, fields)
+
+
+def check_places(src: Path, start: int, fields: list, alignment: int, size: int) -> None:
+    """Each tensor's data: a known type, at an offset on general.alignment, wholly inside the file."""
+    for field in fields:
+        _, name, _, dims, dtype, offset = field.parts
+        name = bytes(name).decode("utf-8", "replace")
+        at = int(offset[0])
+        if at % alignment:
+            raise LarqlError(f"{src}: tensor {name} is at data offset {at}, not a multiple of "
+                             f"general.alignment ({alignment})")
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(dtype[0]))]
+        except (ValueError, KeyError):
+            raise LarqlError(f"{src}: tensor {name} has type {int(dtype[0])}, not a GGML type") from None
+        end = start + at + math.prod(int(d) for d in dims) * type_size // block
+        if end > size:
+            raise LarqlError(f"{src}: truncated or damaged: tensor {name} (data offset {at}) runs to byte "
+                             f"{end:,}, past the end of the file ({size:,} bytes)")
+
+
+def check_header(src: Path, m: Meta) -> None:
+    """Everything the config and the tokenizer read from the metadata, before either is built."""
+    _sizes(src, m)
+    _rope(src, m)
+    _vocabulary(src, m)
+
+
+def _show(v) -> str:
+    if isinstance(v, list):
+        return f"a list of {len(v):,} values"
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(src: Path, m: Meta, key: str, lo: int, hi: int, why: str = "", optional: bool = False) -> int | None:
+    """An integer key, within [lo, hi]; None where an optional one is absent."""
+    if key not in m.reader.fields:
+        if optional:
+            return None
+        raise LarqlError(f"{src}: {key} is missing (a {m.arch} GGUF must have it)")
+    v = m.get(key)
+    if type(v) is not int:  # bool is an int's subclass, and no size
+        raise LarqlError(f"{src}: {key} is {_show(v)}: expected an integer")
+    if not lo <= v <= hi:
+        raise LarqlError(f"{src}: {key} is {v}: expected {lo} to {hi}{why}")
+    return v
+
+
+def _sizes(src: Path, m: Meta) -> None:
+    a = m.arch + "."
+    tensors = len(m.reader.tensors)
+    # First: a config builds lists block_count long, and every block holds several tensors.
+    _int(src, m, a + "block_count", 1, tensors - 1, f" (below the file's {tensors:,} tensors)")
+    hidden = _int(src, m, a + "embedding_length", 1, MAX_EMBEDDING)
+    _int(src, m, a + "feed_forward_length", 1, MAX_FFN)
+    heads = _int(src, m, a + "attention.head_count", 1, hidden, f" (at most {a}embedding_length)")
+    kv = _int(src, m, a + "attention.head_count_kv", 1, heads, f" (at most {a}attention.head_count)", optional=True)
+    if kv is not None and heads % kv:
+        raise LarqlError(f"{src}: {a}attention.head_count_kv is {kv}: it must divide "
+                         f"{a}attention.head_count ({heads})")
+    if _int(src, m, a + "attention.key_length", 1, MAX_HEAD_DIM, optional=True) is None and hidden % heads:
+        raise LarqlError(f"{src}: {a}attention.head_count is {heads}: it must divide {a}embedding_length "
+                         f"({hidden}) when {a}attention.key_length is absent")
+    _int(src, m, a + "context_length", 1, MAX_CONTEXT, optional=True)
+    for key in EXTRA_SIZES.get(m.arch, ()):
+        _int(src, m, a + key, 1, MAX_CONTEXT)
+
+
+def _number(src: Path, m: Meta, key: str, below: float = math.inf, zero: bool = False) -> float | None:
+    """An optional finite number, above 0 (or 0, where `zero`) and below `below`."""
+    v = m.get(key)
+    if v is None:
+        return None
+    if type(v) not in (int, float) or not (0 < v or (zero and v == 0)) or not v < below:
+        raise LarqlError(f"{src}: {key} is {_show(v)}: expected a number above {'or at ' if zero else ''}0"
+                         + ("" if math.isinf(below) else f" and below {below:g}"))
+    return v
+
+
+def _rope(src: Path, m: Meta) -> None:
+    a = m.arch + "."
+    _number(src, m, a + "rope.freq_base")
+    _number(src, m, a + "attention.layer_norm_rms_epsilon", below=1.0)
+    factor = _number(src, m, a + "rope.scaling.factor", zero=True)  # 0: no scaling
+    kind = m.get(a + "rope.scaling.type")
+    if kind not in (None, "none", "linear") and factor:
+        raise LarqlError(f"{src}: {a}rope.scaling.type is {_show(kind)}: not supported (linear is)")
+    if m.arch == "llama" and m.has_tensor("rope_freqs.weight"):
+        raise LarqlError(f"{src}: llama3-style RoPE scaling (tensor rope_freqs.weight) is not supported")
+
+
+def _strings(src: Path, m: Meta, key: str) -> list[str]:
+    f = m.reader.fields.get(key)
+    if f is None:
+        raise LarqlError(f"{src}: {key} is missing (a model GGUF must have it)")
+    if f.types != [GGUFValueType.ARRAY, GGUFValueType.STRING]:
+        raise LarqlError(f"{src}: {key} is {_show(m.get(key))}: expected a list of strings")
+    return m.get(key)
+
+
+def _vocabulary(src: Path, m: Meta) -> None:
+    tokens = _strings(src, m, "tokenizer.ggml.tokens")
+    n = len(tokens)
+    if not 1 <= n <= MAX_VOCAB:
+        raise LarqlError(f"{src}: tokenizer.ggml.tokens holds {n:,} tokens: expected 1 to {MAX_VOCAB:,}")
+    _int(src, m, f"{m.arch}.vocab_size", n, MAX_VOCAB, " (at least the tokens' count)", optional=True)
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        f = m.reader.fields.get(key)
+        if f is not None and (f.types[0] != GGUFValueType.ARRAY or len(f.data) != n):
+            raise LarqlError(f"{src}: {key} has {len(f.data):,} entries for the {n:,} of tokenizer.ggml.tokens "
+                             "(one a token)")
+    f = m.reader.fields.get("tokenizer.ggml.token_type")
+    if f is not None and f.types[-1] not in INTEGERS:
+        raise LarqlError(f"{src}: tokenizer.ggml.token_type is a list of {f.types[-1].name}: expected integers")
+    model = m.get("tokenizer.ggml.model")
+    if model == "llama" and m.arch == "gemma3":
+        ids = dict(SENTENCEPIECE_IDS)  # what the tokenizer takes where the file names none
+    elif model == "gpt2":
+        ids = {}
+        pre = m.get("tokenizer.ggml.pre", "default")
+        if pre not in SPLITS:
+            raise LarqlError(f"{src}: tokenizer.ggml.pre is {_show(pre)}: not supported "
+                             f"(supported: {', '.join(SPLITS)})")
+        # Each merge naming tokens of the vocabulary is checked by `tokenizers` as it builds the BPE
+        # (gguf_tokenizer.byte_level_bpe names the first at fault): in Python here, 150k merges cost
+        # 90 ms, more than this whole check may.
+        _strings(src, m, "tokenizer.ggml.merges")
+    else:
+        raise LarqlError(f"{src}: tokenizer.ggml.model is {_show(model)} on {m.arch}: not supported "
+                         "(byte-level BPE, gpt2, and Gemma's SentencePiece are)")
+    ids.update({k: m.get(k) for k in m.reader.fields if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")})
+    for key, i in ids.items():
+        if type(i) is not int or not 0 <= i < n:
+            raise LarqlError(f"{src}: {key} is {_show(i)}: outside the vocabulary "
+                             f"(tokenizer.ggml.tokens holds {n:,})")
+
+
+def unused_tensors(names, arch: Arch, used: set[str]) -> list[str]:
+    """The file's tensors its architecture does not take (by their GGUF names): another family's
+    (a Qwen2 relabelled llama keeps 3 biases a layer nobody reads), or more layers than block_count."""
+    return sorted(n for n in names if (hf := arch.hf_name(n)) is None or hf[0] not in used)
+
+
+def refuse_unused(src: Path, arch: Arch, unused: list[str]) -> None:
+    names = ", ".join(unused[:3]) + (", ..." if len(unused) > 3 else "")
+    raise LarqlError(f"{src}: {len(unused):,} tensors of the file are not used by its architecture "
+                     f"(general.architecture {arch.name!r}: {names}), so its metadata may not describe these "
+                     "weights; pass `allow_unused_tensors` to load it anyway")
