@@ -5,6 +5,7 @@ never saw the rejected tokens; sampling with a draft keeps the target's distribu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -23,6 +24,7 @@ from larqlpy.decode.scheduler import Scheduler
 from larqlpy.decode.speculate import Lookup
 from larqlpy.model.decoder import prefill
 from larqlpy.engines import new_state
+from larqlpy.engines.lifecycle import default_rules_path
 from larqlpy.engines.presets import SPREAD, option_texts
 from larqlpy.engines.registry import parse_engine_spec
 from larqlpy.engines.stores import dispatch
@@ -37,6 +39,7 @@ from tiny import make_tiny
 
 CODE = ('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
         '    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\ndef factorial(n):\n')
+DEFAULT_RULES = default_rules_path()
 ENGINES = [("canonical/v1", []), ("window/v1", []), ("codec/v1", ["bits=4"]), ("cells/v1", ["budget=4MiB"]),
            (None, [])]  # None: --engine no-cache (no state to roll back: it decodes plainly)
 
@@ -79,6 +82,7 @@ def test_a_rolled_back_state_is_one_that_never_saw_the_rejected_tokens(tiny_pair
     spec_state.keep_rollback(5)
     prefill(model, spec_state, ids[:30], 16)
     prefill(model, plain, ids[:30], 16)  # 30 positions: the window-8 rings have wrapped
+    assert spec_state.quiet_rows(5) == 5  # what a verification may take back: nothing decided at its ends
     steps = [model.forward(torch.tensor([t]), plain)[-1] for t in ids[30:33]]
     verified = model.forward_many([(torch.tensor(ids[30:33] + [1, 2]), spec_state, "steps")])[0]
     assert all(torch.equal(a, b) for a, b in zip(steps, verified[:3]))  # each row as its own decode step
@@ -88,6 +92,34 @@ def test_a_rolled_back_state_is_one_that_never_saw_the_rejected_tokens(tiny_pair
     after = [model.forward(torch.tensor([t]), s)[-1] for s in (spec_state, plain) for t in ids[33:40]]
     assert all(torch.equal(a, b) for a, b in zip(after[:7], after[7:]))
     assert states_equal(spec_state, plain)
+
+
+def test_cells_say_how_far_rows_go_before_a_decision_of_theirs(tiny_pair):
+    """cells/v1 decides things at a row's end -- a cell below a window evicted, a cell demoted under the
+    budget -- that a trim cannot take back; `quiet_rows` stops short of them, and a verification within
+    them trims back to plain decode's state."""
+    model = tiny_pair[0].model
+    cells = parse_engine_spec(None, "cells/v1")
+    state = new_state(cells, model.geometries(), model.device)
+    prefill(model, state, list(range(10, 79)), 16)  # 69 positions: cell 0 falls below the window (8) at 72
+    assert state.quiet_rows(5) == 2
+    budgeted, plain = (new_state(parse_engine_spec(None, "cells/v1", ["budget=1GiB"]), model.geometries(),
+                                 model.device) for _ in range(2))
+    for s in (budgeted, plain):
+        prefill(model, s, [10 + i % 200 for i in range(126)], 16)
+        s.shared[0].budget = s.shared[0].resident()  # full: the cell that row 128 opens pushes cell 0 out
+        s.shared[0].rules = dataclasses.replace(s.shared[0].rules, policy=dataclasses.replace(
+            s.shared[0].rules.policy, keep_active_recent=32))
+    assert budgeted.quiet_rows(5) == 2  # rows 126 and 127; row 128 opens a cell
+    model.forward_many([(torch.tensor([5, 6]), budgeted, "steps")])
+    budgeted.trim(127)  # the second row refused
+    model.forward(torch.tensor([5]), plain)
+    assert states_equal(budgeted, plain)
+    for t in (7, 8, 9):  # the next rows open cell 2 and demote cell 0 in both, alike
+        for s in (budgeted, plain):
+            model.forward(torch.tensor([t]), s)
+    assert states_equal(budgeted, plain) and budgeted.report()["cells"] == plain.report()["cells"]
+    assert any(c.state.value == "QUANTIZED" for c in plain.layers[-1].cells)
 
 
 def test_a_ring_cannot_go_back_past_its_slack(tiny_pair):
@@ -138,6 +170,27 @@ def test_greedy_output_is_plain_decode_with_a_draft_and_with_lookup(smol_pair, e
             assert 0 < s["accepted_tokens"] <= s["proposed_tokens"]
             assert s["tokens_per_target_step"] == pytest.approx((s["decode_tokens"] - 1) / s["target_steps"], 1e-3)
         assert drafted["stats"]["acceptance_rate"] > 0.5  # the draft is the target itself
+
+
+@pytest.mark.parametrize("budget", ["1MiB", "4MiB", "16MiB"])
+def test_under_a_cells_budget_speculation_keeps_plain_decodes_ids_and_cells(smol_pair, tmp_path, budget):
+    """Issue 60: cells/v1 demotes cells as its budget says after every block. A verification's rows are
+    proposed only as far as the budget (and a window) decides nothing at their ends, so trimmed back
+    the state is the one plain decode leaves: the same ids, the same cells in the same states. The
+    prompt is past every budget, so cells are demoted as it decodes; 1 MiB keeps 16 positions ACTIVE."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(DEFAULT_RULES.read_text().replace("keep_active_recent: 128", "keep_active_recent: 16"))
+    options = [f"budget={budget}"] + ([f"rules={rules}"] if budget == "1MiB" else [])
+    base = {"prompt": CODE * 24, "max_tokens": 48, "continuation": "cells/v1", "options": options}
+    plain = execute(smol_pair, Request.from_dict({**base, "draft_tokens": 0}))
+    assert plain["prompt_tokens"] * sum(g.row_bytes for g in smol_pair.model.geometries()) > 16 * 2**20
+    for how in ({"draft_tokens": 6, "draft_p_min": 0}, {"draft_tokens": 0, "lookup": 8}):
+        got = execute(smol_pair, Request.from_dict({**base, **how}))
+        assert got["tokens"] == plain["tokens"], how
+        assert got["cells"] == plain["cells"], how  # every layer's cells in the same lifecycle states
+        assert got["stats"]["target_steps"] < got["stats"]["decode_tokens"] - 1, how  # it did speculate
+    pressure = [t for t in plain["transitions"] if t["event"] == "MEMORY_PRESSURE"]
+    assert sum(t["count"] for t in pressure) > 0  # the budget demoted cells
 
 
 def test_a_tiny_random_pair_disagrees_often_and_still_gives_plain_decode(tiny_pair):

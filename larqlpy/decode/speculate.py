@@ -108,13 +108,15 @@ class Draft:
 
     def propose(self, history: list[int], k: int, sampling: SamplingConfig, constraint=None
                 ) -> tuple[list[int], list | None]:
-        k = min(k, self.tokens)
         new = history[len(self.held):]
         if 1 < len(new) <= self.tokens + 1:  # after a verification: its ids as decode steps, one kernel call a layer
             logits = self.model.forward_many([(torch.tensor(new), self.state, "steps")])[0][-1]
         else:
             logits = prefill(self.model, self.state, new, self.chunk)[-1]
         self.held = list(history)
+        # the proposals it runs (all but the last) are trimmed away where the target refuses them:
+        # only as far as its engine decides nothing at their ends, or the trim could not go back
+        k = min(k, self.tokens, 1 + self.state.quiet_rows(max(k - 1, 0)))
         ids, qs = [], []
         for i in range(k):
             tok, q, sure = self._choose(logits, sampling, constraint)
@@ -214,8 +216,11 @@ class Verifier:
     def block(self, seq) -> tuple[torch.Tensor, object, str]:
         """`seq`'s next block: its newest id and the proposals after it (never past max_tokens: the
         last one's logits give the token after it), every row's logits, attended as decode steps."""
-        room = seq.gen.max_tokens - len(seq.generated) - 1
-        ids, qs = self.proposer.propose(seq.history, min(self.tokens, max(room, 0)), seq.gen.sampling,
+        room = min(self.tokens, seq.gen.max_tokens - len(seq.generated) - 1)
+        # rows past the newest only as far as the engine decides nothing at their ends: trimmed back,
+        # the state is then the one plain decode leaves (a decision between them would differ)
+        room = min(room, seq.state.quiet_rows(room + 1) - 1)
+        ids, qs = self.proposer.propose(seq.history, room, seq.gen.sampling,
                                         seq.shaper.constraint) if room > 0 else ([], None)
         self.proposal = (ids, qs)
         seq.logits = None

@@ -10,14 +10,14 @@ import numpy as np
 import torch
 
 from larqlpy.engines.geometry import KV_DTYPES, LayerGeometry
-from larqlpy.engines.lifecycle import Event, Rules, State
+from larqlpy.engines.lifecycle import Event, State
 from larqlpy.engines.stores.base import LayerStore
 from larqlpy.engines.stores.calibration import require_calibration
+from larqlpy.engines.stores.cell_manager import CellManager
 from larqlpy.engines.stores.kvcodec import KVCodec, precision_widths
 from larqlpy.engines.stores.kvdtype import from_numpy, readonly_tensor, to_numpy, torch_dtype
-from larqlpy.engines.stores.mapped import MappedFile, SpillFile
-from larqlpy.engines.stores.state import EngineState, Scratch, Shared
-from larqlpy.kernels.kvcodec.rowcodec import TurboQuantCodec
+from larqlpy.engines.stores.mapped import MappedFile
+from larqlpy.engines.stores.state import EngineState
 
 
 class Cell:
@@ -42,7 +42,7 @@ class Cell:
 
 
 class CellStore(LayerStore):
-    def __init__(self, geometry: LayerGeometry, device: torch.device, manager: "CellManager"):
+    def __init__(self, geometry: LayerGeometry, device: torch.device, manager: CellManager):
         super().__init__(geometry, device)
         self.manager = manager
         # the layer's key calibration when the rules ask for it (policy `calib: on`), else None
@@ -126,7 +126,7 @@ class CellStore(LayerStore):
     # -- lifecycle -----------------------------------------------------------------------------
     def release(self):
         if self.geometry.window is not None:  # keep the last `window` rows, like window/v1
-            horizon = self.end - self.geometry.window - self.manager.rollback
+            horizon = self.end - self.geometry.window
             while self.first_live < len(self.cells) and self.cells[self.first_live].end <= horizon \
                     and self.cells[self.first_live].n == self.manager.cell_size:
                 self.evict(self.cells[self.first_live])
@@ -136,17 +136,24 @@ class CellStore(LayerStore):
         cell.state = self.manager.rules.apply(Event.EVICT, cell.state, State.EVICTED)
         cell.data = cell.where = cell.backing = None
 
-    def demote(self, cell: Cell) -> bool:
-        """One MEMORY_PRESSURE step down for `cell`, as the rules allow. False: nothing allowed."""
+    def _demoted(self, cell: Cell) -> State | None:
+        """The state one MEMORY_PRESSURE step down takes `cell` to, as the rules allow (None: none)."""
         rules, mp = self.manager.rules, Event.MEMORY_PRESSURE
         if cell.state == State.ACTIVE:
             prefer = (State.QUANTIZED, State.PERSISTED) if rules.policy.may_quantize(self.geometry.index) \
                 else (State.PERSISTED,)
-            dst = rules.target(mp, State.ACTIVE, prefer)
-        elif cell.state == State.QUANTIZED:
-            dst = rules.target(mp, State.QUANTIZED, (State.PERSISTED,))
-        else:
-            return False
+            return rules.target(mp, State.ACTIVE, prefer)
+        if cell.state == State.QUANTIZED:
+            return rules.target(mp, State.QUANTIZED, (State.PERSISTED,))
+        return None
+
+    def demotable(self, cell: Cell) -> bool:
+        return self._demoted(cell) is not None
+
+    def demote(self, cell: Cell) -> bool:
+        """One MEMORY_PRESSURE step down for `cell`, as the rules allow. False: nothing allowed."""
+        rules, mp = self.manager.rules, Event.MEMORY_PRESSURE
+        dst = self._demoted(cell)
         if dst is None:
             return False
         if dst == State.QUANTIZED:
@@ -245,86 +252,6 @@ class CellStore(LayerStore):
         for c in self.cells:
             out[c.state.value] = out.get(c.state.value, 0) + 1
         return out
-
-
-class CellManager(Shared):
-    """What one sequence's layers share: rules and their counters, the budget, the spill file, the
-    scratch. After every block it holds the budget."""
-
-    def __init__(self, rules: Rules, budget: int | None, device: torch.device, spill_dir: str | None = None):
-        self.rules, self.budget, self.device = rules, budget, device
-        self.own_budget = budget  # the engine's own setting, returned to after outside pressure
-        self.rollback = 0  # positions a trim may go back (speculative decoding)
-        self.cell_size = rules.cell_size
-        self.scratch = Scratch(device)
-        self.spill = SpillFile(spill_dir)
-        self.stores: list[CellStore] = []
-        self._codecs: dict[tuple[int, int], TurboQuantCodec] = {}
-
-    def codec(self, d: int, bits: int) -> TurboQuantCodec:
-        if (d, bits) not in self._codecs:
-            self._codecs[(d, bits)] = TurboQuantCodec(d, bits, self.device)
-        return self._codecs[(d, bits)]
-
-    def resident(self) -> int:
-        return sum(s.resident_bytes() for s in self.stores)
-
-    def end_block(self) -> None:
-        self.enforce()
-        self.scratch.end_block()
-
-    def enforce(self) -> None:
-        if self.budget is None:
-            return
-        excess = self.resident() - self.budget
-        if excess <= 0:
-            return
-        # cells a rollback may cut back into stay ACTIVE (a coded cell is not cut)
-        protect_from = max(0, self.stores[0].end - max(self.rules.policy.keep_active_recent, self.rollback + 1))
-        candidates = sorted(((c.start, s.geometry.index, s, c) for s in self.stores
-                             for c in s.cells[s.first_live:-1]  # never the newest cell
-                             if c.state in (State.ACTIVE, State.QUANTIZED) and c.end <= protect_from),
-                            key=lambda x: (x[0], x[1]))
-        while excess > 0 and candidates:
-            progressed = False
-            for item in list(candidates):
-                _, _, store, cell = item
-                before = cell.resident_bytes()
-                if not store.demote(cell):
-                    candidates.remove(item)
-                    continue
-                excess -= before - cell.resident_bytes()
-                progressed = True
-                if cell.state not in (State.ACTIVE, State.QUANTIZED):
-                    candidates.remove(item)
-                if excess <= 0:
-                    break
-            if not progressed:
-                break
-
-    def shrink(self, target: int) -> bool:
-        """Enforce `target` as the budget now (cold cells QUANTIZED, then PERSISTED, as the rules allow)."""
-        before = self.resident()
-        self.budget = target if self.own_budget is None else min(self.own_budget, target)
-        self.enforce()
-        return self.resident() < before
-
-    def unshrink(self) -> None:
-        self.budget = self.own_budget
-
-    def keep_rollback(self, n: int) -> None:
-        self.rollback = n
-
-    def nbytes(self) -> int:  # the scratch, reported beside the cells
-        return self.scratch.nbytes()
-
-    def report(self) -> dict:
-        cells: dict[str, int] = {}
-        for s in self.stores:
-            for k, v in s.cell_counts().items():
-                cells[k] = cells.get(k, 0) + v
-        return {"transitions": self.rules.counted(), "cells": cells, "budget": self.budget,
-                "spilled_bytes": self.spill.size}
 
 
 def new_cells_state(provider, geometries, device: torch.device) -> EngineState:

@@ -32,8 +32,10 @@ class Shared:
     def unshrink(self) -> None:
         """The pressure is over (the state is in use again): back to the engine's own settings."""
 
-    def keep_rollback(self, n: int) -> None:
-        """The state may be trimmed back `n` positions (`EngineState.keep_rollback`)."""
+    def quiet_rows(self, n: int, end: int) -> int:
+        """Of `n` rows appended from position `end` on, how many can be with no decision of the
+        engine's at their ends (`EngineState.quiet_rows`); by default all."""
+        return n
 
 
 class Scratch(Shared):
@@ -86,8 +88,13 @@ class EngineState:
         """Let every layer be trimmed back `n` positions (`LayerStore.keep_rollback`)."""
         for s in self.layers:
             s.keep_rollback(n)
-        for part in self.shared:
-            part.keep_rollback(n)
+
+    def quiet_rows(self, n: int) -> int:
+        """How many of the next `n` rows can be appended with no decision of the engine's at any of
+        their ends (cells/v1: a cell demoted under the budget, or evicted below a window). Trimmed
+        back among such rows, a state is exactly the state plain decode leaves there: speculation
+        proposes only that far."""
+        return min((part.quiet_rows(n, self.position) for part in self.shared), default=n)
 
     def can_trim(self, end: int) -> bool:
         return all(s.can_trim(end) for s in self.layers)
