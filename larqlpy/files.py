@@ -24,6 +24,12 @@ from typing import BinaryIO, Iterator, Sequence
 from larqlpy.errors import LarqlError
 
 LOCK = ".lock"  # inside a temp directory: the file its writer holds locked
+# The most the library reads of an input the user names (docs/cli.md). A read takes at most one byte
+# more, so /dev/zero, a FIFO that never ends or a 10 GB file is refused at the limit, not read whole.
+TEXT_LIMIT = 1 << 20  # a JSON Schema, grammar, tools list, chat template or rules file
+PROMPT_LIMIT = 64 << 20  # a prompt or a text to measure on, from a file or stdin
+BATCH_LIMIT = 1 << 30  # a batch's input (read whole, like any input here)
+_CHUNK = 1 << 20  # read in pieces: a large limit is not allocated up front
 _OPENED: dict[Path, tuple[Path, int]] = {}  # target -> its temp file, and the descriptor holding its lock
 
 
@@ -256,22 +262,46 @@ def check_fields(obj: dict) -> None:
         check_strings(value, f"`{key}`")
 
 
-def read_bytes(path: str | os.PathLike, what: str = "") -> bytes:
-    """A file the user named, or a one-line refusal (missing, a directory, unreadable) that names
-    it (after `what`, the flag or argument it came in, when given)."""
+def read_bytes(path: str | os.PathLike, what: str = "", limit: int = TEXT_LIMIT) -> bytes:
+    """A file the user named, or a one-line refusal (missing, a directory, unreadable, more than
+    `limit` bytes) that names it (after `what`, the flag or argument it came in, when given)."""
     path = Path(path)
     name = f"{what} {path}" if what else str(path)
     if path.is_dir():
         raise LarqlError(f"{name}: is a directory")
     try:
-        return path.read_bytes()
+        if path.is_file() and path.stat().st_size > limit:  # a regular file's size is known: refused unread
+            raise LarqlError(too_large(name, limit))
+        with open(path, "rb") as f:
+            return read_limited(f, limit, name)
     except OSError as e:
         raise LarqlError(f"{name}: {e.strerror or e}") from None
 
 
-def read_text(path: str | os.PathLike, what: str) -> str:
+def read_limited(f, limit: int, name: str) -> bytes | str:
+    """What an open file (or stdin) holds, at most `limit` bytes: it is read to limit + 1 and
+    refused past that. st_size is not asked, since /dev/zero and a pipe report 0."""
+    chunks, total = [], 0
+    while total <= limit:
+        chunk = f.read(min(_CHUNK, limit + 1 - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    if total > limit:
+        raise LarqlError(too_large(name, limit))
+    return chunks[0][:0].join(chunks) if chunks else b""
+
+
+def too_large(name: str, limit: int) -> str:
+    size = f"{limit >> 30} GiB" if limit % (1 << 30) == 0 else f"{limit >> 20} MiB" if limit % (1 << 20) == 0 \
+        else f"{limit:,} bytes"
+    return f"{name}: larger than {size}, the limit for this input"
+
+
+def read_text(path: str | os.PathLike, what: str, limit: int = TEXT_LIMIT) -> str:
     """A UTF-8 text file the user named, or a one-line refusal (as read_bytes, or not UTF-8)."""
-    return utf8(read_bytes(path, what), f"{what} {path}")
+    return utf8(read_bytes(path, what, limit), f"{what} {path}" if what else str(path))
 
 
 def is_gguf(path: str | os.PathLike) -> bool:

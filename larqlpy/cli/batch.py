@@ -35,7 +35,7 @@ from larqlpy.cli.common import (
 )
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
-from larqlpy.files import atomic_write, check_output, read_bytes
+from larqlpy.files import BATCH_LIMIT, atomic_write, check_output, read_bytes, read_limited
 
 
 def batch(
@@ -129,10 +129,10 @@ def read_lines(infile: str, part: tuple[int, int] | None) -> list:
     from larqlpy.batch.lines import split_lines
 
     if infile == "-":
-        data = getattr(sys.stdin, "buffer", sys.stdin).read()
+        data = read_limited(getattr(sys.stdin, "buffer", sys.stdin), BATCH_LIMIT, "stdin")
         data = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else data
     else:
-        data = read_bytes(infile)
+        data = read_bytes(infile, "", BATCH_LIMIT)
     items = split_lines(data)
     return items if part is None else [(n, line) for n, line in items if n % part[1] == part[0]]
 

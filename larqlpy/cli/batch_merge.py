@@ -21,10 +21,10 @@ def batch_merge(
     (matched by line number and line hash). Exit 1 when a record is an error, as batch does."""
     from larqlpy.batch.lines import line_hash, read_records, split_lines
     from larqlpy.cli.batch import write_sorted
-    from larqlpy.files import check_output, read_bytes
+    from larqlpy.files import BATCH_LIMIT, check_output, read_bytes
 
     check_output(output, "-o", inputs=[*shards, infile])
-    items = split_lines(read_bytes(infile))
+    items = split_lines(read_bytes(infile, "--input", BATCH_LIMIT))
     want = {n: line_hash(line) for n, line in items}
     seen: dict[int, tuple[Path, dict]] = {}
     for path in shards:

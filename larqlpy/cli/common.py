@@ -19,7 +19,8 @@ import typer
 from rich.console import Console
 
 from larqlpy.errors import LarqlError, spell
-from larqlpy.files import is_gguf, utf8
+from larqlpy.files import PROMPT_LIMIT, is_gguf, read_limited, utf8
+from larqlpy.files import read_text as read_file
 
 NO_COLOR = "NO_COLOR" in os.environ
 err = Console(stderr=True, no_color=NO_COLOR, highlight=False)
@@ -103,8 +104,8 @@ def shaping(json_schema: Optional[Path], regex: Optional[str], grammar: Optional
             bias[int(tok)] = float(value)
         except ValueError:
             raise LarqlError(f"--logit-bias takes ID=BIAS, e.g. 42=-100; got {item!r}") from None
-    return dict(json_schema=read_text(json_schema, "--json-schema"), regex=regex,
-                grammar=read_text(grammar, "--grammar"), logprobs=logprobs, logit_bias=bias or None, **penalties)
+    return dict(json_schema=read_text(json_schema, "`json_schema`"), regex=regex,
+                grammar=read_text(grammar, "`grammar`"), logprobs=logprobs, logit_bias=bias or None, **penalties)
 
 
 def tool_flags(tools: Optional[Path], tool_choice: Optional[str]) -> dict:
@@ -114,22 +115,20 @@ def tool_flags(tools: Optional[Path], tool_choice: Optional[str]) -> dict:
             raise LarqlError("--tool-choice needs --tools")
         return {}
     try:
-        listed = json.loads(read_text(tools, "--tools"))
+        listed = json.loads(read_text(tools, "`tools`"))
     except ValueError as e:
-        raise LarqlError(f"--tools {tools}: not JSON ({e})") from None
+        raise LarqlError(f"`tools` {tools}: not JSON ({e})") from None
+    except RecursionError:
+        raise LarqlError(f"`tools` {tools}: not JSON (nested too deeply)") from None
     choice = tool_choice if tool_choice in (None, "auto", "none", "required") else \
         {"type": "function", "function": {"name": tool_choice}}
     return {"tools": listed, "tool_choice": choice}
 
 
 def read_text(path: Optional[Path], what: str) -> Optional[str]:
-    """A small text file a flag names, as text (None: not given), refused in one line."""
-    if path is None:
-        return None
-    try:
-        return utf8(path.read_bytes(), f"{what} {path}")
-    except OSError as e:
-        raise LarqlError(f"{what} {path}: {e.strerror or e}") from None
+    """A small text file a flag names (`what`: its parameter), as text (None: not given), refused in
+    one line past files.TEXT_LIMIT."""
+    return None if path is None else read_file(path, what)
 
 
 def flag(name: str) -> str | None:
@@ -218,7 +217,7 @@ def read_prompt(prompt: str, what: str = "PROMPT") -> str:
     """The prompt argument, or stdin for `-`; text that is not UTF-8 is refused, saying where."""
     if prompt == "-":
         stream = getattr(sys.stdin, "buffer", sys.stdin)
-        return utf8(stream.read(), "stdin")
+        return utf8(read_limited(stream, PROMPT_LIMIT, "stdin"), "stdin")
     return utf8(prompt, what)
 
 

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from larqlpy.cli.common import ALLOW_UNUSED, DEVICE, cli_text, err, load_model, model_home, out, started
 from larqlpy.errors import LarqlError
-from larqlpy.files import check_output, read_text
+from larqlpy.files import PROMPT_LIMIT, check_output, read_text
 
 
 def info(model: Path = typer.Argument(..., help="model directory or .gguf file"),
@@ -88,7 +88,7 @@ def calibrate(
 
     if text is not None and not text.exists():
         raise LarqlError(f"--text {text}: no such file")
-    body = None if text is None else read_text(text, "--text")
+    body = None if text is None else read_text(text, "--text", PROMPT_LIMIT)
     read_config(home)
     check_output(home / calibration_file.FILE, "MODEL")  # before the measurement, not after
 

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from larqlpy.cli.common import ALLOW_UNUSED, DEVICE, WEIGHTS, err, load_model, model_home, out, read_prompt
 from larqlpy.errors import LarqlError
-from larqlpy.files import atomic_write, check_output, read_text
+from larqlpy.files import PROMPT_LIMIT, atomic_write, check_output, read_text
 
 
 def kv_stats(
@@ -38,7 +38,8 @@ def kv_stats(
         raise LarqlError("--min-cosine must be in (0, 1]")
     if rules_out is not None:
         check_output(rules_out, "--rules-out")
-    text = read_text(prompt, "PROMPT_OR_FILE") if prompt != "-" and _names_a_file(prompt) else read_prompt(prompt)
+    named = prompt != "-" and _names_a_file(prompt)
+    text = read_text(prompt, "PROMPT_OR_FILE", PROMPT_LIMIT) if named else read_prompt(prompt)
     loaded = load_model(model, device=device, weights=weights, allow_unused_tensors=allow_unused_tensors)
     ids = loaded.tokenizer.encode(text)[:max_positions]
     r = measure(loaded, ids, min_cosine)

@@ -16,6 +16,7 @@ import yaml
 
 from larqlpy.engines.options import check_width, parse_layer_bits
 from larqlpy.errors import LarqlError
+from larqlpy.files import read_text
 
 
 class State(str, enum.Enum):
@@ -107,11 +108,7 @@ def default_rules_path() -> Path:
 
 def load_rules(path: str | Path | None = None) -> Rules:
     path = Path(path) if path is not None else default_rules_path()
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise LarqlError(f"rules file {path}: {e.strerror or e}") from None
-    return parse_rules(text, str(path))
+    return parse_rules(read_text(path, "rules file"), str(path))
 
 
 def parse_rules(text: str, source: str = "<rules>") -> Rules:

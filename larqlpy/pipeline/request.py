@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import Any, Mapping
 
 from larqlpy.config import GenerationConfig, Grammar
-from larqlpy.decode.constraint import compile_grammar, schema_text
+from larqlpy.decode.constraint import check_grammar, schema_text
 from larqlpy.engines import EngineSpec, parse_engine_spec
 from larqlpy.engines.options import parse_size
 from larqlpy.errors import LarqlError
@@ -149,7 +149,7 @@ def _grammar(raw: dict[str, Any]) -> Grammar | None:
             raise LarqlError(f"`{key}` must be a non-empty string")
         grammar = Grammar(key, utf8(raw[key], f"`{key}`"))
     if grammar is not None:
-        compile_grammar(grammar, key)
+        check_grammar(grammar, key)
     return grammar
 
 
@@ -172,7 +172,11 @@ def tools_of(raw: dict[str, Any], gen: GenerationConfig) -> ToolUse | None:
         raise LarqlError("a required tool call is a grammar of its own: give `tool_choice` \"required\" "
                          "(or a named function) or a grammar such as `response_format`, not both")
     if use.forced:
-        compile_grammar(Grammar("grammar", call_grammar(use)), "tools")
+        try:
+            text = call_grammar(use)
+        except RecursionError:  # parameters given as a dict (the API) nested past what json.dumps takes
+            raise LarqlError("`tools` are nested too deeply") from None
+        check_grammar(Grammar("grammar", text), "tools")
     return use
 
 

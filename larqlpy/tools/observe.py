@@ -11,6 +11,7 @@ from larqlpy.engines import EngineSpec, new_state
 from larqlpy.engines.lifecycle import default_rules_path
 from larqlpy.engines.stores.base import AttentionParams, QueryTap
 from larqlpy.errors import LarqlError
+from larqlpy.files import PROMPT_LIMIT, read_text
 from larqlpy.kernels.kvcodec.rowcodec import Int4GroupCodec, TurboQuantCodec
 from larqlpy.model.decoder import prefill
 from larqlpy.tools.quality import drift
@@ -139,10 +140,7 @@ QUESTIONS = Path(__file__).resolve().parent.parent / "data" / "questions.jsonl"
 def load_questions(path: str | Path | None = None) -> list[dict]:
     """{"id", "question"} per line (a "prompt" key is used as is instead of the Q/A template)."""
     path = Path(path) if path is not None else QUESTIONS
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise LarqlError(f"{path}: {e.strerror or e}") from None
+    lines = read_text(path, "", PROMPT_LIMIT).splitlines()
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
