@@ -119,7 +119,7 @@ def test_cells_say_how_far_rows_go_before_a_decision_of_theirs(tiny_pair):
         for s in (budgeted, plain):
             model.forward(torch.tensor([t]), s)
     assert states_equal(budgeted, plain) and budgeted.report()["cells"] == plain.report()["cells"]
-    assert any(c.state.value == "QUANTIZED" for c in plain.layers[-1].cells)
+    assert plain.layers[-1].cells[0].state.value in ("QUANTIZED", "PERSISTED")  # demoted under the budget
 
 
 def test_a_ring_cannot_go_back_past_its_slack(tiny_pair):
