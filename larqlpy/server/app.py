@@ -2,8 +2,10 @@
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics.
 A generation request is read into a `Request`, prepared into a sequence (every refusal a 400 before
-it queues), and handed to the engine thread; one event source (`events`) serves both the whole
-answer and the stream, and a client that goes away cancels its sequence either way.
+it queues) on a small pool of threads, never on the event loop (the chat template renders there,
+for up to its time bound, while /health and other requests are answered), and handed to the engine
+thread; one event source (`events`) serves both the whole answer and the stream, and a client that
+goes away cancels its sequence either way.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import json
 import logging
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import AsyncIterator
 
 from sse_starlette.sse import EventSourceResponse
@@ -38,6 +42,11 @@ from larqlpy.state.prefix_cache import PrefixCache
 from larqlpy.weights.loader import LoadedModel
 
 LOG = logging.getLogger("uvicorn.error")  # uvicorn's own log: what the server prints
+PREPARING = 4  # threads preparing requests: a template stuck till its bound holds one, not the others
+
+
+def preparing_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(PREPARING, thread_name_prefix="larqlpy-prepare")
 
 
 @dataclass
@@ -53,6 +62,7 @@ class Served:
     default: Request
     metrics: Metrics
     has_template: bool
+    preparing: ThreadPoolExecutor = field(default_factory=preparing_pool)
 
 
 def served(request: HttpRequest) -> Served:
@@ -90,8 +100,9 @@ async def generate(request: HttpRequest, chat: bool):
     if chat and not s.has_template:
         raise ApiError(400, f"the model '{s.name}' has no chat template: use /v1/completions")
     try:
-        seqs = prepare_all(s.loaded, openai.read_request(body, chat, s.cfg.max_tokens_limit, s.default),
-                           source=s.cache)
+        req = openai.read_request(body, chat, s.cfg.max_tokens_limit, s.default)
+        seqs = await asyncio.get_running_loop().run_in_executor(s.preparing, partial(prepare_all, s.loaded, req,
+                                                                                     source=s.cache))
     except LarqlError as e:
         raise protocol.invalid(e) from None
     handles = []
@@ -229,6 +240,7 @@ def build_app(s: Served) -> Starlette:
     @asynccontextmanager
     async def lifespan(app):
         yield
+        s.preparing.shutdown(wait=False, cancel_futures=True)
         await asyncio.get_running_loop().run_in_executor(None, s.engine.stop, s.cfg.shutdown_grace_s)
 
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers={

@@ -24,19 +24,31 @@ from larqlpy.server.engine import ServeEngine
 from larqlpy.server.metrics import Metrics
 from larqlpy.state.prefix_cache import PrefixCache
 from larqlpy.text.chat_template import ChatTemplate
+from larqlpy.text.template_bounds import TemplateBoundError
 from larqlpy.weights.loader import LoadedModel
 
 
-def assemble(loaded: LoadedModel, config: ServeConfig) -> Served:
-    """What the app serves: one KV budget for the live sequences and the kept states beside them."""
+def chat_template(loaded: LoadedModel) -> bool:
+    """Whether the model has a chat template; one past the bounds of rendering on a test
+    conversation is refused (TemplateBoundError), before the server answers anything."""
+    try:
+        template = ChatTemplate.for_tokenizer(loaded.tokenizer)
+    except LarqlError:
+        return False  # chat requests are refused; completions work
+    try:
+        template.check()
+    except TemplateBoundError as e:
+        raise TemplateBoundError(f"{e}; the server renders it with a test conversation before it starts") from None
+    return True
+
+
+def assemble(loaded: LoadedModel, config: ServeConfig, has_template: bool | None = None) -> Served:
+    """What the app serves: one KV budget for the live sequences and the kept states beside them.
+    `has_template`: `chat_template(loaded)`, when the caller has asked it already."""
+    has_template = chat_template(loaded) if has_template is None else has_template
     budget = KVBudget(config.kv_budget)
     cache = PrefixCache(loaded, budget, config.disk_budget, config.state_dir)
     engine = ServeEngine(loaded, cache, budget, config.parallel, config.queue_size)
-    try:
-        ChatTemplate.for_tokenizer(loaded.tokenizer)
-        has_template = True
-    except LarqlError:
-        has_template = False  # chat requests are refused; completions work
     default = Request(engine=config.engine, continuation=config.continuation, options=config.options)
     return Served(loaded, config.name or Path(loaded.path).resolve().name, engine, cache, config, default,
                   Metrics(engine), has_template)
@@ -47,8 +59,9 @@ def serve(loaded: LoadedModel, config: ServeConfig, announce: Callable[[dict], N
     """Serve `loaded` as `config` says, on `sock` (bound by `listen` before the weights loaded, or
     now); `announce` hears what it serves before it answers."""
     sock = sock or listen(config.host, config.port)
+    has_template = chat_template(loaded)  # a template that loops is refused before the calibration's prefill
     ensure_calibration(loaded, config.spec())  # here, not inside the first request's handler
-    s = assemble(loaded, config)
+    s = assemble(loaded, config, has_template)
     if announce is not None:
         announce({"name": s.name, "weights": loaded.weights, "kv_dtype": loaded.kv_dtype,
                   "engine": config.spec().describe(),

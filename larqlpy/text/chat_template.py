@@ -3,6 +3,10 @@ the same sandboxed environment (ImmutableSandboxedEnvironment, trim_blocks, lstr
 loopcontrols), the same globals (raise_exception, strftime_now, dict, namespace) and tojson filter,
 and the tokenizer's special tokens (bos_token, eos_token, ...) as variables. The text it renders
 is tokenized without adding BOS: the template writes its own.
+
+Unlike transformers, a render is bounded (template_bounds.py): in time, and in the size of what it
+makes, each step that C would do at once measured before it runs (template_rules.py). A template
+that keeps within the bounds renders byte for byte as it does there.
 """
 
 from __future__ import annotations
@@ -14,12 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2.compiler import CodeGenerator, optimizeconst
 from jinja2.ext import Extension
+from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Cycler
 
 from larqlpy.errors import LarqlError
 from larqlpy.files import read_text
 from larqlpy.text.messages import check_messages
+from larqlpy.text.template_bounds import BOUNDS, Bounds, TemplateBoundError, refuse_size, text_size, within
+from larqlpy.text.template_rules import GLOBALS, bounded_filter, bounded_global, check_binop, check_call
 from larqlpy.text.tools import ToolUse, convention, template_messages
 
 
@@ -77,23 +86,115 @@ class _Generation(Extension):
         return caller()
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+class _Generator(CodeGenerator):
+    """jinja's code generator, with `a ~ b` measured before it is joined (`_Sandbox.joined`) and each
+    list, tuple or dict the template writes measured as it is made (`_Sandbox.built`)."""
+
+    @optimizeconst
+    def visit_Concat(self, node, frame):
+        if frame.eval_ctx.volatile:  # as jinja chooses the join
+            join = "(markup_join if context.eval_ctx.volatile else str_join)"
+        elif frame.eval_ctx.autoescape:
+            join = "markup_join"
+        else:
+            join = "str_join"
+        self.write(f"environment.joined({join}, (")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+    def visit_List(self, node, frame):
+        self._built(super().visit_List, node, frame)
+
+    def visit_Tuple(self, node, frame):
+        if node.ctx == "load":  # not the names a {% for %} or {% set %} assigns
+            self._built(super().visit_Tuple, node, frame)
+        else:
+            super().visit_Tuple(node, frame)
+
+    def visit_Dict(self, node, frame):
+        self._built(super().visit_Dict, node, frame)
+
+    def _built(self, visit, node, frame):
+        self.write("environment.built(")
+        visit(node, frame)
+        self.write(")")
+
+
+_RUNTIME = ("_loop_vars", "_block_vars")  # what jinja adds to a call in a loop or a block, and takes out
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with what would build text or numbers past `bounds` refused before it
+    is built: operators, calls (str methods, str.format), `~`, each `{{ }}` and each block's output."""
+
+    code_generator_class = _Generator
+    intercepted_binops = frozenset({"**", "*", "+", "%"})
+
+    def __init__(self, bounds: Bounds, **kwargs):
+        super().__init__(finalize=self._finalize, **kwargs)
+        self.bounds = bounds
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "+" and type(left) is str and type(right) is str:  # most of a template's: kept to one call
+            if len(left) + len(right) > self.bounds.chars:
+                refuse_size("'+'", len(left) + len(right), self.bounds)
+            return left + right
+        check_binop(operator, left, right, self.bounds)
+        return self.binop_table[operator](left, right)
+
+    def call(self, context, obj, /, *args, **kwargs):
+        builds = obj in (self.globals["dict"], _Namespace, Cycler) or (
+            isinstance(obj, Macro) and (obj.catch_varargs or obj.catch_kwargs))
+        given = {k: v for k, v in kwargs.items() if k not in _RUNTIME} if kwargs else kwargs
+        args = check_call(obj, args, given, self.bounds, builds)  # str methods, str.format (jinja's wrapper)
+        return super().call(context, obj, *args, **kwargs)
+
+    def concat(self, pieces):  # a block's output joined: a macro's, a caller's, a {% set %} block's
+        pieces = pieces if isinstance(pieces, list) else list(pieces)
+        refuse_size("a block's output", sum(map(len, pieces)), self.bounds)
+        return "".join(pieces)
+
+    def built(self, value):  # [a, b], (a, b), {k: v}: `[l, l]` holds l twice
+        if len(value) > 1:
+            refuse_size("a list, tuple or dict", text_size(value), self.bounds)
+        return value
+
+    def joined(self, join, parts):
+        refuse_size("'~'", sum(text_size(p) for p in parts), self.bounds)
+        return join(parts)
+
+    def _finalize(self, value):  # each {{ value }}, before str(value)
+        if not isinstance(value, str):
+            refuse_size("'{{ }}'", text_size(value), self.bounds)
+        return value
+
+
+def _environment(bounds: Bounds) -> _Sandbox:
+    env = _Sandbox(bounds, trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt),
                        dict=_TemplateDict(), namespace=_Namespace)
+    env.filters = {name: bounded_filter(name, f, bounds) for name, f in env.filters.items()}
+    env.globals.update({name: bounded_global(name, env.globals[name], rule, bounds) for name, rule in GLOBALS.items()})
     return env
 
 
 _OWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its model's template, compiled once
 
 
+# What `check` renders: a conversation every chat model should take.
+SAMPLE = ({"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hello!"},
+          {"role": "assistant", "content": "Hello! How can I help you today?"},
+          {"role": "user", "content": "What is the capital of France?"})
+
+
 class ChatTemplate:
-    def __init__(self, source: str, special: dict[str, str], origin: str):
-        self.source, self.special, self.origin = source, dict(special), origin
+    def __init__(self, source: str, special: dict[str, str], origin: str, bounds: Bounds = BOUNDS):
+        self.source, self.special, self.origin, self.bounds = source, dict(special), origin, bounds
         try:
-            self.template = _environment().from_string(source)
+            self.template = _environment(bounds).from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise LarqlError(f"{origin}: not a valid chat template (line {e.lineno}: {e.message})") from None
 
@@ -128,9 +229,37 @@ class ChatTemplate:
         check_messages(messages)
         conv = self.convention
         offered = [dict(t) for t in tools.tools] if tools is not None and tools.choice != "none" else None
+        context = dict(messages=template_messages(messages, conv, tools), tools=offered if conv != "generic" else None,
+                       documents=None, add_generation_prompt=add_generation_prompt, **{**self.special, **kwargs})
         try:
-            return self.template.render(messages=template_messages(messages, conv, tools),
-                                        tools=offered if conv != "generic" else None, documents=None,
-                                        add_generation_prompt=add_generation_prompt, **{**self.special, **kwargs})
+            return within(self.bounds.seconds, self._render, context)
+        except TemplateBoundError as e:
+            raise TemplateBoundError(f"{self.origin}: {e.message}") from None
+        except RecursionError:
+            raise TemplateBoundError(f"{self.origin}: rendering recursed past Python's limit (a macro that calls "
+                                     "itself without end?)") from None
+        except MemoryError:
+            raise TemplateBoundError(f"{self.origin}: rendering ran out of memory") from None
         except jinja2.exceptions.TemplateError as e:  # raise_exception(...) in the template, or a sandbox refusal
             raise LarqlError(f"{self.origin}: {e.message or e}") from None
+        except Exception as e:  # the template's own failure on these messages (a TypeError, a division by 0)
+            raise LarqlError(f"{self.origin}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+
+    def _render(self, context: dict[str, Any]) -> str:
+        pieces, total, most = [], 0, self.bounds.chars
+        for piece in self.template.generate(context):
+            total += len(piece)
+            if total > most:
+                refuse_size("the output", total, self.bounds)
+            pieces.append(piece)
+        return "".join(pieces)
+
+    def check(self) -> None:
+        """Renders `SAMPLE`: a template past the bounds on it raises TemplateBoundError; one that
+        refuses the conversation itself (a template without a system role) does not."""
+        try:
+            self.render([dict(m) for m in SAMPLE])
+        except TemplateBoundError:
+            raise
+        except LarqlError:
+            pass
