@@ -18,10 +18,11 @@ import torch
 
 from conftest import QWEN_DIR, smol_gguf
 from larqlpy.budget import KVBudget
-from larqlpy.config import SamplingConfig
+from larqlpy.config import GenerationConfig, SamplingConfig
 from larqlpy.decode.sampling import probabilities, verify
 from larqlpy.decode.scheduler import Scheduler
 from larqlpy.decode.speculate import Lookup
+from larqlpy.decode.stream import generate_step
 from larqlpy.model.decoder import prefill
 from larqlpy.engines import new_state
 from larqlpy.engines.lifecycle import default_rules_path
@@ -175,22 +176,30 @@ def test_greedy_output_is_plain_decode_with_a_draft_and_with_lookup(smol_pair, e
 @pytest.mark.parametrize("budget", ["1MiB", "4MiB", "16MiB"])
 def test_under_a_cells_budget_speculation_keeps_plain_decodes_ids_and_cells(smol_pair, tmp_path, budget):
     """Issue 60: cells/v1 demotes cells as its budget says after every block. A verification's rows are
-    proposed only as far as the budget (and a window) decides nothing at their ends, so trimmed back
-    the state is the one plain decode leaves: the same ids, the same cells in the same states. The
-    prompt is past every budget, so cells are demoted as it decodes; 1 MiB keeps 16 positions ACTIVE."""
+    proposed only as far as the budget decides nothing at their ends, so trimmed back the state is
+    the one plain decode leaves: every token's logits bit for bit (native weights), the same ids, the
+    same cells in the same states. The prompt is past every budget and its decode crosses into a new
+    cell, where the budget demotes one; at 1 MiB cells of 32 positions, 16 of them kept ACTIVE."""
     rules = tmp_path / "rules.yaml"
-    rules.write_text(DEFAULT_RULES.read_text().replace("keep_active_recent: 128", "keep_active_recent: 16"))
+    rules.write_text(DEFAULT_RULES.read_text().replace("keep_active_recent: 128", "keep_active_recent: 16")
+                     .replace("cell_size: 64", "cell_size: 32"))
     options = [f"budget={budget}"] + ([f"rules={rules}"] if budget == "1MiB" else [])
-    base = {"prompt": CODE * 24, "max_tokens": 48, "continuation": "cells/v1", "options": options}
-    plain = execute(smol_pair, Request.from_dict({**base, "draft_tokens": 0}))
-    assert plain["prompt_tokens"] * sum(g.row_bytes for g in smol_pair.model.geometries()) > 16 * 2**20
-    for how in ({"draft_tokens": 6, "draft_p_min": 0}, {"draft_tokens": 0, "lookup": 8}):
-        got = execute(smol_pair, Request.from_dict({**base, **how}))
-        assert got["tokens"] == plain["tokens"], how
-        assert got["cells"] == plain["cells"], how  # every layer's cells in the same lifecycle states
-        assert got["stats"]["target_steps"] < got["stats"]["decode_tokens"] - 1, how  # it did speculate
-    pressure = [t for t in plain["transitions"] if t["event"] == "MEMORY_PRESSURE"]
-    assert sum(t["count"] for t in pressure) > 0  # the budget demoted cells
+    ids = smol_pair.tokenizer.encode(CODE * 30)[:1000]  # the cell of positions 1024.. opens 24 tokens in
+    assert len(ids) * sum(g.row_bytes for g in smol_pair.model.geometries()) > 16 * 2**20
+
+    def run(**how):
+        seq = prepare(smol_pair, Request(ids=tuple(ids), continuation="cells/v1", options=tuple(options),
+                                         gen=GenerationConfig(max_tokens=40, stop_at_eos=False, **how)))
+        toks = list(generate_step(smol_pair.model, seq))
+        return [t.id for t in toks], torch.stack([t.logits for t in toks]), seq.report(), seq.metrics()
+
+    plain = run(draft_tokens=0)
+    assert sum(t["count"] for t in plain[2]["transitions"] if t["event"] == "MEMORY_PRESSURE") > 0
+    for how in ({"draft_tokens": 6, "draft_p_min": 0.0}, {"draft_tokens": 0, "lookup": 8}):
+        got = run(**how)
+        assert got[0] == plain[0] and torch.equal(got[1], plain[1]), how
+        assert got[2]["cells"] == plain[2]["cells"], how  # every layer's cells in the same lifecycle states
+        assert got[3].target_steps < got[3].decode_tokens - 1, how  # it did speculate
 
 
 def test_a_tiny_random_pair_disagrees_often_and_still_gives_plain_decode(tiny_pair):
