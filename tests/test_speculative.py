@@ -411,10 +411,10 @@ def test_a_budget_counts_the_drafts_state_and_the_rows_a_verification_takes(tiny
                "continuation": engine}
         plain = prepare(target, Request.from_dict({**req, "draft_tokens": 0}))
         seq = prepare(target, Request.from_dict({**req, "draft_tokens": 3, "draft_p_min": 0}))
-        assert seq.peak_bytes > plain.peak_bytes + seq.proposer.state_bytes(seq.peak_positions) - 1
+        assert seq.peak_bytes > plain.peak_bytes + seq.verifier.state_bytes(seq.peak_positions) - 1
         for _ in Scheduler(target.model, parallel=1, budget=KVBudget(seq.peak_bytes)).run([seq]):
             assert seq.error is None
-            assert seq.state.resident_bytes() + seq.proposer.state.resident_bytes() <= seq.peak_bytes
-        assert seq.finish_reason == "length" and seq.proposed > 0
+            assert seq.state.resident_bytes() + seq.verifier.proposer.state.resident_bytes() <= seq.peak_bytes
+        assert seq.finish_reason == "length" and seq.verifier.proposed > 0
     finally:
         target.draft = None
