@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import io
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from larqlpy.cli.main import main
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL_DIR = ROOT / "models" / "gemma-3-270m"
@@ -23,6 +27,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "heavy" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """`larqlpy ARGS...` in this process: (exit code, stdout, stderr)."""
+    def run(*args: str, stdin: str | None = None):
+        monkeypatch.setattr(sys, "argv", ["larqlpy", *map(str, args)])
+        if stdin is not None:
+            monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        with pytest.raises(SystemExit) as exc:
+            main()
+        captured = capsys.readouterr()
+        return exc.value.code, captured.out, captured.err
+    return run
 
 
 @pytest.fixture(scope="session")

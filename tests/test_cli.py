@@ -9,22 +9,7 @@ import sys
 
 import pytest
 
-from larqlpy.cli.main import main
 from tiny import make_tiny
-
-
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    def run(*args: str, stdin: str | None = None):
-        monkeypatch.setattr(sys, "argv", ["larqlpy", *map(str, args)])
-        if stdin is not None:
-            import io
-            monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-        with pytest.raises(SystemExit) as exc:
-            main()
-        captured = capsys.readouterr()
-        return exc.value.code, captured.out, captured.err
-    return run
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import gguf
 import numpy as np
 import pytest
 
-from larqlpy.cli.main import main
 from larqlpy.convert.gguf import convert_gguf
 from larqlpy.errors import LarqlError
 from larqlpy.weights.gguf_tokenizer import byte_spelling
@@ -157,17 +156,6 @@ NEEDLES = {**{name: needles for name, (_, needles) in CASES.items()},
            "past the end": ["tensor blk.0.ffn_down.weight", "past the end of the file"],
            "unknown type": ["tensor blk.0.ffn_up.weight", "type 200"],
            "relabelled": ["3 tensors", "blk.0.attn_k.bias", "'llama'", "--allow-unused-tensors"]}
-
-
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["larqlpy", *map(str, args)])
-        with pytest.raises(SystemExit) as exc:
-            main()
-        captured = capsys.readouterr()
-        return exc.value.code, captured.out, captured.err
-    return run
 
 
 def test_the_tiny_file_loads_and_runs_as_it_is(files, cli, tmp_path):

@@ -4,23 +4,10 @@ the command's refusals."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from larqlpy.cli.main import main
 from larqlpy.tools import needle as nd
-
-
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    def run(*args: str):
-        monkeypatch.setattr(sys, "argv", ["larqlpy", *map(str, args)])
-        with pytest.raises(SystemExit) as exc:
-            main()
-        captured = capsys.readouterr()
-        return exc.value.code, captured.out, captured.err
-    return run
 
 
 def test_every_engine_finds_what_canonical_finds_and_cells_hold_their_budget(cli, real_dir, tmp_path):

@@ -18,7 +18,7 @@ from larqlpy.errors import LarqlError
 from larqlpy.pipeline.request import Request
 from larqlpy.pipeline.runner import execute, execute_many
 from larqlpy.server.openai import read_request
-from test_cli import assert_refused, cli  # noqa: F401  (the fixture)
+from test_cli import assert_refused
 
 # Nested, and bounded everywhere (lengths, counts, numbers), so that every sample can end well
 # inside its max_tokens: a sample cut short would not parse, and that would be max_tokens' doing.

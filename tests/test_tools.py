@@ -21,7 +21,7 @@ from larqlpy.text.chat_template import ChatTemplate
 from larqlpy.text.tools import (CallStream, call_grammar, convention, read_reply, tag_tokens, template_messages,
                                  tool_use)
 from test_chat import GEMMA_STYLE
-from test_cli import assert_refused, cli  # noqa: F401  (the fixture)
+from test_cli import assert_refused
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",

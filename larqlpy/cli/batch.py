@@ -14,25 +14,9 @@ from typing import Optional
 
 import typer
 
-from larqlpy.cli.common import (
-    ALLOW_UNUSED,
-    DEVICE,
-    DRAFT,
-    DRAFT_TOKENS,
-    DRAFT_WEIGHTS,
-    DTYPE,
-    KV_DTYPE,
-    MONITOR,
-    MONITOR_PLOT,
-    WEIGHTS,
-    check_paths,
-    err,
-    model_home,
-    monitored,
-    size_flag,
-    speculation,
-    started,
-)
+from larqlpy.cli.common import (ALLOW_UNUSED, DEVICE, DRAFT, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, KV_DTYPE, MONITOR,
+                                MONITOR_PLOT, WEIGHTS, check_paths, err, model_home, monitored, size_flag, speculation,
+                                started)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import BATCH_LIMIT, atomic_write, check_output, read_bytes, read_limited

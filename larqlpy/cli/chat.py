@@ -14,27 +14,9 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import (
-    ALLOW_UNUSED,
-    CHAT_TEMPLATE,
-    CONTINUATION,
-    CONTINUATION_OPTION,
-    DEVICE,
-    DRAFT,
-    DRAFT_P_MIN,
-    DRAFT_TOKENS,
-    DRAFT_WEIGHTS,
-    DTYPE,
-    ENGINE,
-    KV_DTYPE,
-    LOOKUP,
-    WEIGHTS,
-    err,
-    error_line,
-    fmt_bytes,
-    load_model,
-    speculation,
-)
+from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT,
+                                DRAFT_P_MIN, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, ENGINE, KV_DTYPE, LOOKUP, WEIGHTS, err,
+                                error_line, fmt_bytes, load_model, speculation)
 from larqlpy.config import GenerationConfig, SamplingConfig
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError

@@ -9,46 +9,12 @@ from typing import List, Optional
 
 import typer
 
-from larqlpy.cli.common import (
-    ALLOW_UNUSED,
-    CHAT_TEMPLATE,
-    CONTINUATION,
-    CONTINUATION_OPTION,
-    DEVICE,
-    DRAFT,
-    DRAFT_P_MIN,
-    DRAFT_TOKENS,
-    DRAFT_WEIGHTS,
-    DTYPE,
-    ENGINE,
-    FREQUENCY_PENALTY,
-    GRAMMAR,
-    JSON_SCHEMA,
-    KV_DTYPE,
-    LOGIT_BIAS,
-    LOGPROBS,
-    LOOKUP,
-    MONITOR,
-    MONITOR_PLOT,
-    PRESENCE_PENALTY,
-    REGEX,
-    REPEAT_LAST_N,
-    REPETITION_PENALTY,
-    TOOL_CHOICE,
-    TOOLS,
-    WEIGHTS,
-    check_paths,
-    cli_text,
-    err,
-    fmt_bytes,
-    load_model,
-    model_home,
-    monitored,
-    read_prompt,
-    shaping,
-    speculation,
-    tool_flags,
-)
+from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT,
+                                DRAFT_P_MIN, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, ENGINE, FREQUENCY_PENALTY, GRAMMAR,
+                                JSON_SCHEMA, KV_DTYPE, LOGIT_BIAS, LOGPROBS, LOOKUP, MONITOR, MONITOR_PLOT,
+                                PRESENCE_PENALTY, REGEX, REPEAT_LAST_N, REPETITION_PENALTY, TOOL_CHOICE, TOOLS, WEIGHTS,
+                                check_paths, cli_text, err, fmt_bytes, load_model, model_home, monitored, read_prompt,
+                                shaping, speculation, tool_flags)
 from larqlpy.config import GenerationConfig, SamplingConfig
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError

@@ -14,19 +14,8 @@ from larqlpy.decode.logits import Logprob, described
 from larqlpy.decode.sequence import Sequence
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
-from larqlpy.pipeline.request import (
-    SHAPING,
-    Request,
-    choices,
-    generation,
-    integer,
-    messages_of,
-    number,
-    options_of,
-    stops,
-    token_ids,
-    tools_of,
-)
+from larqlpy.pipeline.request import (SHAPING, Request, choices, generation, integer, messages_of, number, options_of,
+                                      stops, token_ids, tools_of)
 from larqlpy.server.protocol import ApiError
 from larqlpy.text.tools import CallStream, ToolUse, read_reply
 

@@ -26,21 +26,8 @@ from larqlpy.kernels.attention import rowdots
 from larqlpy.kernels.attention.rowdots import LANES, blocked
 from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.kvcodec import tq_parts, turboquant
-from larqlpy.kernels.kvcodec.tq_parts import (
-    CHUNKS,
-    calibrated,
-    chunk_rows,
-    finish,
-    logit,
-    positions,
-    prepare,
-    score_block,
-    score_rows,
-    scratch,
-    softmax,
-    sum_block,
-    sum_rows,
-)
+from larqlpy.kernels.kvcodec.tq_parts import (CHUNKS, calibrated, chunk_rows, finish, logit, positions, prepare,
+                                              score_block, score_rows, scratch, softmax, sum_block, sum_rows)
 from larqlpy.kernels.kvcodec.turboquant import coded_row
 from larqlpy.kernels.scalars import dot
 
