@@ -26,6 +26,7 @@ from larqlpy.budget import KVBudget
 from larqlpy.config import BatchConfig, default_parallel
 from larqlpy.decode.output import Token
 from larqlpy.decode.sequence import Sequence
+from larqlpy.kernels.threads import LoadFollower
 
 
 class Event(NamedTuple):
@@ -82,6 +83,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.live: list[Sequence] = []
         self.generated = 0  # tokens let out so far
+        # the kernels' thread count follows the load; called by the thread that steps (numba's count is per thread)
+        self.threads = LoadFollower(on=model.device.type == "cpu")
 
     def submit(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -102,6 +105,7 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Event]:
         """Admit what fits, sample where a sequence has logits, run one block; the events."""
+        self.threads()
         events = self._admit()
         for seq in [s for s in self.live if s.ready]:  # resumed states that hold their whole prompt
             events += self._take(seq, seq.sample)

@@ -15,13 +15,17 @@ from larqlpy.config import GenerationConfig
 from larqlpy.decode.output import Token
 from larqlpy.decode.sequence import Sequence
 from larqlpy.engines import EngineSpec
+from larqlpy.kernels.threads import LoadFollower
 from larqlpy.state.sources import Given, Held
 
 
 def generate_step(model, seq: Sequence) -> Iterator[Token]:
-    """The sequence's tokens, one forward pass of its own rows at a time, until it finishes."""
+    """The sequence's tokens, one forward pass of its own rows at a time, until it finishes (the
+    kernels' thread count following the load, as the scheduler's)."""
+    follow = LoadFollower(on=model.device.type == "cpu")
     seq.start()
     while not seq.finished:
+        follow()
         yield from seq.sample() if seq.ready else seq.feed(model.forward_many([seq.block()])[0])
 
 

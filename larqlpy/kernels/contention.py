@@ -31,6 +31,32 @@ def others_runnable() -> int:
     return max(0, min(seen))
 
 
+def own_running() -> int:
+    """This process's threads the kernel counts as runnable now (its spinning workers among them)."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        n += stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] == b"R"
+    return n
+
+
+def running_outside() -> int:
+    """CPUs other runnable work takes from those this process may use, now (one reading): the
+    kernel's count of runnable tasks less this process's own, less the machine's CPUs outside its
+    affinity. 0 where /proc cannot tell (not Linux)."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            running = int(f.read().split()[3].split(b"/")[0])
+        outside = (os.cpu_count() or 1) - len(os.sched_getaffinity(0))
+        return max(0, running - max(1, own_running()) - outside)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def contended() -> bool:
     """Whether other runnable work must share the CPUs this process may use: more of it than the
     machine has CPUs outside them."""

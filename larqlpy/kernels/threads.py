@@ -1,14 +1,28 @@
 """How many threads the kernels run on: the CPUs this process may use (`os.sched_getaffinity`:
 `taskset`, a container's cpuset), not the machine's count -- numba's own default counts every CPU,
 and threads beyond the CPUs only wait on each other. A count the user gave (OMP_NUM_THREADS,
-NUMBA_NUM_THREADS) is kept."""
+NUMBA_NUM_THREADS) is kept.
+
+While a process runs, `LoadFollower` lowers that count by the CPUs other runnable work takes, and
+raises it again when they are free. Every parallel region ends at a barrier: with one of two cores
+taken by another process, the thread sharing that core is descheduled for whole time slices while
+its partner waits, and a decode step of a hundred regions runs at a fifth of its speed. One thread
+on the free core keeps most of a memory-bound step (docs/benchmarks.md has the figures). No number
+depends on the count: every kernel gives each output to one thread's whole work, and the chosen
+kernels (kernels/weights/choice.py) are keyed on `planned()`, not on the count of the moment.
+"""
 
 from __future__ import annotations
 
 import os
+import time
 
 import numba
 import torch
+
+from larqlpy.kernels.contention import running_outside
+
+_planned: int | None = None
 
 
 def cores() -> int:
@@ -18,9 +32,64 @@ def cores() -> int:
 
 def use_cores(n: int | None = None) -> int:
     """Run torch's and numba's threads on `n` CPUs (default: `cores()`); returns the count."""
+    global _planned
     n = max(1, n or cores())
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(n)
     if "NUMBA_NUM_THREADS" not in os.environ:
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    _planned = torch.get_num_threads()
     return n
+
+
+def planned() -> int:
+    """The thread count this process was set up with (`use_cores`, or torch's when first asked),
+    whatever the load made of it since."""
+    global _planned
+    if _planned is None:
+        _planned = torch.get_num_threads()
+    return _planned
+
+
+def pinned() -> bool:
+    """Whether the user fixed the thread counts (or asked us not to follow the load)."""
+    return any(k in os.environ for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")) or \
+        os.environ.get("LARQLPY_FOLLOW_LOAD", "1") == "0"
+
+
+class LoadFollower:
+    """The kernels' thread count on the thread that runs the model, following the load: the planned
+    count less the CPUs other runnable work takes, at least 1. Called before each step; it reads the
+    load every EVERY_S (about 40 us a reading). It gives threads up at the second reading in a row
+    that finds the CPUs taken, and takes them back at the BACK-th that finds them free: a passing
+    task moves nothing, and a slow return costs less than a collapse."""
+
+    EVERY_S, BACK = 0.05, 3
+
+    def __init__(self, on: bool = True):
+        self.most = planned()
+        self.now = 0  # not yet set on the stepping thread (an earlier follower may have left fewer)
+        self.on = on and not pinned() and self.most > 1
+        self.next_at, self.lower, self.higher = 0.0, 0, 0
+
+    def __call__(self) -> int:
+        """Apply the count the load asks for now; returns the count in force."""
+        if not self.on:
+            return self.most
+        if not self.now:
+            self.set(self.most)
+        t = time.monotonic()
+        if t < self.next_at:
+            return self.now
+        self.next_at = t + self.EVERY_S
+        want = max(1, self.most - running_outside())
+        self.lower = self.lower + 1 if want < self.now else 0
+        self.higher = self.higher + 1 if want > self.now else 0
+        if self.lower >= 2 or self.higher >= self.BACK:
+            self.set(want)
+        return self.now
+
+    def set(self, n: int) -> None:
+        self.now, self.lower, self.higher = n, 0, 0
+        torch.set_num_threads(n)
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))

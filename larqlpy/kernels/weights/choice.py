@@ -15,10 +15,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from larqlpy.files import atomic_path
-from larqlpy.kernels import cpu
+from larqlpy.kernels import cpu, threads
 
 _memo: dict[str, str] = {}
 
@@ -28,7 +26,7 @@ def _file() -> Path:
 
 
 def _machine() -> str:
-    return f"{cpu.describe()} | {torch.get_num_threads()} threads"
+    return f"{cpu.describe()} | {threads.planned()} threads"  # not the load's count of the moment
 
 
 def _stored() -> dict:
