@@ -74,6 +74,7 @@ class GenerationConfig:
     # the draft's default, DRAFT_TOKENS unless its process was told otherwise; 0: no speculation)
     lookup: int = 0  # prompt lookup: up to N ids proposed from an earlier match of the history's tail (0: off)
     draft_p_min: float = DRAFT_P_MIN  # the first choice the draft gives less ends its proposals (0: always K)
+    draft_fixed: bool = False  # propose up to draft_tokens / lookup every round (False: as many as measured to pay)
 
     def __post_init__(self):
         self._check_shaping()

@@ -15,8 +15,8 @@ from typing import List, Optional
 import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT,
-                                DRAFT_P_MIN, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, ENGINE, KV_DTYPE, LOOKUP, WEIGHTS, err,
-                                error_line, fmt_bytes, load_model, speculation)
+                                DRAFT_FIXED, DRAFT_P_MIN, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, ENGINE, KV_DTYPE, LOOKUP,
+                                WEIGHTS, err, error_line, fmt_bytes, load_model, speculation)
 from larqlpy.config import GenerationConfig, SamplingConfig
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
@@ -46,6 +46,7 @@ def chat(
     draft_tokens: Optional[int] = DRAFT_TOKENS,
     draft_weights: Optional[str] = DRAFT_WEIGHTS,
     draft_p_min: Optional[float] = DRAFT_P_MIN,
+    draft_fixed: bool = DRAFT_FIXED,
     lookup: int = LOOKUP,
     device: str = DEVICE,
     dtype: str = DTYPE,
@@ -59,7 +60,7 @@ def chat(
     req = Request.from_dict(dict(prompt="", engine=engine, continuation=continuation, options=list(continuation_option),
                                  kv_budget=kv_budget, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                  top_p=top_p, seed=seed, stop=list(stop), prefill_chunk=GenerationConfig.prefill_chunk,
-                                 **speculation(draft, draft_tokens, lookup, draft_p_min, draft_weights)))
+                                 **speculation(draft, draft_tokens, lookup, draft_p_min, draft_weights, draft_fixed)))
     chosen = engine is not None or continuation is not None or continuation_option or kv_budget is not None
     spec = req.spec().stateful("hold a conversation") if chosen else None  # every refusal before the weights load
 

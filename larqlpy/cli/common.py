@@ -73,6 +73,9 @@ DRAFT_WEIGHTS = typer.Option(None, "--draft-weights", help="with --draft: the dr
 DRAFT_P_MIN = typer.Option(None, "--draft-p-min", help="with --draft: end the proposals at the first token the "
                            "draft gives less than this probability, that token still proposed (default 0.75; "
                            "0: always --draft-tokens)")
+DRAFT_FIXED = typer.Option(False, "--draft-fixed", help="with --draft or --lookup: propose up to --draft-tokens "
+                           "/ --lookup every round (default: as many as this run measures to pay, none where "
+                           "speculation would not)")
 LOOKUP = typer.Option(0, "--lookup", help="prompt lookup: propose up to N tokens that followed an earlier "
                       "occurrence of the text's last few tokens (0: off)")
 
@@ -171,8 +174,11 @@ def load_model(model: Path, draft: Optional[Path] = None, draft_tokens: Optional
 
 
 def speculation(draft: Optional[Path], draft_tokens: Optional[int], lookup: int,
-                draft_p_min: Optional[float] = None, draft_weights: Optional[str] = None) -> dict:
+                draft_p_min: Optional[float] = None, draft_weights: Optional[str] = None,
+                draft_fixed: bool = False) -> dict:
     """The request's speculative decoding flags, checked before any weights load."""
+    if draft_fixed and draft is None and not lookup:
+        raise LarqlError("--draft-fixed needs --draft or --lookup")
     for flag, value in (("--draft-tokens", draft_tokens), ("--draft-p-min", draft_p_min),
                         ("--draft-weights", draft_weights)):
         if value is not None and draft is None:
@@ -185,7 +191,7 @@ def speculation(draft: Optional[Path], draft_tokens: Optional[int], lookup: int,
 
     given = {k: v for k, v in (("draft_tokens", draft_tokens), ("draft_p_min", draft_p_min)) if v is not None}
     GenerationConfig(lookup=lookup, **given)  # their ranges, as a request's
-    return {"lookup": lookup, **given}
+    return {"lookup": lookup, **given, **({"draft_fixed": True} if draft_fixed else {})}
 
 
 def model_home(model: Path) -> Path:

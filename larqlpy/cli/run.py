@@ -10,8 +10,8 @@ from typing import List, Optional
 import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT,
-                                DRAFT_P_MIN, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, ENGINE, FREQUENCY_PENALTY, GRAMMAR,
-                                JSON_SCHEMA, KV_DTYPE, LOGIT_BIAS, LOGPROBS, LOOKUP, MONITOR, MONITOR_PLOT,
+                                DRAFT_FIXED, DRAFT_P_MIN, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, ENGINE, FREQUENCY_PENALTY,
+                                GRAMMAR, JSON_SCHEMA, KV_DTYPE, LOGIT_BIAS, LOGPROBS, LOOKUP, MONITOR, MONITOR_PLOT,
                                 PRESENCE_PENALTY, REGEX, REPEAT_LAST_N, REPETITION_PENALTY, TOOL_CHOICE, TOOLS, WEIGHTS,
                                 check_paths, cli_text, err, fmt_bytes, load_model, model_home, monitored, read_prompt,
                                 shaping, speculation, tool_flags)
@@ -63,6 +63,7 @@ def run(
     draft_tokens: Optional[int] = DRAFT_TOKENS,
     draft_weights: Optional[str] = DRAFT_WEIGHTS,
     draft_p_min: Optional[float] = DRAFT_P_MIN,
+    draft_fixed: bool = DRAFT_FIXED,
     lookup: int = LOOKUP,
     stats: bool = typer.Option(False, "--stats", help="print engine, speeds and KV bytes to stderr"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of streaming"),
@@ -84,7 +85,7 @@ def run(
         **shaping(json_schema, regex, grammar, logprobs, list(logit_bias), frequency_penalty=frequency_penalty,
                   presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
                   repeat_last_n=repeat_last_n), **tool_flags(tools, tool_choice),
-        **speculation(draft, draft_tokens, lookup, draft_p_min, draft_weights)))
+        **speculation(draft, draft_tokens, lookup, draft_p_min, draft_weights, draft_fixed)))
     check_paths(monitor, monitor_plot)
     check_kv_dtype(kv_dtype)
     show(generate(model, req, as_json, monitor, monitor_plot, device=device, dtype=dtype, weights=weights,
@@ -143,6 +144,16 @@ def show(result: dict, as_json: bool, stats: bool) -> None:
         print_stats(result)
 
 
+def draft_choice_line(c: dict) -> str:
+    """What the measured draft length chose, and the figures it chose by."""
+    line = (f"draft length: up to {c['mean_draft_tokens']:.1f} a round on average, none (plain decode) in "
+            f"{c['plain_rounds']} of {c['rounds']} rounds | kept per proposal {100 * c['acceptance_estimate']:.0f}%")
+    if "row_cost" in c:
+        line += (f" | a verification row past the first costs {100 * c['row_cost']:.0f}% of a step, "
+                 f"a proposal {100 * c['draft_cost']:.0f}%")
+    return line
+
+
 def print_stats(result: dict) -> None:
     m, session = result["stats"], result.get("session", {})
     extra = ""
@@ -160,6 +171,8 @@ def print_stats(result: dict) -> None:
         err.print(f"speculative: {m['accepted_tokens']} of {m['proposed_tokens']} proposed tokens accepted "
                   f"({100 * m['acceptance_rate']:.1f}%) | {m['tokens_per_target_step']:.2f} tokens per target step "
                   f"over {m['target_steps']} steps", soft_wrap=True, markup=False)
+        if m.get("draft_choice"):
+            err.print(draft_choice_line(m["draft_choice"]), soft_wrap=True, markup=False)
     if "transitions" in result:
         cells = ", ".join(f"{k} {v}" for k, v in sorted(result["cells"].items()))
         moves = ", ".join(f"{t['event']} {t['from']}->{t['to']} x{t['count']}" for t in result["transitions"])

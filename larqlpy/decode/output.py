@@ -29,6 +29,7 @@ class Metrics:
     proposed_tokens: int = 0  # speculative decoding: ids proposed, those the target kept, target passes
     accepted_tokens: int = 0
     target_steps: int = 0
+    draft_choice: dict[str, Any] = field(default_factory=dict)  # the proposal counts chosen, and why
 
     @property
     def prefill_tps(self) -> float:
@@ -60,6 +61,8 @@ class Metrics:
             out.update(proposed_tokens=self.proposed_tokens, accepted_tokens=self.accepted_tokens,
                        acceptance_rate=round(self.acceptance, 4), target_steps=self.target_steps,
                        tokens_per_target_step=round(self.tokens_per_step, 4))
+            if self.draft_choice:
+                out["draft_choice"] = dict(self.draft_choice)
         return out
 
 

@@ -64,7 +64,7 @@ class Sequence:
         self.t0 = self.t_decode = self.t_end = None  # started, first token, finished
         self.prefill_seconds = 0.0
         # no-cache keeps no state to roll back
-        self.verifier = Verifier(proposer) if proposer is not None and not spec.replay else None
+        self.verifier = Verifier(proposer, not gen.draft_fixed) if proposer is not None and not spec.replay else None
 
     # -- what it let out (its Output's) -----------------------------------------------------------
     @property
@@ -216,7 +216,8 @@ class Sequence:
         v = self.verifier
         return Metrics(len(self.prompt_ids), len(self.prompt_ids) - self.held_from, self.prefill_seconds,
                        len(self.generated), decode, sum(by_kind.values()), by_kind, s.position,
-                       *((v.proposed, v.accepted, v.steps) if v is not None else ()))
+                       *((v.proposed, v.accepted, v.steps, v.length.why() if v.length else {})
+                         if v is not None else ()))
 
     def held(self) -> Held | None:
         """The state it leaves and the tokens that state stands for (None: no-cache keeps no state,

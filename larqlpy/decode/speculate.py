@@ -15,11 +15,13 @@ verification: the constraint steps through the proposals and is rolled back afte
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
 
 from larqlpy.config import SamplingConfig
+from larqlpy.decode.draft_length import DraftLength
 from larqlpy.decode.sampling import draw, probabilities
 from larqlpy.engines import EngineSpec, build_provider
 from larqlpy.errors import LarqlError
@@ -189,10 +191,12 @@ class Verifier:
     while the target's choice is the proposal; then every state cut back to the history kept. With
     its counters: ids proposed, those kept, and the target's passes."""
 
-    def __init__(self, proposer: Proposer):
+    def __init__(self, proposer: Proposer, adapt: bool = True):
         self.proposer = proposer
         self.proposal: tuple[list[int], list | None] | None = None  # what the running block verifies
         self.proposed = self.accepted = self.steps = 0
+        self.length = DraftLength(proposer.tokens) if adapt else None  # None: up to `tokens` every round
+        self.sent_at = 0.0  # when the running block went to the model
 
     @property
     def tokens(self) -> int:
@@ -216,12 +220,17 @@ class Verifier:
     def block(self, seq) -> tuple[torch.Tensor, object, str]:
         """`seq`'s next block: its newest id and the proposals after it (never past max_tokens: the
         last one's logits give the token after it), every row's logits, attended as decode steps."""
-        room = min(self.tokens, seq.gen.max_tokens - len(seq.generated) - 1)
+        most = self.length.next() if self.length is not None else self.tokens
+        room = min(most, seq.gen.max_tokens - len(seq.generated) - 1)
         # rows past the newest only as far as the engine decides nothing at their ends: trimmed back,
         # the state is then the one plain decode leaves (a decision between them would differ)
         room = min(room, seq.state.quiet_rows(room + 1) - 1)
+        t0 = time.perf_counter()
         ids, qs = self.proposer.propose(seq.history, room, seq.gen.sampling,
                                         seq.shaper.constraint) if room > 0 else ([], None)
+        self.sent_at = time.perf_counter()
+        if self.length is not None:
+            self.length.proposed(len(ids), self.sent_at - t0)
         self.proposal = (ids, qs)
         seq.logits = None
         return torch.tensor(seq.history[-1:] + ids, dtype=torch.long), seq.state, "steps" if ids else "last"
@@ -230,6 +239,8 @@ class Verifier:
         """Each row's logits in turn, while the target's choice is the proposal; the tokens `seq`
         let out."""
         (ids, qs), self.proposal = self.proposal, None
+        seconds = time.perf_counter() - self.sent_at  # the target's pass over them (a batch's, shared)
+        kept = self.accepted
         self.steps += 1
         self.proposed += len(ids)
         out: list = []
@@ -240,6 +251,9 @@ class Verifier:
             if seq.finished or guess is None or seq.generated[-1] != guess[0]:
                 break
             self.accepted += 1
+        if self.length is not None:
+            kept = self.accepted - kept
+            self.length.verified(len(ids) + 1, seconds, kept, kept < len(ids) and not seq.finished)
         keep = len(seq.history) - 1  # the state holds all but the newest id, as after any step
         if seq.state.position > keep:
             seq.state.trim(keep)

@@ -124,6 +124,9 @@ def generation(raw: dict[str, Any]) -> GenerationConfig:
         integer(raw, key)
     for key in ("temperature", "top_p", "draft_p_min", *SHAPING):
         number(raw, key)
+    for key in ("stop_at_eos", "draft_fixed"):
+        if raw.get(key) is not None and not isinstance(raw[key], bool):
+            raise LarqlError(f"`{key}` must be a boolean, got {_json_type(raw[key])}")
     stop = raw.get("stop")
     if stop is not None:
         raw = {**raw, "stop": stops(stop)}

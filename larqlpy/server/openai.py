@@ -25,7 +25,7 @@ UNSUPPORTED = ("best_of", "echo", "suffix", "functions", "function_call", "audio
 MAX_STOPS = 4  # OpenAI's limit on `stop`
 # the body's "larqlpy" object: the engine, and the settings OpenAI's API has no field for
 EXTENSION_SHAPING = ("regex", "grammar", "repetition_penalty", "repeat_last_n", "draft_tokens", "lookup",
-                     "draft_p_min")
+                     "draft_p_min", "draft_fixed")
 EXTENSION = ("continuation", "options", "engine", "prefill_chunk", *EXTENSION_SHAPING)
 
 def read_request(body: dict, chat: bool, max_tokens_limit: int | None = None,
