@@ -79,7 +79,7 @@ def test_plain_progress_lines_say_what_compiles_and_that_it_happens_once():
     lines = buf.getvalue().splitlines()
     assert lines[0] == "larqlpy: compiling kernels for this CPU (once: later runs load them from numba's cache)"
     assert lines[1].startswith("larqlpy: compiled 1: test_compiles outer (")
-    assert lines[2].startswith("larqlpy: compiled 1 kernels for this CPU in ") and len(lines) == 3
+    assert lines[2].startswith("larqlpy: compiled 1 kernel for this CPU in ") and len(lines) == 3
     buf.truncate(0)
     buf.seek(0)
     with compile_progress(console, live=False):  # warm: nothing compiles, nothing is said
@@ -94,7 +94,7 @@ def test_live_status_stops_before_the_answer_on_the_same_terminal():
     assert printer.status is not None
     printer(Progress("qdot int4 vnni512", 2.0, 1, 2.0))
     printer.pause()
-    assert printer.status is None and "compiled 1 kernels for this CPU in 2.0 s so far" in buf.getvalue()
+    assert printer.status is None and "compiled 1 kernel for this CPU in 2.0 s so far" in buf.getvalue()
     printer(Progress("decode attend chunk", None, 1, 2.0))  # mid-answer: no status drawn over it
     printer(Progress("decode attend chunk", 3.0, 2, 5.0))
     assert printer.status is None

@@ -83,8 +83,8 @@ class CompileProgress:
 
     def _summary(self, tail: str = "") -> None:
         if self.count > self.reported:
-            self._line(f"compiled {self.count} kernels for this CPU in {self.seconds:.1f} s{' ' + tail if tail else ''}"
-                       f" ({ONCE})")
+            kernels = f"{self.count} kernel{'s' if self.count > 1 else ''}"
+            self._line(f"compiled {kernels} for this CPU in {self.seconds:.1f} s{' ' + tail if tail else ''} ({ONCE})")
             self.reported = self.count
 
 
