@@ -139,3 +139,21 @@ def test_run_json_reports_compile_seconds(cli, tiny, tmp_path):
     rc, out, err = cli("run", d, "hello", "-n", "3", "--json")
     assert rc == 0, err
     assert "compile_seconds" in json.loads(out)["stats"]
+
+
+def test_warmup_refuses_what_is_not_a_model(cli, tmp_path):
+    for bad in (tmp_path / "missing.gguf", tmp_path):
+        rc, out, err = cli("warmup", bad)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("larqlpy: error:"), err
+
+
+@pytest.mark.heavy
+def test_a_second_warmup_has_nothing_to_compile(cli, tmp_path):
+    d = tmp_path / "t"
+    make_tiny(d)
+    rc, out, err = cli("warmup", d)
+    assert rc == 0, err
+    assert "int4 codec/v1" in out and "2 sequences batched" in out
+    rc, out, err = cli("warmup", d)
+    assert rc == 0 and out.splitlines()[-1].startswith("nothing needed compiling"), out

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from larqlpy.engines.presets import RECOMMENDED
 from larqlpy.kernels import compiles
 from larqlpy.pipeline.request import Request
 from larqlpy.pipeline.runner import execute, execute_many
 from larqlpy.weights.loader import LoadedModel, load
 
 SHORT = "The quick brown fox jumps over the lazy dog."
-LONG_WORDS = 320  # past one tile of prefill attention (256 queries) and two chunks of decode attention (128 rows)
+LONG = 320  # tokens: past one tile of prefill attention (256 queries) and two chunks of decode attention (128 rows)
 
 
 @dataclass(frozen=True)
@@ -63,15 +64,22 @@ def _mode(path: Path, weights: str | None, loader) -> Iterator[Step]:
     yield _timed(f"{label}: load", loading)
     loaded = holder[0]
     label = loaded.weights
-    long_prompt = " ".join(["word"] * LONG_WORDS)
     yield _timed(f"{label} canonical/v1", lambda: _one(loaded, SHORT, 4))
-    yield _timed(f"{label} codec/v1", lambda: _one(loaded, SHORT, 4, continuation="codec/v1"))
-    yield _timed(f"{label} long prompt", lambda: _one(loaded, long_prompt, 3))
+    codec = dict(continuation=RECOMMENDED[0], options=[f"{k}={v}" for k, v in RECOMMENDED[1]])
+    yield _timed(f"{label} codec/v1", lambda: _one(loaded, SHORT, 4, **codec))
+    yield _timed(f"{label} long prompt", lambda: _long(loaded))
     yield _timed(f"{label} 2 sequences batched", lambda: _batched(loaded))
 
 
 def _one(loaded: LoadedModel, prompt: str, n: int, **engine) -> None:
     execute(loaded, Request.from_dict(dict(prompt=prompt, max_tokens=n, **engine)))
+
+
+def _long(loaded: LoadedModel) -> None:
+    """A prompt of LONG tokens (fewer where the context is shorter), as ids."""
+    n = max(1, min(LONG, loaded.model.cfg.max_position_embeddings - 8))
+    base = loaded.tokenizer.encode(SHORT)
+    execute(loaded, Request.from_api((base * (n // len(base) + 1))[:n], max_tokens=3))
 
 
 def _batched(loaded: LoadedModel) -> None:
