@@ -18,6 +18,7 @@ from larqlpy.decode.stream import generate_step
 from larqlpy.kernels import compiles
 from larqlpy.kernels.compiles import Progress
 from larqlpy.weights.loader import load
+from conftest import smol_gguf
 from tiny import make_tiny
 
 
@@ -157,3 +158,24 @@ def test_a_second_warmup_has_nothing_to_compile(cli, tmp_path):
     assert "int4 codec/v1" in out and "2 sequences batched" in out
     rc, out, err = cli("warmup", d)
     assert rc == 0 and out.splitlines()[-1].startswith("nothing needed compiling"), out
+
+
+@pytest.mark.heavy
+def test_a_cold_cache_run_says_it_compiles_and_a_warm_one_does_not(tmp_path):
+    """A real `larqlpy run` on a fresh numba cache: the progress lines on stderr, the answer on stdout
+    as a warm run gives it; the warm run says nothing of compiling."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    cmd = [sys.executable, "-m", "larqlpy.cli.main", "run", str(smol_gguf()), "The capital of France is", "-n", "6",
+           "--stats"]
+    cold, warm = (subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600) for _ in range(2))
+    assert cold.returncode == warm.returncode == 0, cold.stderr
+    assert cold.stderr.startswith("larqlpy: compiling kernels for this CPU (once"), cold.stderr
+    assert "larqlpy: compiled 1: " in cold.stderr and "| compile " in cold.stderr
+    assert cold.stdout == warm.stdout and cold.stdout.strip()
+    assert "compil" not in warm.stderr and "| compile " not in warm.stderr
