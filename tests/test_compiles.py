@@ -58,14 +58,17 @@ def test_watcher_counts_the_outermost_compile_once():
     assert compiles.seconds() - before_s == pytest.approx(seen[1].seconds)
 
 
-def test_once_counts_a_measured_choice_with_the_compiles_inside_it():
+def test_once_counts_a_measured_choice_beside_the_compiles_inside_it():
     import numpy as np
 
     kernel = fresh_kernel()
     seen, listening = heard()
+    before = compiles.seconds()
     with listening, compiles.once("choice a shape"):
         kernel(np.ones(2))
-    assert [(p.kernel, p.seconds is None) for p in seen] == [("choice a shape", True), ("choice a shape", False)]
+    assert [(p.kernel, p.seconds is None) for p in seen] == \
+        [("test_compiles outer", True), ("test_compiles outer", False), ("choice a shape", False)]
+    assert compiles.seconds() - before == pytest.approx(seen[1].seconds + seen[2].seconds)
 
 
 def test_plain_progress_lines_say_what_compiles_and_that_it_happens_once():

@@ -41,7 +41,7 @@ class CompileProgress:
             if self.live and not (self.answering and self.shares_screen):
                 self._show(p)
             elif not self.live:
-                if p.seconds is None and not self.announced:
+                if not self.announced:  # a measured choice has no start of its own
                     self.announced = True
                     self._line(f"compiling kernels for this CPU ({ONCE})")
                 if p.seconds is not None:

@@ -113,13 +113,21 @@ def count() -> int:
 
 @contextmanager
 def once(name: str) -> Iterator[None]:
-    """Once-per-machine work other than a numba compile (a measured choice), counted as one; the
-    compiles inside it count as part of it."""
-    _begin(name)
+    """Once-per-machine work other than a numba compile (a measured choice), counted as one beside
+    the compiles inside it, which are heard on their own (its seconds are the rest of its time)."""
+    if getattr(_local, "depth", 0):  # inside a compile: part of it
+        yield
+        return
+    t0, inside = time.perf_counter(), seconds()
     try:
         yield
     finally:
-        _end(name)
+        took = max(time.perf_counter() - t0 - (seconds() - inside), 0.0)
+        with _lock:
+            _totals["seconds"] += took
+            _totals["count"] += 1
+            count, total = _totals["count"], _totals["seconds"]
+        _tell(Progress(name, took, count, total))
 
 
 @contextmanager

@@ -61,7 +61,7 @@ def choose(what: str, candidates: dict[str, Callable[[], object]], runs: int = 5
     if known in candidates:
         _memo[key] = known
         return known
-    with compiles.once(f"choice {what}"):  # once per machine, as a compile is: not a phase's own time
+    with compiles.once(f"measured {what}"):  # once per machine, as a compile is: not a phase's own time
         winner = _measure(candidates, runs)
     _memo[key] = winner
     try:
