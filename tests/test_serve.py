@@ -48,6 +48,7 @@ def test_completions_and_chat_through_the_openai_client_equal_larqlpy_run(client
                           "--json"], capture_output=True, text=True, env=ENV, timeout=300)
     want = json.loads(run.stdout)
     assert c.choices[0].text == want["text"] and c.model_extra["larqlpy"]["tokens"] == want["tokens"]
+    assert c.model_extra["larqlpy"]["compile_seconds"] >= 0  # kernels compiled inside it, apart from its time
     assert c.usage.completion_tokens == 12 and c.choices[0].finish_reason == "length"
     parts = client.completions.create(model=NAME, prompt="The three primary colors are", max_tokens=12,
                                       temperature=0, stream=True)
@@ -274,7 +275,8 @@ def test_routes_health_models_metrics(server):
     assert [m["id"] for m in models["data"]] == [NAME]
     text = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer sk-test"}).text
     for name in ("larqlpy_requests_total", "larqlpy_tokens_total", "larqlpy_live_sequences", "larqlpy_kept_bytes",
-                 "larqlpy_kept_transitions_total", "larqlpy_prefix_cache_total"):
+                 "larqlpy_kept_transitions_total", "larqlpy_prefix_cache_total", "larqlpy_compile_seconds_total",
+                 "larqlpy_compiled_kernels_total"):
         assert name in text
 
 

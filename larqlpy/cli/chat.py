@@ -65,22 +65,25 @@ def chat(
     spec = req.spec().stateful("hold a conversation") if chosen else None  # every refusal before the weights load
 
     from larqlpy.api.chat import ChatSession
+    from larqlpy.cli.compiling import compile_progress
     from larqlpy.text.chat_template import ChatTemplate
 
     check_kv_dtype(kv_dtype)
-    loaded = load_model(model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
-                        allow_unused_tensors=allow_unused_tensors, draft=draft, draft_weights=draft_weights)
-    template = str(chat_template) if chat_template is not None else None
-    ChatTemplate.for_tokenizer(loaded.tokenizer, template)  # a model without one is refused before the first turn
-    session = ChatSession(loaded, spec, req.gen, template, system)
-    if resume_from is not None:
-        session.load(resume_from)
-    Repl(session, as_json).run()
+    with compile_progress() as progress:  # a GGUF's first load compiles its block decoders
+        loaded = load_model(model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
+                            allow_unused_tensors=allow_unused_tensors, draft=draft, draft_weights=draft_weights)
+        template = str(chat_template) if chat_template is not None else None
+        ChatTemplate.for_tokenizer(loaded.tokenizer, template)  # a model without one is refused before the first turn
+        session = ChatSession(loaded, spec, req.gen, template, system)
+        if resume_from is not None:
+            session.load(resume_from)
+        progress.done()  # no live status under the prompt
+        Repl(session, as_json, progress).run()
 
 
 class Repl:
-    def __init__(self, session, as_json: bool):
-        self.session, self.as_json = session, as_json
+    def __init__(self, session, as_json: bool, progress=None):
+        self.session, self.as_json, self.progress = session, as_json, progress
         self.tty = sys.stdin.isatty()
         self.failed = False
         self.lineno = 0  # lines read from a pipe
@@ -142,6 +145,8 @@ class Repl:
                 ids.append(tok.id)
                 pieces.append(tok.text)
                 if not self.as_json:
+                    if self.progress is not None:
+                        self.progress.pause()
                     sys.stdout.write(tok.text)
                     sys.stdout.flush()
         except KeyboardInterrupt:  # stops this reply; the conversation goes on from what it said
@@ -149,6 +154,8 @@ class Repl:
         t = s.turns[-1]
         self.say({"turn": len(s.turns), "text": "".join(pieces), "tokens": ids, "prompt_tokens": t.prompt_tokens,
                   "prefilled_tokens": t.prefilled_tokens, "finish_reason": t.finish_reason}, "")
+        if self.progress is not None:
+            self.progress.done()  # the kernels this turn compiled, once its answer has ended
 
     def command(self, line: str) -> bool:
         """Run a /command; False to end the session."""

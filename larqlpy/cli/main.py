@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from larqlpy.cli import batch, batch_merge, bench, chat, model, observe, residency, run, serve, state
+from larqlpy.cli import batch, batch_merge, bench, chat, model, observe, residency, run, serve, state, warmup
 from larqlpy.cli.common import err, error_line
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.contention import choose_waits
@@ -32,6 +32,7 @@ app.command("convert-gguf")(model.convert_gguf)
 app.command()(model.calibrate)
 app.command()(residency.residency)
 app.command("kv-stats")(observe.kv_stats)
+app.command()(warmup.warmup)
 app.add_typer(bench.bench_app, name="bench")
 app.add_typer(state.state_app, name="state")
 

@@ -88,13 +88,17 @@ def run(
         **speculation(draft, draft_tokens, lookup, draft_p_min, draft_weights, draft_fixed)))
     check_paths(monitor, monitor_plot)
     check_kv_dtype(kv_dtype)
-    show(generate(model, req, as_json, monitor, monitor_plot, device=device, dtype=dtype, weights=weights,
-                  kv_dtype=kv_dtype, allow_unused_tensors=allow_unused_tensors, draft=draft,
-                  draft_weights=draft_weights), as_json, stats)
+    from larqlpy.cli.compiling import compile_progress
+
+    with compile_progress() as progress:
+        show(generate(model, req, as_json, monitor, monitor_plot, progress, device=device, dtype=dtype,
+                      weights=weights, kv_dtype=kv_dtype, allow_unused_tensors=allow_unused_tensors, draft=draft,
+                      draft_weights=draft_weights), as_json, stats)
 
 
-def generate(model: Path, req, as_json: bool, monitor, monitor_plot, **load) -> dict:
-    """The request's record, its text streamed to stdout as it comes (unless `as_json`)."""
+def generate(model: Path, req, as_json: bool, monitor, monitor_plot, progress=None, **load) -> dict:
+    """The request's record, its text streamed to stdout as it comes (unless `as_json`); `progress`
+    (cli.compiling) hears when the answer starts."""
     from larqlpy.text.tokenizer_process import start
 
     helper = start(model_home(model))  # the tokenizer loads on another core while torch imports (before it: fork)
@@ -107,6 +111,8 @@ def generate(model: Path, req, as_json: bool, monitor, monitor_plot, **load) -> 
         def stream(tok):
             mon.position = tok.metrics.position + 1
             if not as_json:
+                if progress is not None:
+                    progress.pause()
                 sys.stdout.write(tok.text)
                 sys.stdout.flush()
 
@@ -165,7 +171,8 @@ def print_stats(result: dict) -> None:
               f"KV rows {result.get('kv_dtype', 'f32')} | "
               f"prompt {result['prompt_tokens']} tok | prefill "
               f"{m.get('prefill_tokens_per_s', 0):.1f} tok/s | decode {m.get('decode_tokens_per_s', 0):.1f} tok/s | "
-              f"resident KV {fmt_bytes(m.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}{extra}",
+              f"resident KV {fmt_bytes(m.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}"
+              f"{compiled(m)}{extra}",
               soft_wrap=True, markup=False)
     if "target_steps" in m:
         err.print(f"speculative: {m['accepted_tokens']} of {m['proposed_tokens']} proposed tokens accepted "
@@ -177,3 +184,9 @@ def print_stats(result: dict) -> None:
         cells = ", ".join(f"{k} {v}" for k, v in sorted(result["cells"].items()))
         moves = ", ".join(f"{t['event']} {t['from']}->{t['to']} x{t['count']}" for t in result["transitions"])
         err.print(f"cells: {cells} | transitions: {moves}", soft_wrap=True, markup=False)
+
+
+def compiled(stats: dict) -> str:
+    """The stats line's part for kernels compiled inside the run (none on a warm cache)."""
+    took = stats.get("compile_seconds", 0)
+    return f" | compile {took:.1f} s (once)" if took else ""

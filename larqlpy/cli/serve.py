@@ -76,13 +76,15 @@ def serve(
         err.print(f"larqlpy: warning: listening on {host} without --api-key: anyone who can reach it may use it",
                   markup=False)
 
+    from larqlpy.cli.compiling import compile_progress
     from larqlpy.server import listen, serve as run_server
 
     sock = listen(host, port)  # a busy port is refused before the weights load
-    loaded = load_model(model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
-                        allow_unused_tensors=allow_unused_tensors, draft=draft, draft_tokens=draft_tokens,
-                        draft_weights=draft_weights)
-    run_server(loaded, cfg, announce, sock)
+    with compile_progress(live=False):  # log lines: the first requests compile on the engine's thread
+        loaded = load_model(model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
+                            allow_unused_tensors=allow_unused_tensors, draft=draft, draft_tokens=draft_tokens,
+                            draft_weights=draft_weights)
+        run_server(loaded, cfg, announce, sock)
 
 
 def _sizes(*flags: tuple[str, str]) -> dict[str, int]:

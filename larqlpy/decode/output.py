@@ -30,6 +30,7 @@ class Metrics:
     accepted_tokens: int = 0
     target_steps: int = 0
     draft_choice: dict[str, Any] = field(default_factory=dict)  # the proposal counts chosen, and why
+    compile_seconds: float = 0.0  # kernels compiled inside prefill and decode (a cold cache), out of both
 
     @property
     def prefill_tps(self) -> float:
@@ -56,7 +57,8 @@ class Metrics:
                "prefill_seconds": round(self.prefill_seconds, 6), "prefill_tokens_per_s": round(self.prefill_tps, 3),
                "decode_tokens": self.decode_tokens, "decode_seconds": round(self.decode_seconds, 6),
                "decode_tokens_per_s": round(self.decode_tps, 3), "resident_kv_bytes": self.resident_kv_bytes,
-               "resident_kv_by_kind": dict(self.resident_kv_by_kind), "position": self.position}
+               "resident_kv_by_kind": dict(self.resident_kv_by_kind), "position": self.position,
+               "compile_seconds": round(self.compile_seconds, 6)}
         if self.target_steps:
             out.update(proposed_tokens=self.proposed_tokens, accepted_tokens=self.accepted_tokens,
                        acceptance_rate=round(self.acceptance, 4), target_steps=self.target_steps,

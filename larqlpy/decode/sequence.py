@@ -26,6 +26,7 @@ from larqlpy.decode.stops import Piece
 from larqlpy.engines import EngineSpec, build_provider
 from larqlpy.engines.stores.state import EngineState
 from larqlpy.errors import LarqlError, failure
+from larqlpy.kernels import compiles
 from larqlpy.state.sources import Held, Reuse, StateSource
 
 
@@ -62,7 +63,8 @@ class Sequence:
         self.error: str | None = None
         self.info: dict = {}  # what the source said of the state it gave
         self.t0 = self.t_decode = self.t_end = None  # started, first token, finished
-        self.prefill_seconds = 0.0
+        self.c0 = self.c_decode = self.c_end = 0.0  # compiles.seconds() at those moments
+        self.prefill_seconds = self.prefill_compile = 0.0
         # no-cache keeps no state to roll back
         self.verifier = Verifier(proposer, not gen.draft_fixed) if proposer is not None and not spec.replay else None
 
@@ -127,7 +129,8 @@ class Sequence:
         note = self.before_start() if self.before_start is not None else None
         if note:
             self.notes.append(note)
-        self.t0 = time.perf_counter()  # a measurement before it is not its prefill
+        compiles.watch()  # kernels compiled inside a phase are not its time
+        self.t0, self.c0 = time.perf_counter(), compiles.seconds()  # a measurement before it is not its prefill
         reuse = self.source.take(self.prompt_ids, self.spec) if self.source is not None else Reuse()
         held, self.info = reuse.held, dict(reuse.info)
         self.state = held.state if held is not None else self._fresh()
@@ -174,8 +177,9 @@ class Sequence:
         if self.t_decode is None:
             if self.verifier is not None and self.gen.max_tokens > 1:
                 self.verifier.prime(self.history)  # the prompt is prefill's work, the draft's too
-            self.t_decode = time.perf_counter()
-            self.prefill_seconds = self.t_decode - self.t0
+            self.t_decode, self.c_decode = time.perf_counter(), compiles.seconds()
+            self.prefill_compile = self.c_decode - self.c0
+            self.prefill_seconds = self.t_decode - self.t0 - self.prefill_compile
         if len(self.generated) >= self.gen.max_tokens:  # max_tokens 0: the prompt only
             return self._release([], "length")
         tok, lp = self._choose(logits, guess)
@@ -207,17 +211,22 @@ class Sequence:
 
     def fail(self, e: Exception) -> None:
         self.error = failure(e)
-        self.t_end = time.perf_counter()
+        self._ended()
 
     def metrics(self) -> Metrics:
         s = self.state
         by_kind = s.resident_by_kind()  # one pass over the stores: the total is its sum
-        decode = (self.t_end or time.perf_counter()) - self.t_decode if self.t_decode is not None else 0.0
+        decode = compiled = 0.0
+        if self.t_decode is not None:
+            ended = self.t_end is not None
+            compiled = (self.c_end if ended else compiles.seconds()) - self.c_decode
+            decode = (self.t_end if ended else time.perf_counter()) - self.t_decode - compiled
         v = self.verifier
         return Metrics(len(self.prompt_ids), len(self.prompt_ids) - self.held_from, self.prefill_seconds,
                        len(self.generated), decode, sum(by_kind.values()), by_kind, s.position,
                        *((v.proposed, v.accepted, v.steps, v.length.why() if v.length else {})
-                         if v is not None else ()))
+                         if v is not None else ()),
+                       compile_seconds=self.prefill_compile + compiled)
 
     def held(self) -> Held | None:
         """The state it leaves and the tokens that state stands for (None: no-cache keeps no state,
@@ -239,9 +248,13 @@ class Sequence:
     def _fresh(self) -> EngineState:
         return self.provider.new_state(self.model.geometries(), self.model.device)
 
+    def _ended(self) -> None:
+        self.t_end, self.c_end = time.perf_counter(), compiles.seconds()
+
     def _release(self, pieces: list[Piece], finish: str | None) -> list[Token]:
         if finish is not None:
-            self.finish_reason, self.t_end = finish, time.perf_counter()
+            self.finish_reason = finish
+            self._ended()
         return self.out.release(pieces, finish, self.metrics()) if pieces else []
 
     def _end_at_text(self, logits: torch.Tensor) -> None:

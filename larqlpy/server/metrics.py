@@ -1,11 +1,14 @@
 """/metrics in Prometheus' text format (prometheus_client): request counters kept here, and the
 engine's figures -- live and waiting sequences, resident KV, the kept states by lifecycle state,
-their transitions and the prefix cache's hits -- from the snapshot the engine thread publishes."""
+their transitions and the prefix cache's hits -- from the snapshot the engine thread publishes; and the
+kernels compiled in this process (kernels/compiles.py)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from larqlpy.kernels import compiles
 
 
 class Metrics:
@@ -77,3 +80,7 @@ class _EngineCollector:
         yield p
         yield CounterMetricFamily("larqlpy_prefix_reused_tokens", "prompt tokens served from kept states",
                                   value=kept["reused_tokens"])
+        yield CounterMetricFamily("larqlpy_compile_seconds", "seconds this process spent compiling kernels "
+                                  "(a cold numba cache) and measuring kernel choices", value=compiles.seconds())
+        yield CounterMetricFamily("larqlpy_compiled_kernels", "kernels this process compiled (and choices it "
+                                  "measured)", value=compiles.count())

@@ -149,7 +149,8 @@ def cached(seq: Sequence) -> int:
 def extra(seq: Sequence) -> dict:
     """larqlpy's own fields beside OpenAI's."""
     out = {"engine": seq.spec.describe(), "cached_tokens": cached(seq),
-           "continuation_refused": seq.info.get("refused"), "tokens": list(seq.output), "notes": seq.notes}
+           "continuation_refused": seq.info.get("refused"), "tokens": list(seq.output), "notes": seq.notes,
+           "compile_seconds": round(seq.metrics().compile_seconds, 6) if seq.state is not None else 0.0}
     if seq.verifier is not None and seq.verifier.steps:  # speculative decoding
         m = seq.metrics()
         out["speculative"] = {"proposed_tokens": m.proposed_tokens, "accepted_tokens": m.accepted_tokens,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from larqlpy.files import atomic_path
-from larqlpy.kernels import cpu, threads
+from larqlpy.kernels import compiles, cpu, threads
 
 _memo: dict[str, str] = {}
 
@@ -37,6 +37,18 @@ def _stored() -> dict:
         return {}
 
 
+def _measure(candidates: dict[str, Callable[[], object]], runs: int) -> str:
+    best = {name: float("inf") for name in candidates}
+    for fn in candidates.values():  # warm: compile, page in
+        fn()
+    for _ in range(runs):
+        for name, fn in candidates.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return min(best, key=best.get)
+
+
 def choose(what: str, candidates: dict[str, Callable[[], object]], runs: int = 5) -> str:
     """The fastest of `candidates` (name -> a call doing the work) for `what`, measured on first use
     on this machine and remembered (in this process and on disk)."""
@@ -47,15 +59,8 @@ def choose(what: str, candidates: dict[str, Callable[[], object]], runs: int = 5
     if known in candidates:
         _memo[key] = known
         return known
-    best = {name: float("inf") for name in candidates}
-    for fn in candidates.values():  # warm: compile, page in
-        fn()
-    for _ in range(runs):
-        for name, fn in candidates.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    winner = min(best, key=best.get)
+    with compiles.once(f"measured {what}"):  # once per machine, as a compile is: not a phase's own time
+        winner = _measure(candidates, runs)
     _memo[key] = winner
     try:
         data = _stored()
