@@ -25,6 +25,7 @@ from larqlpy.decode.draft_length import DraftLength
 from larqlpy.decode.sampling import draw, probabilities
 from larqlpy.engines import EngineSpec, build_provider
 from larqlpy.errors import LarqlError
+from larqlpy.kernels import compiles
 from larqlpy.model.decoder import prefill
 from larqlpy.state.format import common_prefix
 
@@ -196,7 +197,7 @@ class Verifier:
         self.proposal: tuple[list[int], list | None] | None = None  # what the running block verifies
         self.proposed = self.accepted = self.steps = 0
         self.length = DraftLength(proposer.tokens) if adapt else None  # None: up to `tokens` every round
-        self.sent_at = 0.0  # when the running block went to the model
+        self.sent_at = (0.0, 0.0)  # when the running block went to the model, and compiles.seconds() then
 
     @property
     def tokens(self) -> int:
@@ -225,12 +226,12 @@ class Verifier:
         # rows past the newest only as far as the engine decides nothing at their ends: trimmed back,
         # the state is then the one plain decode leaves (a decision between them would differ)
         room = min(room, seq.state.quiet_rows(room + 1) - 1)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), compiles.seconds()
         ids, qs = self.proposer.propose(seq.history, room, seq.gen.sampling,
                                         seq.shaper.constraint) if room > 0 else ([], None)
-        self.sent_at = time.perf_counter()
+        self.sent_at = (time.perf_counter(), compiles.seconds())  # a cold kernel's compile is no cost of a round
         if self.length is not None:
-            self.length.proposed(len(ids), self.sent_at - t0)
+            self.length.proposed(len(ids), self.sent_at[0] - t0 - (self.sent_at[1] - c0))
         self.proposal = (ids, qs)
         seq.logits = None
         return torch.tensor(seq.history[-1:] + ids, dtype=torch.long), seq.state, "steps" if ids else "last"
@@ -239,7 +240,8 @@ class Verifier:
         """Each row's logits in turn, while the target's choice is the proposal; the tokens `seq`
         let out."""
         (ids, qs), self.proposal = self.proposal, None
-        seconds = time.perf_counter() - self.sent_at  # the target's pass over them (a batch's, shared)
+        # the target's pass over them (a batch's, shared)
+        seconds = time.perf_counter() - self.sent_at[0] - (compiles.seconds() - self.sent_at[1])
         kept = self.accepted
         self.steps += 1
         self.proposed += len(ids)
