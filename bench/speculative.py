@@ -97,7 +97,8 @@ def code_prompts(target, args, same: list[bool]) -> None:
             rows.setdefault(f"{name} acceptance", []).append(r["stats"]["acceptance_rate"])
             rows.setdefault(f"{name} tokens/step", []).append(r["stats"]["tokens_per_target_step"])
             if not fixed:
-                rows.setdefault(f"{name} mean length", []).append(r["stats"]["draft_choice"]["mean_draft_tokens"])
+                c = r["stats"]["draft_choice"]
+                rows.setdefault(f"{name} plain-decode rounds", []).append(c["by_length"]["0"]["rounds"] / c["rounds"])
             same.append(r["tokens"] == plain["tokens"])
         ids = prepare(target, Request.from_dict({"messages": [{"role": "user", "content": content}]})).prompt_ids
         rows.setdefault("llama.cpp alone", []).append((args.tokens - 1) / llama.decode(ids, args.tokens - 1))

@@ -73,9 +73,9 @@ DRAFT_WEIGHTS = typer.Option(None, "--draft-weights", help="with --draft: the dr
 DRAFT_P_MIN = typer.Option(None, "--draft-p-min", help="with --draft: end the proposals at the first token the "
                            "draft gives less than this probability, that token still proposed (default 0.75; "
                            "0: always --draft-tokens)")
-DRAFT_FIXED = typer.Option(False, "--draft-fixed", help="with --draft or --lookup: propose up to --draft-tokens "
-                           "/ --lookup every round (default: as many as this run measures to pay, none where "
-                           "speculation would not)")
+DRAFT_FIXED = typer.Option(False, "--draft-fixed", help="with --draft or --lookup: propose every round (default: "
+                           "a round proposes where this run measures speculation to let out more tokens per "
+                           "second than plain decode)")
 LOOKUP = typer.Option(0, "--lookup", help="prompt lookup: propose up to N tokens that followed an earlier "
                       "occurrence of the text's last few tokens (0: off)")
 

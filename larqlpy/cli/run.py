@@ -152,12 +152,10 @@ def show(result: dict, as_json: bool, stats: bool) -> None:
 
 def draft_choice_line(c: dict) -> str:
     """What the measured draft length chose, and the figures it chose by."""
-    line = (f"draft length: up to {c['mean_draft_tokens']:.1f} a round on average, none (plain decode) in "
-            f"{c['plain_rounds']} of {c['rounds']} rounds | kept per proposal {100 * c['acceptance_estimate']:.0f}%")
-    if "row_cost" in c:
-        line += (f" | a verification row past the first costs {100 * c['row_cost']:.0f}% of a step, "
-                 f"a proposal {100 * c['draft_cost']:.0f}%")
-    return line
+    per = ", ".join(f"{'none' if k == '0' else k} {v['rounds']} rounds at {v['tokens_per_s']:.1f} tok/s"
+                    for k, v in c["by_length"].items())
+    chosen = "none (plain decode)" if c["chosen"] == 0 else str(c["chosen"])
+    return f"draft length: {chosen} measured best | {per}"
 
 
 def print_stats(result: dict) -> None:

@@ -197,7 +197,7 @@ class Verifier:
         self.proposal: tuple[list[int], list | None] | None = None  # what the running block verifies
         self.proposed = self.accepted = self.steps = 0
         self.length = DraftLength(proposer.tokens) if adapt else None  # None: up to `tokens` every round
-        self.sent_at = (0.0, 0.0)  # when the running block went to the model, and compiles.seconds() then
+        self.began = (0.0, 0.0)  # when the running round began, and compiles.seconds() then
 
     @property
     def tokens(self) -> int:
@@ -221,17 +221,14 @@ class Verifier:
     def block(self, seq) -> tuple[torch.Tensor, object, str]:
         """`seq`'s next block: its newest id and the proposals after it (never past max_tokens: the
         last one's logits give the token after it), every row's logits, attended as decode steps."""
+        self.began = (time.perf_counter(), compiles.seconds())
         most = self.length.next() if self.length is not None else self.tokens
         room = min(most, seq.gen.max_tokens - len(seq.generated) - 1)
         # rows past the newest only as far as the engine decides nothing at their ends: trimmed back,
         # the state is then the one plain decode leaves (a decision between them would differ)
         room = min(room, seq.state.quiet_rows(room + 1) - 1)
-        t0, c0 = time.perf_counter(), compiles.seconds()
         ids, qs = self.proposer.propose(seq.history, room, seq.gen.sampling,
                                         seq.shaper.constraint) if room > 0 else ([], None)
-        self.sent_at = (time.perf_counter(), compiles.seconds())  # a cold kernel's compile is no cost of a round
-        if self.length is not None:
-            self.length.proposed(len(ids), self.sent_at[0] - t0 - (self.sent_at[1] - c0))
         self.proposal = (ids, qs)
         seq.logits = None
         return torch.tensor(seq.history[-1:] + ids, dtype=torch.long), seq.state, "steps" if ids else "last"
@@ -240,9 +237,7 @@ class Verifier:
         """Each row's logits in turn, while the target's choice is the proposal; the tokens `seq`
         let out."""
         (ids, qs), self.proposal = self.proposal, None
-        # the target's pass over them (a batch's, shared)
-        seconds = time.perf_counter() - self.sent_at[0] - (compiles.seconds() - self.sent_at[1])
-        kept = self.accepted
+        before = len(seq.generated)
         self.steps += 1
         self.proposed += len(ids)
         out: list = []
@@ -253,11 +248,12 @@ class Verifier:
             if seq.finished or guess is None or seq.generated[-1] != guess[0]:
                 break
             self.accepted += 1
-        if self.length is not None:
-            kept = self.accepted - kept
-            self.length.verified(len(ids) + 1, seconds, kept, kept < len(ids) and not seq.finished)
         keep = len(seq.history) - 1  # the state holds all but the newest id, as after any step
         if seq.state.position > keep:
             seq.state.trim(keep)
         self.proposer.settle(seq.history)
+        if self.length is not None:  # a cold kernel's compile is no cost of a round
+            t0, c0 = self.began
+            self.length.measured(len(seq.generated) - before,
+                                 time.perf_counter() - t0 - (compiles.seconds() - c0))
         return out
