@@ -79,6 +79,7 @@ bench: model bench-setup
 	$(BIN)/python bench/speculative.py --target "$(TARGET_GGUF)" --draft "$(QWEN_GGUF)" --draft-weights int4
 	$(BIN)/python bench/batch.py --model $(MODEL_DIR) --plot docs/img/batch-scaling.png
 	$(BIN)/python bench/busy.py --model $(MODEL_DIR)
+	$(BIN)/python bench/busy_decode.py --gguf "$(GEMMA_GGUF)" --gguf "$(QWEN_GGUF)"
 	$(BIN)/python bench/serve.py --model $(MODEL_DIR)
 	$(BIN)/python bench/codec.py --model $(MODEL_DIR)
 	$(BIN)/python bench/resume.py --model $(MODEL_DIR)

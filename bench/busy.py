@@ -2,7 +2,7 @@
 a quiet machine and beside a one-core background load this bench starts itself (a busy Python
 loop), taking turns. A loaded machine should cost throughput in proportion to the cores it takes,
 not collapse. Prints each run's time (the whole command, start-up included) and the ratios. Asserts
-nothing.
+nothing. One sequence's decode beside llama.cpp under the same loads: bench/busy_decode.py.
 
     python bench/busy.py --model models/gemma-3-270m [--weights int8] [--lines 24] [--tokens 48] [--repeats 2]
         [--env OMP_WAIT_POLICY=ACTIVE --env ...]   (each --env: one more configuration, run beside the default)

@@ -24,14 +24,13 @@ def _simulate(a: float, c0: float, c1: float, d: float, rounds: int = 300, most:
 
 
 def _steady(ks):
-    first = TRIES * 2
-    return [k for i, k in enumerate(ks[first:], first + 1) if i % EXPLORE]
+    return ks[TRIES * 2:]
 
 
 def test_cheap_rows_and_kept_proposals_speculate():
     ks, tuner = _simulate(a=0.85, c0=10e-3, c1=0.8e-3, d=0.6e-3)  # VNNI-like: a row ~8% of a step
     steady = _steady(ks)
-    assert steady.count(6) >= 0.95 * len(steady)
+    assert steady.count(6) >= 0.95 * len(steady) and tuner.every() == 4 * EXPLORE  # a wide gap: rare tries
     why = tuner.why()
     assert why["chosen"] == 6 and why["by_length"]["6"]["tokens_per_s"] > 2 * why["by_length"]["0"]["tokens_per_s"]
 
@@ -40,8 +39,7 @@ def test_costly_rows_turn_speculation_off_but_keep_measuring():
     ks, tuner = _simulate(a=0.6, c0=10e-3, c1=9e-3, d=1.5e-3)  # AVX2-like: a row ~90% of a step
     steady = _steady(ks)
     assert steady.count(0) >= 0.95 * len(steady)
-    explored = [k for i, k in enumerate(ks[TRIES * 2:], TRIES * 2 + 1) if i % EXPLORE == 0]
-    assert set(explored) == {6}  # it still tries speculation
+    assert 300 // (4 * EXPLORE) - 1 <= ks[TRIES * 2:].count(6) <= 300 // EXPLORE  # it still tries speculation
     assert tuner.why()["chosen"] == 0
 
 

@@ -13,8 +13,9 @@ choice was tried: a round's tokens vary so much (a run of kept proposals ends at
 that it was often chosen where the most was better by 17% (docs/speculative.md).
 
 Each choice is tried TRIES times first, proposals first. After that, one round in EXPLORE tries the
-other, so a change (a stretch of text the draft predicts well, a machine that got busy) is found.
-Where plain decode measures best, speculation costs one round in EXPLORE. No number a sequence lets
+other (one in 2 or 4 EXPLORE where the gap is wide), so a change (a stretch of text the draft
+predicts well, a machine that got busy) is found. Where plain decode measures best, speculation
+costs at most one round in EXPLORE. No number a sequence lets
 out depends on the choice: a verification keeps exactly what plain decode would.
 """
 
@@ -41,13 +42,20 @@ class DraftLength:
     def best(self) -> int:
         return max(self.arms, key=lambda k: (self.rate(k), k))
 
+    def every(self) -> int:
+        """Rounds between tries of the other choice: EXPLORE, and 2x or 4x that where the best
+        measures 1.25x or 1.6x the other (a try costs more, and finds less, the wider the gap)."""
+        rates = sorted((self.rate(k) for k in self.arms), reverse=True)
+        gap = rates[0] / rates[1] if rates[1] > 0 else 1.0
+        return EXPLORE * (4 if gap >= 1.6 else 2 if gap >= 1.25 else 1)
+
     def next(self) -> int:
         """The length of the round about to run."""
         self.rounds += 1
         young = [k for k in self.arms if self.tries[k] < TRIES]
         if young:
             self.current = young[0]
-        elif self.rounds % EXPLORE == 0:
+        elif self.rounds % self.every() == 0:
             others = [k for k in self.arms if k != self.best()]
             self.current = others[self.explored % len(others)]
             self.explored += 1
