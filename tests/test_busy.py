@@ -29,7 +29,7 @@ def _fake_load(monkeypatch, readings):
     seq = iter(readings)
     monkeypatch.setattr(threads, "running_outside", lambda: next(seq))
     monkeypatch.setattr(threads.LoadFollower, "EVERY_S", 0.0)
-    for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "LARQLPY_FOLLOW_LOAD"):
+    for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "LARQLPY_FOLLOW_LOAD", "OMP_WAIT_POLICY"):
         monkeypatch.delenv(k, raising=False)
 
 
@@ -44,7 +44,7 @@ def test_threads_given_up_at_the_second_busy_reading_and_taken_back_at_the_third
     assert torch.get_num_threads() == 1 and numba.get_num_threads() == 1
 
 
-def test_a_count_the_user_fixed_is_kept(monkeypatch, counts):
+def test_a_count_the_user_fixed_is_kept_and_sleeping_threads_keep_their_share(monkeypatch, counts):
     monkeypatch.setattr(threads, "_planned", 2)
     _fake_load(monkeypatch, [1] * 5)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
@@ -52,6 +52,12 @@ def test_a_count_the_user_fixed_is_kept(monkeypatch, counts):
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setenv("LARQLPY_FOLLOW_LOAD", "0")
     assert not threads.LoadFollower().on
+    monkeypatch.delenv("LARQLPY_FOLLOW_LOAD")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # sleeping threads beside a full machine keep their share
+    follow = threads.LoadFollower()
+    assert [follow.wanted(n) for n in (0, 1, 2, 3)] == [2, 1, 2, 2]
+    monkeypatch.delenv("OMP_WAIT_POLICY")  # spinning ones never wait for a partner that shares a core
+    assert [threads.LoadFollower().wanted(n) for n in (0, 1, 2, 3)] == [2, 1, 1, 1]
 
 
 @pytest.mark.skipif(threads.os.cpu_count() != len(threads.os.sched_getaffinity(0)),

@@ -236,7 +236,7 @@ def test_batched_sequences_each_speculate_on_their_own_and_compose_with_stops_an
 def test_a_draft_stops_proposing_where_it_is_unsure_and_the_output_is_unchanged(smol_pair):
     """Adaptive K: the draft proposes while its likeliest id has at least `draft_p_min` (0: always K),
     and the first choice below it ends the proposals."""
-    base = {"prompt": CODE, "max_tokens": 40, "stop_at_eos": False}
+    base = {"prompt": CODE, "max_tokens": 40, "stop_at_eos": False, "draft_fixed": True}  # every round proposes
     plain = execute(smol_pair, Request.from_dict({**base, "draft_tokens": 0}))
     runs = {p: execute(smol_pair, Request.from_dict({**base, "draft_tokens": 6, "draft_p_min": p})) for p in (0, 0.9)}
     assert all(r["tokens"] == plain["tokens"] for r in runs.values())

@@ -3,11 +3,12 @@
 and threads beyond the CPUs only wait on each other. A count the user gave (OMP_NUM_THREADS,
 NUMBA_NUM_THREADS) is kept.
 
-While a process runs, `LoadFollower` lowers that count by the CPUs other runnable work takes, and
-raises it again when they are free. Every parallel region ends at a barrier: with one of two cores
-taken by another process, the thread sharing that core is descheduled for whole time slices while
-its partner waits, and a decode step of a hundred regions runs at a fifth of its speed. One thread
-on the free core keeps most of a memory-bound step (docs/benchmarks.md has the figures). No number
+While a process whose threads spin between regions runs, `LoadFollower` lowers that count by the
+CPUs other runnable work takes, and raises it again when they are free. Every parallel region ends
+at a barrier: with one of two cores taken by another process, the spinning thread sharing that core
+is descheduled for whole time slices while its partner waits, and a decode step of a hundred
+regions runs at a fifth of its speed. One thread on the free core keeps about half of a
+memory-bound step (docs/benchmarks.md has the figures). No number
 depends on the count: every kernel gives each output to one thread's whole work, and the chosen
 kernels (kernels/weights/choice.py) are keyed on `planned()`, not on the count of the moment.
 """
@@ -57,6 +58,12 @@ def pinned() -> bool:
         os.environ.get("LARQLPY_FOLLOW_LOAD", "1") == "0"
 
 
+def sleeping() -> bool:
+    """Whether the threads sleep between regions (OMP_WAIT_POLICY=PASSIVE, which contention.py sets
+    for a process that starts beside other work)."""
+    return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+
+
 class LoadFollower:
     """The kernels' thread count on the thread that runs the model, following the load: the planned
     count less the CPUs other runnable work takes, at least 1. Called before each step; it reads the
@@ -70,6 +77,7 @@ class LoadFollower:
         self.most = planned()
         self.now = 0  # not yet set on the stepping thread (an earlier follower may have left fewer)
         self.on = on and not pinned() and self.most > 1
+        self.sleeping = sleeping()
         self.next_at, self.lower, self.higher = 0.0, 0, 0
 
     def __call__(self) -> int:
@@ -82,12 +90,21 @@ class LoadFollower:
         if t < self.next_at:
             return self.now
         self.next_at = t + self.EVERY_S
-        want = max(1, self.most - running_outside())
+        want = self.wanted(running_outside())
         self.lower = self.lower + 1 if want < self.now else 0
         self.higher = self.higher + 1 if want > self.now else 0
         if self.lower >= 2 or self.higher >= self.BACK:
             self.set(want)
         return self.now
+
+    def wanted(self, others: int) -> int:
+        """The count for `others` CPUs taken: those left, at least 1. Where every CPU is taken and
+        the threads sleep between regions, all of them: each runnable thread gets its fair share, so
+        more threads get more of the CPUs, and a sleeping one holds no partner up (beside two busy
+        loops on two cores, two sleeping threads decode faster than one; docs/benchmarks.md)."""
+        if others >= self.most and self.sleeping:
+            return self.most
+        return max(1, self.most - others)
 
     def set(self, n: int) -> None:
         self.now, self.lower, self.higher = n, 0, 0
