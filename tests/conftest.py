@@ -16,6 +16,10 @@ SMOL_DIR = ROOT / "models" / "smollm2-135m-instruct"
 QWEN_DIR = ROOT / "models" / "qwen2.5-coder-0.5b-instruct"
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# On a cold numba cache (CI's fresh clone) whichever test first runs a kernel compiles it, and the CLI
+# says so on stderr: the tests that read a command's stderr (one-line refusals) would read those lines
+# too. Commands here keep them off; tests/test_compiles.py turns them on where it tests them.
+os.environ.setdefault("LARQLPY_COMPILE_PROGRESS", "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -22,6 +22,12 @@ from conftest import smol_gguf
 from tiny import make_tiny
 
 
+@pytest.fixture(autouse=True)
+def progress_on(monkeypatch):
+    """The progress lines these tests test (conftest keeps them off for other tests' commands)."""
+    monkeypatch.setenv("LARQLPY_COMPILE_PROGRESS", "1")
+
+
 def fresh_kernel():
     """A kernel numba has never compiled, calling another one: one outermost compile."""
     @njit(cache=False)
@@ -173,7 +179,8 @@ def test_a_cold_cache_run_says_it_compiles_and_a_warm_one_does_not(tmp_path):
     from pathlib import Path
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
-           "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+           "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+           "LARQLPY_COMPILE_PROGRESS": "1"}  # conftest keeps it off for the other tests' commands
     cmd = [sys.executable, "-m", "larqlpy.cli.main", "run", str(smol_gguf()), "The capital of France is", "-n", "6",
            "--stats"]
     cold, warm = (subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600) for _ in range(2))

@@ -10,6 +10,7 @@ under a half-written line would overwrite it.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -95,6 +96,9 @@ def compile_progress(console: Console = err, live: bool | None = None) -> Iterat
 
     live = console.is_terminal if live is None else live
     printer = CompileProgress(console, live, live and sys.stdout.isatty())
+    if os.environ.get("LARQLPY_COMPILE_PROGRESS") == "0":  # a log that must hold only its command's own lines
+        yield printer
+        return
     with on_progress(printer):
         try:
             yield printer
