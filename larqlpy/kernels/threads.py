@@ -3,13 +3,12 @@
 and threads beyond the CPUs only wait on each other. A count the user gave (OMP_NUM_THREADS,
 NUMBA_NUM_THREADS) is kept.
 
-While a process whose threads spin between regions runs, `LoadFollower` lowers that count by the
-CPUs other runnable work takes, and raises it again when they are free. Every parallel region ends
-at a barrier: with one of two cores taken by another process, the spinning thread sharing that core
-is descheduled for whole time slices while its partner waits, and a decode step of a hundred
-regions runs at a fifth of its speed. One thread on the free core keeps about half of a
-memory-bound step (docs/benchmarks.md has the figures). No number
-depends on the count: every kernel gives each output to one thread's whole work, and the chosen
+While a process runs, `LoadFollower` lowers that count by the CPUs other runnable work takes, and
+raises it again when they are free. Every parallel region ends at a barrier: with one of two cores
+taken by another process, a spinning thread sharing that core is descheduled for whole time slices
+while its partner waits, and a decode step of a hundred regions runs at a tenth of its speed. One
+thread on the free core keeps about half of a memory-bound step (docs/benchmarks.md has the
+figures). No number depends on the count: every kernel gives each output to one thread's whole work, and the chosen
 kernels (kernels/weights/choice.py) are keyed on `planned()`, not on the count of the moment.
 """
 
