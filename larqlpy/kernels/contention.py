@@ -19,13 +19,23 @@ SAMPLES, GAP_S = 3, 0.004  # the kernel's count of runnable tasks, read a few ti
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
+def runnable() -> int:
+    """Runnable tasks on the machine now, this process's among them (/proc/loadavg's running field)."""
+    with open("/proc/loadavg", "rb") as f:
+        return int(f.read().split()[3].split(b"/")[0])
+
+
+def outside_affinity() -> int:
+    """The machine's CPUs this process may not use."""
+    return (os.cpu_count() or 1) - len(os.sched_getaffinity(0))
+
+
 def others_runnable() -> int:
-    """Runnable tasks beside this process, as the kernel counts them now (/proc/loadavg's running
-    field, fewest of a few readings: a busy process is always there, a passing one is not)."""
+    """Runnable tasks beside this process, as the kernel counts them now (fewest of a few readings:
+    a busy process is always there, a passing one is not)."""
     seen = []
     for i in range(SAMPLES):
-        with open("/proc/loadavg") as f:
-            seen.append(int(f.read().split()[3].split("/")[0]) - 1)  # this process itself is running
+        seen.append(runnable() - 1)  # this process itself is running
         if i + 1 < SAMPLES:
             time.sleep(GAP_S)
     return max(0, min(seen))
@@ -49,10 +59,7 @@ def running_outside() -> int:
     kernel's count of runnable tasks less this process's own, less the machine's CPUs outside its
     affinity. 0 where /proc cannot tell (not Linux)."""
     try:
-        with open("/proc/loadavg", "rb") as f:
-            running = int(f.read().split()[3].split(b"/")[0])
-        outside = (os.cpu_count() or 1) - len(os.sched_getaffinity(0))
-        return max(0, running - max(1, own_running()) - outside)
+        return max(0, runnable() - max(1, own_running()) - outside_affinity())
     except (OSError, ValueError, IndexError):
         return 0
 
@@ -61,8 +68,7 @@ def contended() -> bool:
     """Whether other runnable work must share the CPUs this process may use: more of it than the
     machine has CPUs outside them."""
     try:
-        outside = (os.cpu_count() or 1) - len(os.sched_getaffinity(0))
-        return others_runnable() > outside
+        return others_runnable() > outside_affinity()
     except (OSError, ValueError, IndexError):  # no /proc (not Linux): as if quiet
         return False
 
