@@ -32,7 +32,7 @@ class DraftLength:
         self.tokens = dict.fromkeys(self.arms, 0.0)  # running sums per length: tokens let out, seconds
         self.seconds = dict.fromkeys(self.arms, 0.0)
         self.tries = dict.fromkeys(self.arms, 0)
-        self.rounds = self.explored = 0
+        self.rounds = 0
         self.current = most
 
     def rate(self, k: int) -> float:
@@ -55,10 +55,8 @@ class DraftLength:
         young = [k for k in self.arms if self.tries[k] < TRIES]
         if young:
             self.current = young[0]
-        elif self.rounds % self.every() == 0:
-            others = [k for k in self.arms if k != self.best()]
-            self.current = others[self.explored % len(others)]
-            self.explored += 1
+        elif self.rounds % self.every() == 0:  # the other choice
+            self.current = next(k for k in self.arms if k != self.best())
         else:
             self.current = self.best()
         self.tries[self.current] += 1
