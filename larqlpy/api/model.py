@@ -73,11 +73,14 @@ def _message(result: dict) -> dict:
 
 
 def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str | None = None,
-         kv_dtype: str | None = None, draft: str | Path | None = None, draft_weights: str | None = None) -> Model:
+         kv_dtype: str | None = None, draft: str | Path | None = None, draft_weights: str | None = None,
+         pre_tokenizer: str | None = None) -> Model:
     """path: a model directory or a .gguf file. weights: f32 | bf16 | int8 | int4 | native (weight-only
     quantization at load; see docs/weights.md); None: what the files hold (native for a .gguf).
     kv_dtype: f32 | f16 | bf16, what exact K/V rows are kept in; None: f16, or f32 beside f32 weights.
     draft: a smaller model of the same vocabulary that proposes `draft_tokens` ids a step
-    (speculative decoding, docs/speculative.md); draft_weights: its `weights` (None: what its files hold)."""
+    (speculative decoding, docs/speculative.md); draft_weights: its `weights` (None: what its files hold).
+    pre_tokenizer: a GGUF's text split as this llama.cpp pre-tokenizer name does (docs/weights.md), not as
+    its tokenizer.ggml.pre says."""
     return Model(load_with_draft(path, draft, draft_weights=draft_weights, device=device, dtype=dtype,
-                                 weights=weights, kv_dtype=kv_dtype))
+                                 weights=weights, kv_dtype=kv_dtype, pre_tokenizer=pre_tokenizer))

@@ -34,12 +34,13 @@ class Setup:
     draft: str | None = None  # a draft model for speculative decoding
     draft_tokens: int | None = None  # its proposals a step, for lines that do not say
     draft_weights: str | None = None  # its weights (None: what its files hold)
+    pre_tokenizer: str | None = None  # a GGUF's text split as this llama.cpp name does
 
     def load(self):
         use_cores(self.threads)  # worker processes share the cores this one may use
         return load_with_draft(self.model, self.draft, self.draft_tokens, self.draft_weights, device=self.device,
                                dtype=self.dtype, weights=self.weights, kv_dtype=self.kv_dtype,
-                               allow_unused_tensors=self.allow_unused_tensors)
+                               allow_unused_tensors=self.allow_unused_tensors, pre_tokenizer=self.pre_tokenizer)
 
     def slots(self, loaded: LoadedModel, cores: int) -> int:
         return self.parallel or default_parallel(cores, 1, loaded.device.type)

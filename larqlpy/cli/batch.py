@@ -15,8 +15,8 @@ from typing import Optional
 import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, DEVICE, DRAFT, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, KV_DTYPE, MONITOR,
-                                MONITOR_PLOT, WEIGHTS, check_paths, err, model_home, monitored, size_flag, speculation,
-                                started)
+                                MONITOR_PLOT, PRE_TOKENIZER, WEIGHTS, check_paths, err, model_home, monitored,
+                                size_flag, speculation, started)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
 from larqlpy.files import BATCH_LIMIT, atomic_write, check_output, read_bytes, read_limited
@@ -49,6 +49,7 @@ def batch(
     weights: Optional[str] = WEIGHTS,
     kv_dtype: Optional[str] = KV_DTYPE,
     allow_unused_tensors: bool = ALLOW_UNUSED,
+    pre_tokenizer: Optional[str] = PRE_TOKENIZER,
     draft: Optional[Path] = DRAFT,
     draft_tokens: Optional[int] = DRAFT_TOKENS,
     draft_weights: Optional[str] = DRAFT_WEIGHTS,
@@ -61,7 +62,7 @@ def batch(
     time per process. A bad line yields a record with "error" and the rest go on; the exit code is
     1 when any line failed."""
     budget, part = checked(model, infile, output, workers, ray_address, actors, actor_cpus, worker_model,
-                           resume_output, kv_budget, shard, parallel, monitor, monitor_plot)
+                           resume_output, kv_budget, shard, parallel, monitor, monitor_plot, pre_tokenizer)
     check_kv_dtype(kv_dtype)
     speculation(draft, draft_tokens, 0, draft_weights=draft_weights)
     items = read_lines(infile, part)
@@ -70,7 +71,7 @@ def batch(
     procs = actors if ray_address is not None else workers
     run = _Run(Setup(str(model), device, dtype, weights, kv_dtype, parallel, budget // procs if budget else None,
                      max(1, cores() // workers) if workers > 1 else None, allow_unused_tensors,
-                     str(draft) if draft else None, draft_tokens, draft_weights),
+                     str(draft) if draft else None, draft_tokens, draft_weights, pre_tokenizer),
                workers, ray_address, actors, actor_cpus, worker_model)
     if resume_output:
         failed = run.resumed(output, items, quiet, monitor, monitor_plot)
@@ -83,7 +84,8 @@ def batch(
 
 
 def checked(model, infile, output, workers, ray_address, actors, actor_cpus, worker_model, resume_output,
-            kv_budget, shard, parallel, monitor, monitor_plot) -> tuple[int | None, tuple[int, int] | None]:
+            kv_budget, shard, parallel, monitor, monitor_plot,
+            pre_tokenizer) -> tuple[int | None, tuple[int, int] | None]:
     """Every refusal the flags can make, before any weights load; the KV budget in bytes and the shard."""
     from larqlpy.batch.lines import parse_shard
     from larqlpy.config import BatchConfig
@@ -100,7 +102,7 @@ def checked(model, infile, output, workers, ray_address, actors, actor_cpus, wor
     budget = None if kv_budget is None else size_flag(kv_budget, "--kv-budget")
     part = parse_shard(shard) if shard is not None else None
     BatchConfig(parallel, budget)
-    read_config(model_home(model))  # a bad model directory is one line, not one error per request
+    read_config(model_home(model, pre_tokenizer))  # a bad model directory is one line, not one error per request
     check_paths(monitor, monitor_plot)
     if output is not None:
         check_output(output, "-o", inputs=[] if infile == "-" else [infile])

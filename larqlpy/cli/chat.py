@@ -16,7 +16,7 @@ import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT,
                                 DRAFT_FIXED, DRAFT_P_MIN, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, ENGINE, KV_DTYPE, LOOKUP,
-                                WEIGHTS, err, error_line, fmt_bytes, load_model, speculation)
+                                PRE_TOKENIZER, WEIGHTS, err, error_line, fmt_bytes, load_model, speculation)
 from larqlpy.config import GenerationConfig, SamplingConfig
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.errors import LarqlError
@@ -53,6 +53,7 @@ def chat(
     weights: Optional[str] = WEIGHTS,
     kv_dtype: Optional[str] = KV_DTYPE,
     allow_unused_tensors: bool = ALLOW_UNUSED,
+    pre_tokenizer: Optional[str] = PRE_TOKENIZER,
 ):
     """Talk to MODEL, keeping the conversation's attention state between turns."""
     from larqlpy.pipeline.request import Request
@@ -71,7 +72,8 @@ def chat(
     check_kv_dtype(kv_dtype)
     with compile_progress() as progress:  # a GGUF's first load compiles its block decoders
         loaded = load_model(model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
-                            allow_unused_tensors=allow_unused_tensors, draft=draft, draft_weights=draft_weights)
+                            allow_unused_tensors=allow_unused_tensors, draft=draft, draft_weights=draft_weights,
+                            pre_tokenizer=pre_tokenizer)
         template = str(chat_template) if chat_template is not None else None
         ChatTemplate.for_tokenizer(loaded.tokenizer, template)  # a model without one is refused before the first turn
         session = ChatSession(loaded, spec, req.gen, template, system)

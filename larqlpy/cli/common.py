@@ -40,6 +40,8 @@ CONTINUATION_OPTION = typer.Option([], "--continuation-option", help="key=value 
 ALLOW_UNUSED = typer.Option(False, "--allow-unused-tensors",
                             help="load weight files that hold tensors the model's family does not use "
                                  "(refused otherwise: a config.json or a GGUF's metadata over another model's weights)")
+PRE_TOKENIZER = typer.Option(None, "--pre-tokenizer", help="a GGUF's text split as this llama.cpp pre-tokenizer "
+                             "name does (qwen2, llama3, deepseek-llm, ...), not as its tokenizer.ggml.pre says")
 CHAT_TEMPLATE = typer.Option(None, "--chat-template", help="a jinja chat template file instead of the model's")
 
 # Library parameter -> how a CLI user gives it. The library names parameters in backticks
@@ -61,7 +63,7 @@ FLAGS = {
     "logit_bias": "--logit-bias", "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
     "repetition_penalty": "--repetition-penalty", "repeat_last_n": "--repeat-last-n", "tools": "--tools",
     "tool_choice": "--tool-choice", "messages": "--chat", "draft_tokens": "--draft-tokens", "lookup": "--lookup",
-    "draft_p_min": "--draft-p-min", "draft_weights": "--draft-weights",
+    "draft_p_min": "--draft-p-min", "draft_weights": "--draft-weights", "pre_tokenizer": "--pre-tokenizer",
 }
 
 # Speculative decoding (docs/speculative.md)
@@ -160,12 +162,12 @@ def started() -> None:
 def load_model(model: Path, draft: Optional[Path] = None, draft_tokens: Optional[int] = None,
                draft_weights: Optional[str] = None, **kw):
     """`model.loader.load(model, **kw)` on the CPUs this process may use, with its `--draft` model
-    beside it, and then start-up is over (`started`)."""
+    beside it, and then start-up is over (`started`); the draft splits text as its own file says."""
     from larqlpy.kernels.threads import use_cores
     from larqlpy.weights.loader import load_with_draft
 
     use_cores()
-    model_home(model)  # a GGUF's metadata, read once, says so
+    model_home(model, kw.get("pre_tokenizer"))  # a GGUF's metadata, read once, says so
     if draft is not None:
         model_home(draft)
     loaded = load_with_draft(model, draft, draft_tokens, draft_weights, **kw)
@@ -194,11 +196,12 @@ def speculation(draft: Optional[Path], draft_tokens: Optional[int], lookup: int,
     return {"lookup": lookup, **given, **({"draft_fixed": True} if draft_fixed else {})}
 
 
-def model_home(model: Path) -> Path:
+def model_home(model: Path, pre_tokenizer=...) -> Path:
     """Where MODEL's config.json and tokenizer are: MODEL itself, or a .gguf file's metadata cache
-    (made on first use, saying so). gguf-py is imported for a GGUF only."""
-    if not is_gguf(model):
-        return model
+    (made on first use, saying so; pre_tokenizer: as weights.gguf_file.GGUFFile's). gguf-py is
+    imported for a GGUF only."""
+    if not is_gguf(model) and pre_tokenizer in (None, ...):
+        return model  # (a directory given a pre-tokenizer is refused by model_dir)
     from larqlpy.weights.gguf_file import model_dir
 
     def building(where: Path) -> None:  # on a terminal, as convert-gguf's progress bar
@@ -206,7 +209,7 @@ def model_home(model: Path) -> Path:
             err.print(f"{model}: reading its metadata (tokenizer, chat template, config) once into {where}",
                       markup=False, soft_wrap=True)
 
-    return model_dir(model, building)
+    return model_dir(model, building, pre_tokenizer)
 
 
 def cli_text(text: str) -> str:

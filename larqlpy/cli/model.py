@@ -10,24 +10,25 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from larqlpy.cli.common import ALLOW_UNUSED, DEVICE, cli_text, err, load_model, model_home, out, started
+from larqlpy.cli.common import ALLOW_UNUSED, DEVICE, PRE_TOKENIZER, cli_text, err, load_model, model_home, out, started
 from larqlpy.errors import LarqlError
 from larqlpy.files import PROMPT_LIMIT, check_output, read_text
 
 
 def info(model: Path = typer.Argument(..., help="model directory or .gguf file"),
-         as_json: bool = typer.Option(False, "--json")):
+         as_json: bool = typer.Option(False, "--json"), pre_tokenizer: Optional[str] = PRE_TOKENIZER):
     """Architecture, layers and their kinds, parameter count, dtype."""
     from larqlpy.weights.info import describe
 
-    d = describe(model)
+    d = describe(model, pre_tokenizer)
     d["key_calibration"] = cli_text(d["key_calibration"])
     if as_json:
         out.print_json(json.dumps(d))
         return
     t = Table(title=str(model), show_header=False)
     for k in ("model_type", "parameters", "dtypes", "layers", "hidden_size", "heads", "kv_heads", "head_dim",
-              "sliding_window", "vocab_size", "rope", "final_logit_softcapping", "key_calibration", "unused_tensors"):
+              "sliding_window", "vocab_size", "rope", "final_logit_softcapping", "key_calibration", "unused_tensors",
+              "pre_tokenizer"):
         v = d[k]
         t.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
     t.add_row("layer kinds",
@@ -40,7 +41,7 @@ def convert_gguf(src: Path = typer.Argument(..., help="a .gguf file (gemma3, lla
                  force: bool = typer.Option(False, "--force", help="overwrite DEST if it exists"),
                  dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float32 (exact): the "
                                            "quantized matrices' precision in DEST"),
-                 allow_unused_tensors: bool = ALLOW_UNUSED):
+                 allow_unused_tensors: bool = ALLOW_UNUSED, pre_tokenizer: Optional[str] = PRE_TOKENIZER):
     """Dequantize a GGUF into safetensors + config.json + tokenizer.json (+ its chat template). `run`
     and every other command also take the .gguf file itself, with no conversion."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -55,7 +56,8 @@ def convert_gguf(src: Path = typer.Argument(..., help="a .gguf file (gemma3, lla
         def step(what: str, done: int, total: int) -> None:
             bar.update(task, description=what[:40], completed=done, total=total)
 
-        convert(src, dest, step, force=force, dtype=dtype, allow_unused_tensors=allow_unused_tensors)
+        convert(src, dest, step, force=force, dtype=dtype, allow_unused_tensors=allow_unused_tensors,
+                pre_tokenizer=pre_tokenizer)
     err.print(f"wrote {dest}")
 
 

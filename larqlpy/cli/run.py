@@ -12,7 +12,8 @@ import typer
 from larqlpy.cli.common import (ALLOW_UNUSED, CHAT_TEMPLATE, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT,
                                 DRAFT_FIXED, DRAFT_P_MIN, DRAFT_TOKENS, DRAFT_WEIGHTS, DTYPE, ENGINE, FREQUENCY_PENALTY,
                                 GRAMMAR, JSON_SCHEMA, KV_DTYPE, LOGIT_BIAS, LOGPROBS, LOOKUP, MONITOR, MONITOR_PLOT,
-                                PRESENCE_PENALTY, REGEX, REPEAT_LAST_N, REPETITION_PENALTY, TOOL_CHOICE, TOOLS, WEIGHTS,
+                                PRE_TOKENIZER, PRESENCE_PENALTY, REGEX, REPEAT_LAST_N, REPETITION_PENALTY, TOOL_CHOICE,
+                                TOOLS, WEIGHTS,
                                 check_paths, cli_text, err, fmt_bytes, load_model, model_home, monitored, read_prompt,
                                 shaping, speculation, tool_flags)
 from larqlpy.config import GenerationConfig, SamplingConfig
@@ -74,6 +75,7 @@ def run(
     weights: Optional[str] = WEIGHTS,
     kv_dtype: Optional[str] = KV_DTYPE,
     allow_unused_tensors: bool = ALLOW_UNUSED,
+    pre_tokenizer: Optional[str] = PRE_TOKENIZER,
 ):
     """Generate a continuation of PROMPT."""
     req = run_request(prompt, dict(
@@ -93,7 +95,7 @@ def run(
     with compile_progress() as progress:
         show(generate(model, req, as_json, monitor, monitor_plot, progress, device=device, dtype=dtype,
                       weights=weights, kv_dtype=kv_dtype, allow_unused_tensors=allow_unused_tensors, draft=draft,
-                      draft_weights=draft_weights), as_json, stats)
+                      draft_weights=draft_weights, pre_tokenizer=pre_tokenizer), as_json, stats)
 
 
 def generate(model: Path, req, as_json: bool, monitor, monitor_plot, progress=None, **load) -> dict:
@@ -101,7 +103,8 @@ def generate(model: Path, req, as_json: bool, monitor, monitor_plot, progress=No
     (cli.compiling) hears when the answer starts."""
     from larqlpy.text.tokenizer_process import start
 
-    helper = start(model_home(model))  # the tokenizer loads on another core while torch imports (before it: fork)
+    # the tokenizer loads on another core while torch imports (before it: fork)
+    helper = start(model_home(model, load.get("pre_tokenizer")))
 
     from larqlpy.pipeline.runner import execute
 

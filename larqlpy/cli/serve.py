@@ -10,8 +10,8 @@ from typing import List, Optional
 import typer
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CONTINUATION, CONTINUATION_OPTION, DEVICE, DRAFT, DRAFT_TOKENS,
-                                DRAFT_WEIGHTS, DTYPE, ENGINE, KV_DTYPE, WEIGHTS, err, load_model, model_home,
-                                speculation)
+                                DRAFT_WEIGHTS, DTYPE, ENGINE, KV_DTYPE, PRE_TOKENIZER, WEIGHTS, err, load_model,
+                                model_home, speculation)
 from larqlpy.engines.geometry import check_kv_dtype
 from larqlpy.config import ServeConfig
 from larqlpy.errors import LarqlError
@@ -51,6 +51,7 @@ def serve(
     weights: Optional[str] = WEIGHTS,
     kv_dtype: Optional[str] = KV_DTYPE,
     allow_unused_tensors: bool = ALLOW_UNUSED,
+    pre_tokenizer: Optional[str] = PRE_TOKENIZER,
 ):
     """Serve MODEL over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics). Conversations' attention states are kept and reused by later requests that
@@ -67,7 +68,7 @@ def serve(
                       state_dir=str(state_dir) if state_dir else None, name=Path(model).resolve().name,
                       engine=engine, continuation=continuation, options=tuple(continuation_option),
                       shutdown_grace_s=shutdown_grace)
-    read_config(model_home(model))
+    read_config(model_home(model, pre_tokenizer))
     check_kv_dtype(kv_dtype)
     speculation(draft, draft_tokens, 0, draft_weights=draft_weights)
     if state_dir is not None:
@@ -83,7 +84,7 @@ def serve(
     with compile_progress(live=False):  # log lines: the first requests compile on the engine's thread
         loaded = load_model(model, device=device, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
                             allow_unused_tensors=allow_unused_tensors, draft=draft, draft_tokens=draft_tokens,
-                            draft_weights=draft_weights)
+                            draft_weights=draft_weights, pre_tokenizer=pre_tokenizer)
         run_server(loaded, cfg, announce, sock)
 
 

@@ -28,26 +28,30 @@ from larqlpy.weights.checkpoint import Checkpoint, check_finite, wanted_tensors
 from larqlpy.weights.gguf_archs import Arch
 from larqlpy.weights.gguf_check import refuse_unused, unused_tensors
 from larqlpy.weights.gguf_meta import read_gguf, write_metadata
+from larqlpy.weights.gguf_pretok import check_name
 from larqlpy.weights.gguf_tokenizer import build_tokenizer
 
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 
 def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = None, force: bool = False,
-                 dtype: str = "bfloat16", allow_unused_tensors: bool = False) -> Path:
+                 dtype: str = "bfloat16", allow_unused_tensors: bool = False, pre_tokenizer: str | None = None) -> Path:
     """Dequantize a GGUF (gemma3, llama, qwen2) into an HF-layout directory, written to a temp directory
     and renamed when whole. dtype: what the quantized matrices are written as -- bfloat16 (half the
     bytes; a GGUF's values are rarely bfloat16 exactly) or float32 (exact); matrices the file holds
     as float stay in their own precision where dtype is bfloat16, and norms and biases are float32.
     A file holding tensors its architecture does not take is refused (as `run` refuses it) unless
-    `allow_unused_tensors`; they are not written."""
+    `allow_unused_tensors`; they are not written. pre_tokenizer: the tokenizer written splits text as this
+    llama.cpp name does, not as the file's tokenizer.ggml.pre says."""
     src, dest = Path(src), Path(dest)
     if dtype not in STORED:
         raise LarqlError(f"`dtype`: expected {' or '.join(STORED)}, got {dtype!r}")
     if dest.exists() and not force:
         raise LarqlError(f"{dest}: already exists (pass `force` to overwrite)")
     check_output(dest, "DEST", inputs=[src], directory=True)
-    meta, arch = read_gguf(src)
+    if pre_tokenizer is not None:
+        check_name(pre_tokenizer)
+    meta, arch = read_gguf(src, pre_tokenizer)
     config = arch.config(meta)
     ours = used_tensors(src, meta.reader.tensors, arch, config, allow_unused_tensors)
     step = progress or (lambda what, done, total: None)

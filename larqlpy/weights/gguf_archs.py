@@ -72,11 +72,14 @@ class Meta:
     """The GGUF's metadata under its architecture's prefix. Values are decoded once: the vocabulary
     is read by the check, the config and the tokenizer (a tenth of a second each for 150k tokens)."""
 
-    def __init__(self, reader, arch: str):
+    def __init__(self, reader, arch: str, given: dict | None = None):
+        """given: values that stand in for the file's (a pre-tokenizer named at load)."""
         self.reader, self.arch = reader, arch
-        self._values: dict = {}
+        self._values: dict = dict(given or {})
 
     def get(self, key: str, default=None):
+        if key in self._values:
+            return self._values[key]
         f = self.reader.fields.get(key)
         if f is None:
             return default

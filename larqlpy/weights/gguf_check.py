@@ -17,7 +17,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from larqlpy.errors import LarqlError
 from larqlpy.weights.gguf_archs import Arch, Meta
-from larqlpy.weights.gguf_tokenizer import SENTENCEPIECE_IDS, SPLITS
+from larqlpy.weights.gguf_pretok import unknown
+from larqlpy.weights.gguf_tokenizer import SENTENCEPIECE_IDS
 
 # Sane upper bounds, each a few times the largest open model's (hidden 16,384, FFN 53,248, 10M
 # context, 262k vocabulary, head_dim 256): past them a header is damaged, not a model.
@@ -164,9 +165,8 @@ def _vocabulary(src: Path, m: Meta) -> None:
     elif model == "gpt2":
         ids = {}
         pre = m.get("tokenizer.ggml.pre", "default")
-        if pre not in SPLITS:
-            raise LarqlError(f"{src}: tokenizer.ggml.pre is {_show(pre)}: not supported "
-                             f"(supported: {', '.join(SPLITS)})")
+        if (why := unknown(pre)) is not None:
+            raise LarqlError(f"{src}: tokenizer.ggml.pre is {_show(pre)}: {why}")
         # Each merge naming tokens of the vocabulary is checked by `tokenizers` as it builds the BPE
         # (gguf_tokenizer.byte_level_bpe names the first at fault): in Python here, 150k merges cost
         # 90 ms, more than this whole check may.

@@ -25,12 +25,13 @@ from larqlpy.files import atomic_directory, atomic_write, is_gguf
 from larqlpy.weights.checkpoint import SAMPLE
 from larqlpy.weights.gguf_archs import ARCHS, Arch
 from larqlpy.weights.gguf_meta import read_gguf, write_metadata
+from larqlpy.weights.gguf_pretok import check_name
 from larqlpy.weights.gguf_tokenizer import build_tokenizer
 from larqlpy.weights.known_files import identity
 
 SUFFIX = ".larqlpy"
 RECORD = "gguf.json"
-FORMAT = "larqlpy-gguf/2"  # 2: made only after the header passed weights/gguf_check.py
+FORMAT = "larqlpy-gguf/3"  # 2: made only after the header passed weights/gguf_check.py; 3: llama.cpp's pre-tokenizers
 
 
 def metadata_dir(file: Path) -> Path:
@@ -43,11 +44,23 @@ def metadata_dir(file: Path) -> Path:
     return home / hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:16]
 
 
-def model_dir(path: str | os.PathLike, building: Callable[[Path], None] | None = None) -> Path:
+def model_dir(path: str | os.PathLike, building: Callable[[Path], None] | None = None, pre_tokenizer=...) -> Path:
     """The directory holding a model's config.json and tokenizer: the path itself, or a GGUF file's
-    metadata cache (made on first use, after `building` is told where)."""
+    metadata cache (made on first use, after `building` is told where; pre_tokenizer as GGUFFile's)."""
+    gguf = open_gguf(path, building, pre_tokenizer)
+    return Path(path) if gguf is None else gguf.dir
+
+
+def open_gguf(path: str | os.PathLike, building: Callable[[Path], None] | None = None,
+              pre_tokenizer=...) -> GGUFFile | None:
+    """The GGUF file at `path` (GGUFFile), or None for a model directory, which takes no pre_tokenizer."""
     path = Path(path)
-    return GGUFFile(path, building).dir if is_gguf(path) else path
+    if is_gguf(path):
+        return GGUFFile(path, building, pre_tokenizer)
+    if pre_tokenizer not in (None, ...):
+        raise LarqlError(f"{path}: `pre_tokenizer` names how a GGUF file's text splits; a directory's "
+                         "tokenizer.json says how its text does")
+    return None
 
 
 def _header_digest(file: Path, header_bytes: int) -> str:
@@ -67,16 +80,24 @@ def _header_digest(file: Path, header_bytes: int) -> str:
 class GGUFFile:
     """One GGUF file: its metadata cache (made or checked here) and its tensor table."""
 
-    def __init__(self, path: Path, building: Callable[[Path], None] | None = None):
+    def __init__(self, path: Path, building: Callable[[Path], None] | None = None, pre_tokenizer=...):
         """building: told the metadata cache's directory before the header is read to make it (a
-        few seconds for a large vocabulary)."""
+        few seconds for a large vocabulary). pre_tokenizer: a llama.cpp pre-tokenizer name that splits
+        text instead of the file's tokenizer.ggml.pre, None for the file's own, ... for whichever the
+        cache was made with; the cache is made again when it was made with another."""
         self.path = Path(path)
         self.dir = metadata_dir(self.path)
+        if pre_tokenizer not in (None, ...):
+            check_name(pre_tokenizer)
         record = self._cached()
+        if record is not None and pre_tokenizer is not ... and record.get("pre_tokenizer") != pre_tokenizer:
+            record = None
         if record is None:
             if building is not None:
                 building(self.dir)
-            record = self._build()
+            record = self._build(None if pre_tokenizer is ... else pre_tokenizer)
+        self.pre_tokenizer: str | None = record.get("pre_tokenizer")  # given in place of the file's
+        self.splits_as: str | None = record.get("splits_as")  # the pre-tokenizer in use (byte-level BPE)
         self.arch: Arch = ARCHS[record["arch"]]
         self.digest: str = record["digest"]
         self.fingerprint = self.digest[:16]
@@ -104,17 +125,19 @@ class GGUFFile:
         except (OSError, ValueError, KeyError, TypeError, LarqlError):
             return None
 
-    def _build(self) -> dict:
+    def _build(self, pre_tokenizer: str | None) -> dict:
         """Read the whole header once with gguf-py, checked (tensors inside the file among the rest),
         and write the metadata cache."""
-        meta, arch = read_gguf(self.path)
+        meta, arch = read_gguf(self.path, pre_tokenizer)
         config = arch.config(meta)
         tokenizer = build_tokenizer(meta)
         header = int(meta.reader.data_offset)
         tensors = {t.name: (t.tensor_type.name, [int(d) for d in reversed(t.shape)], int(t.data_offset), int(t.n_bytes))
                    for t in meta.reader.tensors}
         record = {"format": FORMAT, "arch": arch.name, "identity": identity(self.path), "header_bytes": header,
-                  "digest": _header_digest(self.path, header), "tensors": tensors}
+                  "digest": _header_digest(self.path, header), "tensors": tensors, "pre_tokenizer": pre_tokenizer,
+                  "splits_as": meta.get("tokenizer.ggml.pre", "default") if meta.get("tokenizer.ggml.model") == "gpt2"
+                  else None}
         try:
             self.dir.parent.mkdir(parents=True, exist_ok=True)
             with atomic_directory(self.dir, replace=True) as tmp:

@@ -13,9 +13,9 @@ from larqlpy.weights.gguf_archs import ARCHS, Arch, Meta
 from larqlpy.weights.gguf_check import Reader, check_header
 
 
-def read_gguf(src: Path) -> tuple[Meta, Arch]:
+def read_gguf(src: Path, pre_tokenizer: str | None = None) -> tuple[Meta, Arch]:
     """The file's metadata and architecture, its header checked whole (gguf_check) before anything is
-    built from it."""
+    built from it; pre_tokenizer: split text as this llama.cpp name does, not as tokenizer.ggml.pre says."""
     if src.is_dir():
         raise LarqlError(f"{src}: is a directory, not a GGUF file")
     if not src.is_file():
@@ -37,7 +37,7 @@ def read_gguf(src: Path) -> tuple[Meta, Arch]:
         raise LarqlError(f"{src}: not a model GGUF (it has no general.architecture)")
     if not isinstance(arch, str) or arch not in ARCHS:
         raise LarqlError(f"{src}: general.architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
-    meta = Meta(reader, arch)
+    meta = Meta(reader, arch, None if pre_tokenizer is None else {"tokenizer.ggml.pre": pre_tokenizer})
     check_header(src, meta)
     return meta, ARCHS[arch]
 

@@ -12,15 +12,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from larqlpy.errors import LarqlError
 from larqlpy.weights.gguf_archs import Meta
+from larqlpy.weights.gguf_pretok import NAMES
 
-# llama.cpp's pre-tokenizer regexes, by tokenizer.ggml.pre (llama-vocab.cpp): what splits text into the
-# pieces BPE merges within. None: GPT-2's own split, which the ByteLevel pre-tokenizer carries.
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-SPLITS = {"gpt2": None, "default": None, "smollm": "digits", "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT,
-          "llama-v3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
 # Gemma's special tokens where its file names none.
 SENTENCEPIECE_IDS = {"tokenizer.ggml.unknown_token_id": 3, "tokenizer.ggml.bos_token_id": 2,
                      "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.padding_token_id": 0}
@@ -48,21 +41,16 @@ def byte_level_bpe(m: Meta):
     alphabet = set(spell.values())
     # llama.cpp keeps the vocabulary in GPT-2's byte alphabet; a token outside it is respelled through it
     vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
+    rules = NAMES[m.get("tokenizer.ggml.pre", "default")]
     try:  # `tokenizers` checks every merge against the vocabulary as it builds (gguf_check leaves it that)
         tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(x.split(" ", 1)) for x in merges], dropout=None,
-                                   fuse_unk=False, byte_fallback=False))
+                                   fuse_unk=False, byte_fallback=False, ignore_merges=rules.ignore_merges))
     except Exception as e:
         why = bad_merge(merges, vocab) or f"tokenizer.ggml.merges: {str(e).splitlines()[0]}"
         raise LarqlError(f"{m.reader.src}: {why}") from None
-    split = SPLITS[m.get("tokenizer.ggml.pre", "default")]
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif split == "digits":  # SmolLM: every digit on its own, then GPT-2's split
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    # llama.cpp splits with each regex in turn, matches and the text between them each a piece
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*(pre_tokenizers.Split(Regex(r), "isolated") for r in rules.regexes),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     # Control tokens (type 3, e.g. <|im_end|>) are special; user-defined ones (type 4) match whole.
@@ -70,7 +58,7 @@ def byte_level_bpe(m: Meta):
                             for t, ty in zip(tokens, types) if ty == 3 and t in vocab])
     tok.add_tokens([AddedToken(t, normalized=False, special=False)
                     for t, ty in zip(tokens, types) if ty == 4 and t in vocab])
-    return tok, _config(m, tokens, add_bos_default=False, cls="GPT2Tokenizer")
+    return tok, _config(m, tokens, add_bos_default=rules.add_bos, cls="GPT2Tokenizer")
 
 
 def bad_merge(merges: list[str], vocab: dict[str, int]) -> str | None:

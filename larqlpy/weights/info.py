@@ -14,10 +14,11 @@ from larqlpy.weights.gguf_checkpoint import GGUFCheckpoint, checkpoint
 from larqlpy.weights.gguf_file import model_dir
 
 
-def describe(path: str | Path) -> dict:
-    """What `info` shows, read from config.json and the weight files' headers (no weights loaded)."""
+def describe(path: str | Path, pre_tokenizer: str | None = None) -> dict:
+    """What `info` shows, read from config.json and the weight files' headers (no weights loaded);
+    pre_tokenizer: as `load`'s."""
     path = Path(path)
-    home = model_dir(path)
+    home = model_dir(path, pre_tokenizer=pre_tokenizer)
     cfg = read_config(home)
     ckpt = checkpoint(path, cfg, allow_unused_tensors=True)  # shown, not refused
     params, dtypes = 0, set()
@@ -42,10 +43,17 @@ def describe(path: str | Path) -> dict:
         "vocab_size": cfg.vocab_size, "rope": _rope_text(cfg), "tied_embeddings": cfg.tie_word_embeddings,
         "attention_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.final_softcap,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "fingerprint": ckpt.fingerprint, "unused_tensors": len(ckpt.unused),
+        "fingerprint": ckpt.fingerprint, "unused_tensors": len(ckpt.unused), "pre_tokenizer": _splits(ckpt),
         "key_calibration": calibration_file.summary(home, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                                     cfg.head_dim, ckpt.fingerprint),
     }
+
+
+def _splits(ckpt) -> str | None:
+    """A GGUF's pre-tokenizer in use: the file's tokenizer.ggml.pre, or the name given in its place."""
+    if not isinstance(ckpt, GGUFCheckpoint) or ckpt.file.splits_as is None:
+        return None
+    return ckpt.file.splits_as + (" (given in place of the file's)" if ckpt.file.pre_tokenizer else "")
 
 
 def _rope_text(cfg: ModelConfig) -> str:

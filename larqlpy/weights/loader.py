@@ -15,7 +15,6 @@ from safetensors import safe_open
 from larqlpy.engines.geometry import check_kv_dtype, default_kv_dtype
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
-from larqlpy.files import is_gguf
 from larqlpy.kernels.weights import prefetch
 from larqlpy.kernels.weights.qweight import PackedPart, PackedWeight, check_format, stack
 from larqlpy.model.config import ModelConfig
@@ -27,7 +26,7 @@ from larqlpy.text.tokenizer_process import TokenizerProcess
 from larqlpy.weights import calibration_file, native_file, packed_cache
 from larqlpy.weights.checkpoint import Checkpoint
 from larqlpy.weights.gguf_checkpoint import GGUFCheckpoint, GGUFCodes, default_weights
-from larqlpy.weights.gguf_file import GGUFFile
+from larqlpy.weights.gguf_file import open_gguf
 from larqlpy.weights.known_files import KnownFiles
 from larqlpy.weights.native_file import NativeFile
 
@@ -71,7 +70,7 @@ class LoadedModel:
 
 def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights: str | None = None,
          kv_dtype: str | None = None, key_calibration: bool = True, tokenizer: TokenizerProcess | None = None,
-         allow_unused_tensors: bool = False) -> LoadedModel:
+         allow_unused_tensors: bool = False, pre_tokenizer: str | None = None) -> LoadedModel:
     """Load a model: a directory in the HF layout, or a .gguf file run directly (its metadata cached
     beside it: weights/gguf_file.py). device: auto|cpu|cuda; dtype: float32|bfloat16 (activations);
     weights: what the files hold when None (a GGUF's own codes, a bf16 checkpoint's bf16, else f32);
@@ -84,7 +83,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     is reported on the model, not raised); tokenizer: a helper already loading it
     (tokenizer_process.start), else it is loaded here; allow_unused_tensors: load weight files that
     hold tensors the family does not take (refused otherwise: a config.json over another family's
-    weights).
+    weights); pre_tokenizer: a GGUF's text split as this llama.cpp name does, not as its file says.
     Every weight read is checked finite (a file unchanged since it passed once is not read again:
     known_files.py); a NaN or infinity is refused naming its tensor."""
     path = Path(path)
@@ -93,7 +92,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     check_kv_dtype(kv_dtype)
     dev = resolve_device(device)
     tdtype = resolve_dtype(dtype)
-    gguf = GGUFFile(path) if is_gguf(path) else None
+    gguf = open_gguf(path, pre_tokenizer=pre_tokenizer)
     home = path if gguf is None else gguf.dir  # config, tokenizer, calibration and caches
     cfg = read_config(home)
     tokenizer = Tokenizer.from_dir(home, cfg) if tokenizer is None else tokenizer.tokenizer()
