@@ -36,7 +36,7 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = None, force: bool = False,
                  dtype: str = "bfloat16", allow_unused_tensors: bool = False, pre_tokenizer: str | None = None) -> Path:
-    """Dequantize a GGUF (gemma3, llama, qwen2) into an HF-layout directory, written to a temp directory
+    """Dequantize a GGUF (gemma3, llama, qwen2, qwen3) into an HF-layout directory, written to a temp directory
     and renamed when whole. dtype: what the quantized matrices are written as -- bfloat16 (half the
     bytes; a GGUF's values are rarely bfloat16 exactly) or float32 (exact); matrices the file holds
     as float stay in their own precision where dtype is bfloat16, and norms and biases are float32.

@@ -5,7 +5,11 @@ the metadata, its tensor names, and the conventions llama.cpp's converter applie
   query_pre_attn_scalar are not in the metadata and are Gemma 3 constants.
 - llama: the rows of attn_q and attn_k permuted into llama.cpp's RoPE order (undone here as
   transformers' GGUF loader undoes it); norms stored as they are; no output.weight means a tied head.
+  Llama 3.1/3.2's RoPE scaling comes as a tensor, rope_freqs.weight: one divisor a frequency, which
+  is read back into the llama3 parameters it was made from (checked to give the same divisors).
 - qwen2: the llama layout with q/k/v biases, and no permutation (llama.cpp runs Qwen's RoPE as is).
+- qwen3: qwen2's layout with an RMSNorm on each query and key head (attn_q_norm, attn_k_norm) and no
+  biases.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Arch:
     norm_plus_one: bool  # llama.cpp stores norm gains as 1 + w
     permuted_qk: bool  # llama.cpp permuted attn_q / attn_k rows for its RoPE
     config: Callable[["Meta"], dict]
+    in_config: tuple[str, ...] = ()  # tensors read into config.json, not weights
 
     def hf_name(self, gguf_name: str) -> tuple[str, bool] | None:
         """HF tensor name for a GGUF one, and whether it is a norm stored as 1 + w. None: not ours."""
@@ -145,8 +150,51 @@ def gemma3_config(m: Meta) -> dict:
 
 
 def llama_config(m: Meta) -> dict:
-    return {**m.common("llama", "LlamaForCausalLM", 10000.0), "hidden_act": "silu", "attention_bias": False,
-            "mlp_bias": False}
+    c = {**m.common("llama", "LlamaForCausalLM", 10000.0), "hidden_act": "silu", "attention_bias": False,
+         "mlp_bias": False}
+    tensor = next((t for t in m.reader.tensors if t.name == ROPE_FREQS), None)
+    if tensor is not None:  # checked by gguf_check: of the llama3 form
+        c["rope_scaling"] = llama3_rope(np.asarray(tensor.data), c["rope_theta"], c["head_dim"])
+    return c
+
+
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def llama3_rope(divisors: np.ndarray, theta: float, head_dim: int) -> dict | None:
+    """The llama3 rope_scaling whose per-frequency divisors (llama.cpp's rope_freqs, as its converter
+    makes them from config.json) are `divisors`; None when no such parameters give them. The file
+    does not keep the original context length: only its ratio to the wavelengths shows, read from a
+    ramped frequency (else any length between the kept and the divided ones gives the same divisors)."""
+    d = np.asarray(divisors, dtype=np.float64).reshape(-1)
+    if d.shape != (head_dim // 2,) or not np.all(np.isfinite(d)) or d.min() < 1:
+        return None
+    factor = float(d.max())
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):  # Llama 3.1 and 3.2: 1 and 4
+        original = _original_context(d, wavelen, factor, low, high)
+        smooth = (original / wavelen - low) / (high - low)
+        made = np.where(wavelen < original / high, 1.0, np.where(
+            wavelen > original / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+        if np.allclose(made, d, rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": original}
+    return None
+
+
+def _original_context(d, wavelen, factor: float, low: float, high: float) -> int:
+    ramp = (d > 1) & (d < factor)
+    if ramp.any() and factor > 1:
+        smooth = (factor / d[ramp] - 1) / (factor - 1)
+        return int(round(float(np.median(wavelen[ramp] * (smooth * (high - low) + low)))))
+    above = float(wavelen[d == 1].max() * high) if (d == 1).any() else 0.0
+    below = float(wavelen[d == factor].min() * low) if (d == factor).any() else 2.0 ** 31
+    return 8192 if above < 8192 < below else int((above + below) / 2)
+
+
+def qwen3_config(m: Meta) -> dict:
+    return {**m.common("qwen3", "Qwen3ForCausalLM", 1e6), "hidden_act": "silu", "attention_bias": False,
+            "use_sliding_window": False}
 
 
 def qwen2_config(m: Meta) -> dict:
@@ -155,6 +203,7 @@ def qwen2_config(m: Meta) -> dict:
 
 ARCHS = {a.name: a for a in (
     Arch("gemma3", GEMMA_NORMS, norm_plus_one=True, permuted_qk=False, config=gemma3_config),
-    Arch("llama", LLAMA_NORMS, norm_plus_one=False, permuted_qk=True, config=llama_config),
+    Arch("llama", LLAMA_NORMS, norm_plus_one=False, permuted_qk=True, config=llama_config, in_config=(ROPE_FREQS,)),
     Arch("qwen2", LLAMA_NORMS, norm_plus_one=False, permuted_qk=False, config=qwen2_config),
+    Arch("qwen3", LLAMA_NORMS, norm_plus_one=False, permuted_qk=False, config=qwen3_config),
 )}

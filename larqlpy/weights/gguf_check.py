@@ -16,7 +16,7 @@ import gguf
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from larqlpy.errors import LarqlError
-from larqlpy.weights.gguf_archs import Arch, Meta
+from larqlpy.weights.gguf_archs import ROPE_FREQS, Arch, Meta, llama3_rope
 from larqlpy.weights.gguf_pretok import unknown
 from larqlpy.weights.gguf_tokenizer import SENTENCEPIECE_IDS
 
@@ -132,8 +132,14 @@ def _rope(src: Path, m: Meta) -> None:
     kind = m.get(a + "rope.scaling.type")
     if kind not in (None, "none", "linear") and factor:
         raise LarqlError(f"{src}: {a}rope.scaling.type is {_show(kind)}: not supported (linear is)")
-    if m.arch == "llama" and m.has_tensor("rope_freqs.weight"):
-        raise LarqlError(f"{src}: llama3-style RoPE scaling (tensor rope_freqs.weight) is not supported")
+    tensor = next((t for t in m.reader.tensors if t.name == ROPE_FREQS), None)
+    if tensor is not None and m.arch == "llama":
+        head_dim = m.arch_key("attention.key_length") or m.arch_key("embedding_length") // \
+            m.arch_key("attention.head_count")  # (sizes checked above)
+        if tensor.tensor_type.name != "F32" or \
+                llama3_rope(tensor.data, m.arch_key("rope.freq_base", 10000.0), int(head_dim)) is None:
+            raise LarqlError(f"{src}: {ROPE_FREQS} ({tensor.tensor_type.name}, {tensor.n_elements:,} values) is "
+                             f"not Llama 3's RoPE scaling for a head of {head_dim} (its form is the one supported)")
 
 
 def _strings(src: Path, m: Meta, key: str) -> list[str]:
@@ -184,7 +190,8 @@ def _vocabulary(src: Path, m: Meta) -> None:
 def unused_tensors(names, arch: Arch, used: set[str]) -> list[str]:
     """The file's tensors its architecture does not take (by their GGUF names): another family's
     (a Qwen2 relabelled llama keeps 3 biases a layer nobody reads), or more layers than block_count."""
-    return sorted(n for n in names if (hf := arch.hf_name(n)) is None or hf[0] not in used)
+    return sorted(n for n in names if ((hf := arch.hf_name(n)) is None or hf[0] not in used)
+                  and n not in arch.in_config)
 
 
 def refuse_unused(src: Path, arch: Arch, unused: list[str]) -> None:
