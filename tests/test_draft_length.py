@@ -51,3 +51,14 @@ def test_each_choice_is_tried_first_proposals_first():
         t.measured(1, 0.01)
     assert seen == [5] * TRIES + [0] * TRIES
 
+
+
+def test_a_round_with_no_room_to_propose_measures_nothing():
+    """Near max_tokens (or a decision row of the engine) a proposing round runs as a plain step: it
+    is neither a try of proposing nor a figure of it."""
+    length = DraftLength(6)
+    assert length.next() == 6
+    length.not_run()
+    length.measured(1, 10.0)  # a slow plain step: not charged to proposing
+    assert length.rate(6) == 0.0 and length.tries[6] == 0 and length.rate(0) == 0.0
+    assert length.next() == 6  # proposing is still to be tried

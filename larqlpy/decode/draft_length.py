@@ -33,7 +33,7 @@ class DraftLength:
         self.seconds = dict.fromkeys(self.arms, 0.0)
         self.tries = dict.fromkeys(self.arms, 0)
         self.rounds = 0
-        self.current = most
+        self.current: int | None = most  # None: the running round measures neither choice
 
     def rate(self, k: int) -> float:
         """Tokens per second a round of length k let out, as measured so far (0: not yet)."""
@@ -62,9 +62,17 @@ class DraftLength:
         self.tries[self.current] += 1
         return self.current
 
+    def not_run(self) -> None:
+        """The round chosen to propose had no room to (max_tokens, or an engine about to decide at the
+        next row): a plain step, which measures nothing of proposing and is no try of it."""
+        self.tries[self.current] -= 1
+        self.current = None
+
     def measured(self, tokens: int, seconds: float) -> None:
         """The round of length `current` let out `tokens` in `seconds` (proposals, verification, sampling)."""
         k = self.current
+        if k is None:
+            return
         self.tokens[k] = DECAY * self.tokens[k] + tokens
         self.seconds[k] = DECAY * self.seconds[k] + seconds
 

@@ -229,6 +229,8 @@ class Verifier:
         room = min(room, seq.state.quiet_rows(room + 1) - 1)
         ids, qs = self.proposer.propose(seq.history, room, seq.gen.sampling,
                                         seq.shaper.constraint) if room > 0 else ([], None)
+        if self.length is not None and most > 0 and room <= 0:  # no room to propose: not a proposing round
+            self.length.not_run()
         self.proposal = (ids, qs)
         seq.logits = None
         return torch.tensor(seq.history[-1:] + ids, dtype=torch.long), seq.state, "steps" if ids else "last"

