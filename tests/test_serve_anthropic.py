@@ -261,3 +261,76 @@ def test_the_client_reads_the_errors_and_a_bearer_token_is_a_key(server, client)
         client.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=ASK)
     bearer = anthropic.Anthropic(base_url=server.url, auth_token=KEY, max_retries=0)  # Claude Code's AUTH_TOKEN
     assert bearer.messages.count_tokens(model=NAME, messages=ASK).input_tokens > 0
+
+
+# -- without a model: the body as the pipeline's request, and the events a text makes --
+
+def test_a_body_reads_into_the_chat_pipelines_request():
+    from larqlpy.server.anthropic import read_request
+
+    body = {"max_tokens": 8, "system": [{"type": "text", "text": "A."}, {"type": "text", "text": "B."}],
+            "stop_sequences": ["\n\n"], "top_k": 5, "metadata": {"user_id": "u"}, "thinking": {"type": "disabled"},
+            "tools": CODE_TOOLS[:1], "tool_choice": {"type": "tool", "name": "Bash", "disable_parallel_tool_use": True},
+            "messages": [
+                {"role": "user", "content": "ls?"},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "...", "signature": "s"},
+                                                  {"type": "text", "text": "Listing."},
+                                                  {"type": "tool_use", "id": "toolu_1", "name": "Bash",
+                                                   "input": {"command": "ls"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+                                              "content": [{"type": "text", "text": "no such dir"}]},
+                                             {"type": "text", "text": "Try again."}]}]}
+    req = read_request(body)
+    assert list(req.messages) == [
+        {"role": "system", "content": "A.\n\nB."}, {"role": "user", "content": "ls?"},
+        {"role": "assistant", "content": "Listing.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}]},
+        {"role": "tool", "content": "Error: no such dir", "tool_call_id": "toolu_1"},
+        {"role": "user", "content": "Try again."}]
+    assert req.gen.stop == ("\n\n",) and req.gen.max_tokens == 8 and req.gen.sampling.top_k == 5
+    assert req.gen.sampling.temperature == 1.0  # Anthropic's default
+    assert req.tools.name == "Bash" and req.tools.forced and not req.tools.parallel
+    assert req.tools.tools[0]["function"]["parameters"] == CODE_TOOLS[0]["input_schema"]
+    assert read_request({"messages": ASK}, counting=True).gen.max_tokens == 0  # count_tokens gives none
+    fmt = {"max_tokens": 8, "messages": ASK, "output_config": {"format": {"type": "json_schema", "schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}, "effort": "low"}}
+    assert read_request(fmt).gen.grammar.kind == "json_schema"
+
+
+class FakeSeq:
+    """What anthropic.Events reads of a finished sequence."""
+
+    def __init__(self, tools=None, stop_string=None, finish="stop"):
+        from types import SimpleNamespace
+
+        self.request = SimpleNamespace(tools=tools)
+        self.prompt_ids, self.output, self.state, self.finish_reason = [1] * 7, [2] * 3, None, finish
+        self.out = SimpleNamespace(stop_string=stop_string)
+
+
+def test_events_hold_blank_text_before_a_call_and_close_each_block():
+    from larqlpy.server.anthropic import Events, error_event
+    from larqlpy.server.anthropic import read_request
+
+    tools = read_request({"max_tokens": 8, "messages": ASK, "tools": CODE_TOOLS}).tools
+    seq = FakeSeq(tools)
+    ev = Events("msg_x", NAME, seq)
+    out = ev.start()
+    for part in ["Let me look.", "\n", "<tool_call>\n", '{"name": "Glob", "arguments": {"pattern": "*"}}',
+                 "\n</tool_call>", "\n"]:
+        out += ev.feed(part)
+    out += ev.finish(seq)
+    assert [(e, d.get("index")) for e, d in out] == [
+        ("message_start", None), ("ping", None), ("content_block_start", 0), ("content_block_delta", 0),
+        ("content_block_delta", 0), ("content_block_stop", 0), ("content_block_start", 1),
+        ("content_block_delta", 1), ("content_block_stop", 1), ("message_delta", None), ("message_stop", None)]
+    assert out[6][1]["content_block"]["name"] == "Glob" and out[7][1]["delta"]["partial_json"] == '{"pattern": "*"}'
+    assert out[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert out[-2][1]["usage"] == {"input_tokens": 7, "output_tokens": 3, "cache_read_input_tokens": 0,
+                                   "cache_creation_input_tokens": 0}
+    plain = FakeSeq(stop_string="END")
+    ev = Events("msg_y", NAME, plain)
+    out = ev.feed("  ") + ev.finish(plain)  # blank text alone is the answer's text
+    assert out[0][1]["content_block"] == {"type": "text", "text": ""} and out[1][1]["delta"]["text"] == "  "
+    assert out[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    assert error_event("boom") == ("error", {"type": "error", "error": {"type": "api_error", "message": "boom"}})

@@ -297,8 +297,9 @@ class Events:
 
     def finish(self, seq: Sequence) -> list[tuple[str, dict]]:
         out = self._events(self.calls.close()) if self.calls is not None else []
-        if self.held and not self.called:
-            out += self._text(self.held, force=True)
+        if self.held and not self.called:  # blank text that no call followed: the answer's text
+            held, self.held = self.held, ""
+            out += self._text(held, force=True)
         out += self._close()
         reason = stop_reason(seq, self.called)
         delta = {"stop_reason": reason, "stop_sequence": seq.out.stop_string if reason == "stop_sequence" else None}
