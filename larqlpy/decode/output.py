@@ -95,6 +95,11 @@ class Output:
         """A stop string has ended the text."""
         return self.stops.cut
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self.stops.matched
+
     def take(self, tok: int, logits: torch.Tensor, lp: Logprob | None, stop_id: bool, end: str | None
              ) -> tuple[list[Piece], str | None]:
         """A sampled id: the pieces it lets out, and the finish it makes. `stop_id`: it is a stop id

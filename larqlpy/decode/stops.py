@@ -28,6 +28,7 @@ class StopStrings:
         self.held: list[Piece] = []
         self.text = ""  # the held pieces' text, joined
         self.cut = False  # a stop string appeared
+        self.matched: str | None = None  # which one (Anthropic's answer names it)
         self.dropped: list[Piece] = []  # the pieces the cut dropped
 
     def push(self, piece: Piece) -> list[Piece]:
@@ -65,6 +66,7 @@ class StopStrings:
                    for j in range(max(0, n - self.longest + 1), at) for s in self.stops)
 
     def _cut(self, at: int) -> list[Piece]:
+        self.matched = next(s for s in self.stops if self.text.find(s) == at)
         out, start = [], 0
         for p in self.held:
             if start >= at:

@@ -50,6 +50,13 @@ def prepare(loaded: LoadedModel, req: Request, source: StateSource | None = None
                     proposer=proposer(loaded, spec, gen), before_start=calibrated(loaded, spec))
 
 
+def prompt_of(loaded: LoadedModel, req: Request) -> list[int]:
+    """The prompt's ids as `prepare` makes them (the template, with the request's tools), and no
+    sequence: what counting a prompt's tokens needs."""
+    template = ChatTemplate.for_tokenizer(loaded.tokenizer, req.chat_template) if req.messages is not None else None
+    return prompt_ids(loaded, with_tools(loaded, req, template), template) or []
+
+
 def calibrated(loaded: LoadedModel, spec: EngineSpec | None) -> Callable[[], str | None] | None:
     """The key calibration the engine may want, measured when the sequence starts: that is a prefill
     of the model, so it runs on the thread that runs the model (a server's engine thread), never

@@ -1,19 +1,19 @@
-"""`larqlpy serve`'s HTTP side: starlette routes, SSE through sse-starlette, OpenAI-style errors.
+"""`larqlpy serve`'s HTTP side: starlette routes, SSE through sse-starlette, errors in the shape of
+the API a route belongs to (server/guard.py).
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /metrics.
-A generation request is read into a `Request`, prepared into a sequence (every refusal a 400 before
-it queues) on a small pool of threads, never on the event loop (the chat template renders there,
-for up to its time bound, while /health and other requests are answered), and handed to the engine
-thread; one event source (`events`) serves both the whole answer and the stream, and a client that
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (OpenAI's),
+POST /v1/messages, POST /v1/messages/count_tokens (Anthropic's), GET /metrics. A generation
+request is read into a `Request`, prepared into a sequence (every refusal a 400 before it queues)
+on a small pool of threads, never on the event loop (the chat template renders there, for up to its
+time bound, while /health and other requests are answered), and handed to the engine thread; one
+event source (`events`) serves both the whole answer and the stream, and a client that
 goes away cancels its sequence either way.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
-import logging
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,23 +25,22 @@ from typing import AsyncIterator
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from larqlpy.config import ServeConfig
 from larqlpy.errors import LarqlError
-from larqlpy.pipeline.prepare import prepare_all
+from larqlpy.pipeline.prepare import prepare_all, prompt_of
 from larqlpy.pipeline.request import Request
-from larqlpy.server import openai, protocol
+from larqlpy.server import anthropic, openai, protocol
 from larqlpy.server.engine import Handle, QueueFull, ServeEngine, ShuttingDown
+from larqlpy.server.guard import Guard, error_response, read_limited
 from larqlpy.server.metrics import Metrics
 from larqlpy.server.protocol import ApiError
 from larqlpy.state.prefix_cache import PrefixCache
 from larqlpy.weights.loader import LoadedModel
 
-LOG = logging.getLogger("uvicorn.error")  # uvicorn's own log: what the server prints
 PREPARING = 4  # threads preparing requests: a template stuck till its bound holds one, not the others
 
 
@@ -94,17 +93,57 @@ async def chat_completions(request: HttpRequest):
 
 async def generate(request: HttpRequest, chat: bool):
     s = served(request)
+    body = await body_of(request, chat)
+    stream, include_usage = openai.streaming(body)
+    handles = submit(s, await prepared(s, lambda: openai.read_request(body, chat, s.cfg.max_tokens_limit, s.default)))
+    rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    if stream:
+        return EventSourceResponse(streamed(request, handles, rid, chat, include_usage), ping=15, sep="\n")
+    return await whole(request, handles, partial(openai.response, rid, chat, s.name))
+
+
+async def messages(request: HttpRequest):
+    """Anthropic's Messages API, through the same pipeline as chat completions."""
+    s = served(request)
+    body = await body_of(request, chat=True)
+    stream = anthropic.streaming(body)
+    handles = submit(s, await prepared(s, lambda: anthropic.read_request(body, s.cfg.max_tokens_limit, s.default)))
+    mid = "msg_" + secrets.token_hex(12)
+    if stream:
+        return EventSourceResponse(anthropic_streamed(request, handles[0], mid), ping=15, sep="\n",
+                                   ping_message_factory=anthropic.ping)
+    return await whole(request, handles, lambda seqs: anthropic.message(mid, s.name, seqs[0]))
+
+
+async def count_tokens(request: HttpRequest):
+    """The prompt a /v1/messages body makes, as the chat template renders it, counted."""
+    s = served(request)
+    body = await body_of(request, chat=True)
+    ids = await prepared(s, lambda: anthropic.read_request(body, default=s.default, counting=True), prompt_of)
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+async def body_of(request: HttpRequest, chat: bool) -> dict:
+    s = served(request)
     body = protocol.parse_body(await read_limited(request, s.cfg.max_body_bytes), s.cfg.max_body_bytes)
     protocol.check_model(body, s.name)
-    stream, include_usage = openai.streaming(body)
     if chat and not s.has_template:
         raise ApiError(400, f"the model '{s.name}' has no chat template: use /v1/completions")
+    return body
+
+
+async def prepared(s: Served, read, work=None):
+    """The body read into a Request (`read`, here), then `work` on it (its sequences, by default)
+    on the preparing pool; a refusal is a 400."""
+    work = work or partial(prepare_all, source=s.cache)
     try:
-        req = openai.read_request(body, chat, s.cfg.max_tokens_limit, s.default)
-        seqs = await asyncio.get_running_loop().run_in_executor(s.preparing, partial(prepare_all, s.loaded, req,
-                                                                                     source=s.cache))
+        req = read()
+        return await asyncio.get_running_loop().run_in_executor(s.preparing, partial(work, s.loaded, req))
     except LarqlError as e:
         raise protocol.invalid(e) from None
+
+
+def submit(s: Served, seqs) -> list[Handle]:
     handles = []
     try:
         for seq in seqs:
@@ -115,10 +154,7 @@ async def generate(request: HttpRequest, chat: bool):
         if isinstance(e, QueueFull):
             raise ApiError(429, "too many requests are waiting; retry later", kind="rate_limit_error") from None
         raise ApiError(503, "the server is shutting down", kind="server_error") from None
-    rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-    if stream:
-        return EventSourceResponse(streamed(request, handles, rid, chat, include_usage), ping=15, sep="\n")
-    return await whole(request, handles, rid, chat)
+    return handles
 
 
 async def events(request: HttpRequest, handles: list[Handle]) -> AsyncIterator[tuple[int, str, object]]:
@@ -156,7 +192,8 @@ async def events(request: HttpRequest, handles: list[Handle]) -> AsyncIterator[t
 CUT = "the server shut down before this answer was complete"
 
 
-async def whole(request: HttpRequest, handles: list[Handle], rid: str, chat: bool):
+async def whole(request: HttpRequest, handles: list[Handle], shape):
+    """The answer once every choice is done, in `shape` (its sequences -> the body)."""
     s, done = served(request), 0
     async with aclosing(events(request, handles)) as source:
         async for _, kind, value in source:
@@ -169,7 +206,7 @@ async def whole(request: HttpRequest, handles: list[Handle], rid: str, chat: boo
         return Response(status_code=499)  # the client went away
     seqs = [h.seq for h in handles]
     s.metrics.served(seqs)
-    return JSONResponse(openai.response(rid, chat, s.name, seqs))
+    return JSONResponse(shape(seqs))
 
 
 async def streamed(request: HttpRequest, handles: list[Handle], rid: str, chat: bool, include_usage: bool):
@@ -216,24 +253,47 @@ async def streamed(request: HttpRequest, handles: list[Handle], rid: str, chat: 
     yield "[DONE]"
 
 
+async def anthropic_streamed(request: HttpRequest, handle: Handle, mid: str):
+    """A message's events (anthropic.Events) as server-sent events; a failed step an `error` event."""
+    s, seq = served(request), handle.seq
+    shaped = anthropic.Events(mid, s.name, seq)
+    for name, data in shaped.start():
+        yield {"event": name, "data": json.dumps(data)}
+    async with aclosing(events(request, [handle])) as source:
+        async for _, kind, value in source:
+            if kind == "token":
+                out = shaped.feed(value.text) if value.text else []
+            elif kind == "done":
+                out = shaped.finish(seq)
+                s.metrics.served([seq])
+            elif kind == "cut":  # the server shut down before the answer was whole
+                out = shaped.cut() + [anthropic.error_event(CUT, 503)]
+            else:
+                out = [anthropic.error_event(value)]
+            for name, data in out:
+                yield {"event": name, "data": json.dumps(data)}
+
+
 async def on_api_error(request: HttpRequest, e: ApiError):
     served(request).metrics.failed(e.status)
-    return JSONResponse(e.body(), status_code=e.status)
+    return error_response(request.url.path, e)
 
 
 async def on_http_error(request: HttpRequest, e: HTTPException):
     served(request).metrics.failed(e.status_code)
-    return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+    return error_response(request.url.path, ApiError(e.status_code, str(e.detail)))
 
 
 async def on_error(request: HttpRequest, e: Exception):
     served(request).metrics.failed(500)
-    return JSONResponse(ApiError(500, f"{type(e).__name__}: {e}", kind="server_error").body(), status_code=500)
+    return error_response(request.url.path, ApiError(500, f"{type(e).__name__}: {e}", kind="server_error"))
 
 
 ROUTES = [Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
           Route("/v1/completions", completions, methods=["POST"]),
-          Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+          Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+          Route("/v1/messages", messages, methods=["POST"]),
+          Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
 
 
 def build_app(s: Served) -> Starlette:
@@ -246,51 +306,5 @@ def build_app(s: Served) -> Starlette:
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers={
         ApiError: on_api_error, HTTPException: on_http_error, Exception: on_error})
     app.state.served = s
-    app.add_middleware(Guard, served=s)
+    app.add_middleware(Guard, cfg=s.cfg, metrics=s.metrics)
     return app
-
-
-class Guard:
-    """Before any route: the bearer token (when the server has one) and the body size."""
-
-    def __init__(self, app, served: Served):
-        self.app, self.served = app, served
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] == "/health":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        key = self.served.cfg.api_key
-        if key is not None:
-            given = headers.get("authorization", "")
-            if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())):
-                return await self.refuse(scope, receive, send, ApiError(
-                    401, "a valid API key is required (Authorization: Bearer ...)", kind="authentication_error",
-                    code="invalid_api_key"))
-        length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.served.cfg.max_body_bytes):
-            return await self.refuse(scope, receive, send, ApiError(
-                413, f"the request body is over the limit of {self.served.cfg.max_body_bytes:,} bytes"))
-        return await self.app(scope, receive, send)
-
-    async def refuse(self, scope, receive, send, e: ApiError):
-        self.served.metrics.failed(e.status)
-        await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
-
-
-async def read_limited(request: HttpRequest, limit: int) -> bytes:
-    """The body, refused once it passes `limit` (a chunked body declares no length). A client that
-    gives up halfway is one line in the log."""
-    parts, n = [], 0
-    try:
-        async for part in request.stream():
-            n += len(part)
-            if n > limit:
-                raise ApiError(413, f"the request body is over the limit of {limit:,} bytes")
-            parts.append(part)
-    except ClientDisconnect:
-        client = request.client
-        LOG.warning("a client%s went away while sending its request body (%s bytes of it came)",
-                    f" ({client.host}:{client.port})" if client else "", f"{n:,}")
-        raise ApiError(499, "the client went away while sending its request body") from None
-    return b"".join(parts)

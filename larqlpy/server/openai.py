@@ -14,19 +14,15 @@ from larqlpy.decode.logits import Logprob, described
 from larqlpy.decode.sequence import Sequence
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
-from larqlpy.pipeline.request import (SHAPING, Request, choices, generation, integer, messages_of, number, options_of,
-                                      stops, token_ids, tools_of)
-from larqlpy.server.protocol import ApiError
+from larqlpy.pipeline.request import (SHAPING, Request, choices, generation, integer, messages_of, number, stops,
+                                      token_ids, tools_of)
+from larqlpy.server.protocol import ApiError, extension
 from larqlpy.text.tools import CallStream, ToolUse, read_reply
 
 # OpenAI fields that would change what is generated and that larqlpy does not implement: refused,
 # not ignored. Anything else unknown (user, metadata, ...) is ignored, as OpenAI ignores it.
 UNSUPPORTED = ("best_of", "echo", "suffix", "functions", "function_call", "audio", "modalities", "prediction")
 MAX_STOPS = 4  # OpenAI's limit on `stop`
-# the body's "larqlpy" object: the engine, and the settings OpenAI's API has no field for
-EXTENSION_SHAPING = ("regex", "grammar", "repetition_penalty", "repeat_last_n", "draft_tokens", "lookup",
-                     "draft_p_min", "draft_fixed")
-EXTENSION = ("continuation", "options", "engine", "prefill_chunk", *EXTENSION_SHAPING)
 
 def read_request(body: dict, chat: bool, max_tokens_limit: int | None = None,
              default: Request | None = None) -> Request:
@@ -36,13 +32,12 @@ def read_request(body: dict, chat: bool, max_tokens_limit: int | None = None,
     for key in UNSUPPORTED:
         if body.get(key) not in (None, False):
             raise LarqlError(f"`{key}` is not supported by this server")
-    engine = _extension(body.get("larqlpy"), default or Request())
+    engine, extra = extension(body.get("larqlpy"), default or Request())
     gen = generation({"max_tokens": _max_tokens(body, chat, max_tokens_limit),
                        "temperature": number(body, "temperature", 0.0, 2.0, default=1.0),
                        "top_p": number(body, "top_p", 0.0, 1.0, default=1.0, lo_open=True),
                        "seed": integer(body, "seed"), "stop": stops(body.get("stop"), MAX_STOPS),
-                       "prefill_chunk": engine.pop("prefill_chunk", None), **_openai_shaping(body, chat),
-                       **{k: engine.pop(k) for k in EXTENSION_SHAPING if engine.get(k) is not None}})
+                       **_openai_shaping(body, chat), **extra})
     n = choices(body)
     if chat:
         req = Request(messages=messages_of(body.get("messages")), gen=gen, tools=tools_of(body, gen), n=n, **engine)
@@ -94,29 +89,6 @@ def _completion_prompt(req: Request, prompt: Any) -> Request:
         utf8(prompt, "`prompt`")
         return dataclasses.replace(req, prompt=prompt)
     return req.with_ids(token_ids(prompt if isinstance(prompt, list) else None))
-
-
-def _extension(ext: Any, default: Request) -> dict[str, Any]:
-    """The body's `"larqlpy": {"continuation": ..., "options": {...}, "engine": ..., "prefill_chunk": ...}`
-    as Request fields (the default's engine where it names none)."""
-    if ext is None:
-        ext = {}
-    if not isinstance(ext, dict):
-        raise LarqlError("`larqlpy` must be an object")
-    unknown = set(ext) - set(EXTENSION)
-    if unknown:
-        raise LarqlError(f"`larqlpy` has unknown fields: {', '.join(sorted(unknown))}")
-    for key in ("continuation", "engine"):
-        if ext.get(key) is not None and not isinstance(ext[key], str):
-            raise LarqlError(f"`larqlpy`.{key} must be a string")
-    chunk = integer(ext, "prefill_chunk")
-    shaping = {k: ext[k] for k in EXTENSION_SHAPING if ext.get(k) is not None}  # checked with the flat spelling's
-    options = options_of(ext.get("options", {}))
-    if ext.get("engine") or ext.get("continuation") or options:
-        engine = {"engine": ext.get("engine"), "continuation": ext.get("continuation"), "options": options}
-    else:
-        engine = {"engine": default.engine, "continuation": default.continuation, "options": default.options}
-    return {**engine, "prefill_chunk": chunk, **shaping}
 
 
 def streaming(body: dict) -> tuple[bool, bool]:

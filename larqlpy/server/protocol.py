@@ -1,13 +1,21 @@
 """What every route's JSON body shares: read into JSON within its limit, checked for hostile
-fields, the `model` it names; and the error a refusal becomes (`ApiError`; a LarqlError as a 400
-through `invalid`). Each API's own fields and answers live in its module (server/openai.py)."""
+fields, the `model` it names, the "larqlpy" object (the engine, and settings no API has a field
+for); and the error a refusal becomes (`ApiError`; a LarqlError as a 400 through `invalid`). Each
+API's own fields and answers live in its module (server/openai.py, server/anthropic.py)."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from larqlpy.errors import NAMED, LarqlError
 from larqlpy.files import check_fields
+from larqlpy.pipeline.request import Request, integer, options_of
+
+# the body's "larqlpy" object: the engine, and the settings the APIs have no field for
+EXTENSION_SHAPING = ("regex", "grammar", "repetition_penalty", "repeat_last_n", "draft_tokens", "lookup",
+                     "draft_p_min", "draft_fixed")
+EXTENSION = ("continuation", "options", "engine", "prefill_chunk", *EXTENSION_SHAPING)
 
 
 class ApiError(Exception):
@@ -57,3 +65,26 @@ def check_model(body: dict, name: str) -> None:
     if model != name:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves '{name}'",
                        param="model", code="model_not_found")
+
+
+def extension(ext: Any, default: Request) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The body's `"larqlpy": {"continuation": ..., "options": {...}, "engine": ..., "prefill_chunk": ...}`
+    as (Request fields: the default's engine where it names none, generation fields in the flat spelling)."""
+    if ext is None:
+        ext = {}
+    if not isinstance(ext, dict):
+        raise LarqlError("`larqlpy` must be an object")
+    unknown = set(ext) - set(EXTENSION)
+    if unknown:
+        raise LarqlError(f"`larqlpy` has unknown fields: {', '.join(sorted(unknown))}")
+    for key in ("continuation", "engine"):
+        if ext.get(key) is not None and not isinstance(ext[key], str):
+            raise LarqlError(f"`larqlpy`.{key} must be a string")
+    chunk = integer(ext, "prefill_chunk")
+    shaping = {k: ext[k] for k in EXTENSION_SHAPING if ext.get(k) is not None}  # checked with the flat spelling's
+    options = options_of(ext.get("options", {}))
+    if ext.get("engine") or ext.get("continuation") or options:
+        engine = {"engine": ext.get("engine"), "continuation": ext.get("continuation"), "options": options}
+    else:
+        engine = {"engine": default.engine, "continuation": default.continuation, "options": default.options}
+    return engine, {"prefill_chunk": chunk, **shaping}
