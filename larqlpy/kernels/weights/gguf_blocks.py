@@ -7,6 +7,8 @@ minimum) per group, the zero point and the code width of kernels/weights/qweight
 scale * (u - zero) (+ minimum), rounded one operation at a time in float32, is gguf-py's dequantized
 value. convert/native.py reads the codes by probing gguf-py's dequantizer (slow, and the reference);
 these loops read the bits as ggml's block layouts lay them out, fast enough to unpack at load.
+Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4 have no probe there: gguf_lowbit.py decodes them, and
+tests/test_gguf_quants.py holds their values against gguf-py's dequantizer itself.
 
 numba reads the float16 fields (d, dmin, m) from the block bytes, unpacks the bits and multiplies
 the K-quants' sub-block scales in, as gguf-py does: (d * sc) first. One decoder of a block serves both
