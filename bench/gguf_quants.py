@@ -63,6 +63,8 @@ def follows(ours: Larqlpy, cpp: LlamaCpp, ids: list[int], n: int = 24) -> int:
 
 
 def measure(path: Path, repeats: int, decode: int) -> dict:
+    from larqlpy.weights.gguf_file import GGUFFile
+
     ours, cpp = Larqlpy(path, "native", "canonical/v1"), LlamaCpp(path, 512)
     ids = ours.loaded.tokenizer.encode(SHORT)
     for r in (ours, cpp):  # warm-up: JIT, caches, page faults
@@ -72,7 +74,11 @@ def measure(path: Path, repeats: int, decode: int) -> dict:
         for key, r in (("ours", ours), ("cpp", cpp)) if i % 2 == 0 else (("cpp", cpp), ("ours", ours)):
             rates[key].append(decode / r.decode(ids, decode))
     fb = ours.loaded.float_fallback
-    row = {"types": cpp.name.removeprefix("llama.cpp "), "ours_mb": ours.bytes_per_token / 1e6,
+    sizes: dict[str, int] = {}
+    for qtype, _, _, nbytes in GGUFFile(path).tensors.values():
+        sizes[qtype] = sizes.get(qtype, 0) + nbytes
+    types = "/".join(sorted((k for k in sizes if k != "F32"), key=lambda k: -sizes[k]))  # most bytes first
+    row = {"types": types, "ours_mb": ours.bytes_per_token / 1e6,
            "cpp_mb": cpp.bytes_per_token / 1e6, "ours": statistics.median(rates["ours"]),
            "cpp": statistics.median(rates["cpp"]), "fallback": fb["text"] if fb else "none",
            "follows": follows(ours, cpp, ids)}
