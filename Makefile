@@ -77,6 +77,7 @@ bench: model bench-setup
 	$(BIN)/python bench/decode.py --model $(SMOL_DIR)
 	$(BIN)/python bench/decode.py --model "$(QWEN_GGUF)"
 	$(BIN)/python bench/speculative.py --target "$(TARGET_GGUF)" --draft "$(QWEN_GGUF)" --draft-weights int4
+	$(BIN)/python bench/gguf_quants.py --source "$(TARGET_GGUF)"
 	$(BIN)/python bench/batch.py --model $(MODEL_DIR) --plot docs/img/batch-scaling.png
 	$(BIN)/python bench/busy.py --model $(MODEL_DIR)
 	$(BIN)/python bench/busy_decode.py --gguf "$(GEMMA_GGUF)" --gguf "$(QWEN_GGUF)"

@@ -47,7 +47,9 @@ def links(tmp_path_factory, gemma_gguf) -> dict[str, Path]:
 
 
 def test_layouts_cover_what_native_holds():
-    assert set(LAYOUTS) == set(SUPPORTED)
+    """Every type convert/native.py holds as codes, and the ones only a .gguf run directly does
+    (tests/test_gguf_quants.py holds those against gguf-py itself)."""
+    assert set(LAYOUTS) == set(SUPPORTED) | {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4"}
 
 
 @pytest.mark.parametrize("name", SUPPORTED)
@@ -239,7 +241,8 @@ def test_the_cli_runs_a_gguf_and_says_so(links, smol_dir):
 def test_k_quants_held_at_the_files_own_bits_give_the_numbers_of_whole_scales(name):
     """A K-quant packed as the file holds it (integer sub-block scales beside each block's d and
     -dmin) multiplies, on every path this CPU runs, and gathers rows to the bits the same codes give
-    with float32 group scales, and takes the bytes the file takes plus 2 per 256 weights."""
+    with float32 group scales, and takes the bytes the file takes plus 2 per 256 weights (Q2_K and Q3_K
+    run 4-bit codes, IQ4_XS 8-bit: their own codes' width, not the file's)."""
     size, per, _, _, zero, affine = LAYOUTS[name]
     n, k = TILE + 9, 3 * 256
     raw = random_blocks(Q[name], n * k // per, seed=11 + len(name)).reshape(n, -1)
@@ -252,7 +255,11 @@ def test_k_quants_held_at_the_files_own_bits_give_the_numbers_of_whole_scales(na
     u, s, m, z, _ = unpack(raw, name, (n, k))
     whole = PackedWeight.from_codes((u.astype(np.int32) - base).astype(np.uint8), s, m, z - base, bits)
     assert two.scale.dtype == torch.int8 and whole.scale.dtype == torch.float32
-    assert two.nbytes * 8 / (nt * TILE * k) <= 8 * size / per + 2 * 16 / 256  # d and -dmin as float16 per block
+    group = LAYOUTS[name][3]
+    held = two.nbytes * 8 / (nt * TILE * k)
+    assert held <= bits + 8 * (1 + affine) / group + 2 * 16 / per  # int8 sub-block integers, d and -dmin per block
+    if name in ("Q4_K", "Q5_K", "Q6_K"):  # codes at the file's own width: its bytes + d and -dmin
+        assert held <= 8 * size / per + 2 * 16 / 256
     for a, b in zip(two.group_values(), whole.group_values()):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
     x = torch.randn(5, k)

@@ -26,7 +26,8 @@ def random_blocks(qtype, n_blocks: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     b = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
-    halves = {Q.Q6_K: (208,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2)}.get(qtype, (0,))
+    halves = {Q.Q6_K: (208,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82),
+              Q.Q3_K: (108,), Q.MXFP4: ()}.get(qtype, (0,))  # MXFP4's scale is an exponent byte: any is finite
     for at in halves:
         b[:, at:at + 2] = (rng.standard_normal(n_blocks) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
     if qtype == Q.Q6_K:

@@ -31,6 +31,8 @@ def info(model: Path = typer.Argument(..., help="model directory or .gguf file")
               "pre_tokenizer"):
         v = d[k]
         t.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
+    if d["float_fallback"] is not None:
+        t.add_row("float fallback", d["float_fallback"]["text"])
     t.add_row("layer kinds",
               " ".join("G" if k == "global" else "s" for k in d["layer_kinds"]) + "  (s sliding, G global)")
     out.print(t)

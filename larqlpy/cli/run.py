@@ -175,6 +175,8 @@ def print_stats(result: dict) -> None:
               f"resident KV {fmt_bytes(m.get('resident_kv_bytes', 0))} | finish {result['finish_reason']}"
               f"{compiled(m)}{extra}",
               soft_wrap=True, markup=False)
+    if result.get("float_fallback"):
+        err.print(f"weights: {result['float_fallback']['text']}", soft_wrap=True, markup=False)
     if "target_steps" in m:
         err.print(f"speculative: {m['accepted_tokens']} of {m['proposed_tokens']} proposed tokens accepted "
                   f"({100 * m['acceptance_rate']:.1f}%) | {m['tokens_per_target_step']:.2f} tokens per target step "

@@ -111,6 +111,8 @@ def record(loaded: LoadedModel, seq: Sequence) -> dict:
         result["logprobs"] = [described(loaded.tokenizer, t, lp) for t, lp in zip(seq.output, seq.logprobs)]
     if seq.notes:
         result["notes"] = seq.notes
+    if loaded.float_fallback:
+        result["float_fallback"] = loaded.float_fallback
     result.update(seq.report())
     if session:
         result["session"] = session

@@ -15,7 +15,8 @@ from gguf.quants import dequantize
 
 from larqlpy.errors import LarqlError
 from larqlpy.files import is_gguf
-from larqlpy.kernels.weights.gguf_blocks import LAYOUTS, TWO_LEVEL, BlockRows, packed_width, tiled_arrays, unpack_tiled
+from larqlpy.kernels.weights.gguf_blocks import (HALF_SCALES, LAYOUTS, TWO_LEVEL, BlockRows, packed_width, tiled_arrays,
+                                                 unpack_tiled)
 from larqlpy.kernels.weights.qweight import TILE, PackedWeight
 from larqlpy.kernels.weights.simd import PLANES
 from larqlpy.model.config import ModelConfig
@@ -78,6 +79,27 @@ class GGUFCheckpoint:
             a = a.reshape(shape)
         return self.file.arch.hf_values(name, a, self.raw_config, plus_one)
 
+    def float_fallback(self) -> dict | None:
+        """The matrices `native` reads as float32 because their type has no codes here (gguf-py
+        dequantizes them at load), and what that costs a decoded token: their float32 bytes against
+        the file's (an untied embedding, gathered one row a token, left out of both); None if none."""
+        untied, types, count, held, f32 = "lm_head" in self.wanted, {}, 0, 0, 0
+        for ours, (hf, shape) in self.wanted.items():
+            name, plus_one = self.names[hf]
+            qtype, _, _, nbytes = self.file.tensors[name]
+            if len(shape) != 2 or plus_one or qtype == "F32" or qtype in LAYOUTS:
+                continue
+            types[qtype] = types.get(qtype, 0) + 1
+            count += 1
+            if not (untied and ours == "embed_tokens"):
+                held, f32 = held + nbytes, f32 + 4 * int(np.prod(shape))
+        if not count:
+            return None
+        kinds = ", ".join(f"{k} x{v}" for k, v in sorted(types.items()))
+        return {"tensors": count, "types": types, "file_bytes_per_token": held, "f32_bytes_per_token": f32,
+                "text": f"{count} matrices ({kinds}) read as float32, no codes for their type: "
+                        f"{f32 / 1e6:.1f} MB a token where the file holds {held / 1e6:.1f} MB"}
+
     def native(self, gather: bool = True) -> "GGUFCodes":
         """The quantized matrices as codes; gather: an untied embedding stays in the file's blocks."""
         return GGUFCodes(self, gather)
@@ -136,10 +158,11 @@ class GGUFCodes:
         file, config = self.ckpt.file, self.ckpt.raw_config
         names = [self.ckpt.names[hf][0] for hf in hfs]
         qtype, (_, k), _, _ = file.tensors[names[0]]
-        _, per, _, _, zero, affine = LAYOUTS[qtype]  # 32 values a block: scales are the blocks' float16 d
+        _, _, _, _, zero, affine = LAYOUTS[qtype]
         bits, base = packed_width(qtype)  # one kind stacks: every part's width is the first's
         zero -= base
         n = sum(file.tensors[name][1][0] for name in names)
+        halves = all(file.tensors[name][0] in HALF_SCALES for name in names)  # MXFP4 stacks beside Q5_0
         codes, scale, minimum, outer, seen = tiled_arrays(qtype, n, k)  # K-quants: the file's integer scales
         lo = 0
         for name in names:
@@ -157,7 +180,7 @@ class GGUFCodes:
         if not finite:
             raise LarqlError(f"{self.ckpt.path}: {' / '.join(names)} hold non-finite scales (NaN or infinity)")
         return PackedWeight.from_tiled(codes, (n, k), scale, minimum if affine else None, zero, bits,
-                                       int(seen[:, 0].min()), int(seen[:, 1].max()), halves=per == 32, outer=outer)
+                                       int(seen[:, 0].min()), int(seen[:, 1].max()), halves=halves, outer=outer)
 
 
 def checkpoint(path: Path, cfg: ModelConfig, allow_unused_tensors: bool = False) -> Checkpoint | GGUFCheckpoint:

@@ -46,6 +46,7 @@ class LoadedModel:
     files_digest: str | None = None  # of every byte of the checkpoint's own files: what a key calibration must match
     draft: "LoadedModel | None" = None  # a smaller model of the same vocabulary, proposing ids (decode/speculate.py)
     draft_tokens: int | None = None  # its proposals a step, for requests that do not say (None: the default)
+    float_fallback: dict | None = None  # a GGUF's matrices `native` reads as float32 (GGUFCheckpoint.float_fallback)
 
     def held_weights(self) -> list:
         """Every weight as the model holds it: float tensors, packed matrices (not nn.Parameters), and
@@ -121,7 +122,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     if key_calibration:
         _read_calibration(model, home, ckpt.fingerprint, own)
     return LoadedModel(path, cfg, model, tokenizer, ckpt.fingerprint, weights, packed_from, _digest(sources), home,
-                       own)
+                       own, float_fallback=ckpt.float_fallback() if weights == "native" and direct else None)
 
 
 def _install_floats(model: Decoder, ckpt, handles: dict, checks: KnownFiles, packed: set, dev: torch.device,
