@@ -89,6 +89,8 @@ bench: model bench-setup
 	$(BIN)/python bench/gguf_run.py
 	$(BIN)/python bench/structured.py --model $(SMOL_DIR)
 	$(BIN)/python bench/structured.py --model "$(QWEN_GGUF)"
+	# 7-12B GGUFs of the real shape (written once, about 25 GB under ~/.cache/larqlpy/bench; about 45 minutes)
+	$(BIN)/python bench/real_shapes.py
 
 # The codec accuracy tables in docs/codec.md (about 10 minutes).
 codec-quality: model
