@@ -95,8 +95,12 @@ class Meta:
     def arch_key(self, key: str, default=None):
         return self.get(f"{self.arch}.{key}", default)
 
+    def tensor(self, name: str):
+        """The file's tensor `name` (gguf-py's ReaderTensor), or None."""
+        return next((t for t in self.reader.tensors if t.name == name), None)
+
     def has_tensor(self, name: str) -> bool:
-        return any(t.name == name for t in self.reader.tensors)
+        return self.tensor(name) is not None
 
     def common(self, model_type: str, architecture: str, default_theta: float) -> dict:
         """The config.json fields every architecture reads the same way."""
@@ -152,7 +156,7 @@ def gemma3_config(m: Meta) -> dict:
 def llama_config(m: Meta) -> dict:
     c = {**m.common("llama", "LlamaForCausalLM", 10000.0), "hidden_act": "silu", "attention_bias": False,
          "mlp_bias": False}
-    tensor = next((t for t in m.reader.tensors if t.name == ROPE_FREQS), None)
+    tensor = m.tensor(ROPE_FREQS)
     if tensor is not None:  # checked by gguf_check: of the llama3 form
         c["rope_scaling"] = llama3_rope(np.asarray(tensor.data), c["rope_theta"], c["head_dim"])
     return c

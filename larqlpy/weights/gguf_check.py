@@ -132,7 +132,7 @@ def _rope(src: Path, m: Meta) -> None:
     kind = m.get(a + "rope.scaling.type")
     if kind not in (None, "none", "linear") and factor:
         raise LarqlError(f"{src}: {a}rope.scaling.type is {_show(kind)}: not supported (linear is)")
-    tensor = next((t for t in m.reader.tensors if t.name == ROPE_FREQS), None)
+    tensor = m.tensor(ROPE_FREQS)
     if tensor is not None and m.arch == "llama":
         head_dim = m.arch_key("attention.key_length") or m.arch_key("embedding_length") // \
             m.arch_key("attention.head_count")  # (sizes checked above)

@@ -138,6 +138,13 @@ NOT_REGEX = {
 def unknown(name) -> str | None:
     """Why tokenizer.ggml.pre `name` cannot be run (the closest known names and the parameter that
     overrides it), or None."""
+    why = _why(name)
+    if why is None or not isinstance(name, str) or name in NOT_REGEX:
+        return why  # nothing another name would mend
+    return why + "; `pre_tokenizer` NAME splits text as NAME does"
+
+
+def _why(name) -> str | None:
     if not isinstance(name, str):
         return "not a string"
     if name in NAMES:
@@ -146,11 +153,10 @@ def unknown(name) -> str | None:
         return f"not supported ({NOT_REGEX[name]})"
     close = difflib.get_close_matches(name.lower(), NAMES, n=3, cutoff=0.5)
     hint = f"closest: {', '.join(close)}; " if close else ""
-    return (f"not a pre-tokenizer llama.cpp knows ({hint}{len(NAMES)} known, listed in docs/weights.md); "
-            "`pre_tokenizer` NAME splits text as NAME does")
+    return f"not a pre-tokenizer llama.cpp knows ({hint}{len(NAMES)} known, listed in docs/weights.md)"
 
 
 def check_name(name: str) -> None:
     """A pre-tokenizer name given to override the file's, checked before anything loads."""
-    if (why := unknown(name)) is not None:
-        raise LarqlError(f"`pre_tokenizer` {str(name)[:60]!r}: {why.split('; `pre_tokenizer`')[0]}")
+    if (why := _why(name)) is not None:
+        raise LarqlError(f"`pre_tokenizer` {str(name)[:60]!r}: {why}")
