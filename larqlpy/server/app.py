@@ -2,7 +2,8 @@
 the API a route belongs to (server/guard.py).
 
 Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (OpenAI's),
-POST /v1/messages, POST /v1/messages/count_tokens (Anthropic's), GET /metrics. A generation
+POST /v1/messages, POST /v1/messages/count_tokens (Anthropic's), POST /v1/responses, GET and DELETE
+/v1/responses/{id} (OpenAI's Responses API: server/responses_http.py), GET /metrics. A generation
 request is read into a `Request`, prepared into a sequence (every refusal a 400 before it queues)
 on a small pool of threads, never on the event loop (the chat template renders there, for up to its
 time bound, while /health and other requests are answered), and handed to the engine thread; one
@@ -16,11 +17,8 @@ import asyncio
 import json
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
 from functools import partial
-from typing import AsyncIterator
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
@@ -29,43 +27,12 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from larqlpy.config import ServeConfig
-from larqlpy.errors import LarqlError
-from larqlpy.pipeline.prepare import prepare_all, prompt_of
-from larqlpy.pipeline.request import Request
-from larqlpy.server import anthropic, openai, protocol
-from larqlpy.server.engine import Handle, QueueFull, ServeEngine, ShuttingDown
-from larqlpy.server.guard import Guard, error_response, read_limited
-from larqlpy.server.metrics import Metrics
+from larqlpy.pipeline.prepare import prompt_of
+from larqlpy.server import anthropic, openai, responses_http
+from larqlpy.server.engine import Handle
+from larqlpy.server.flow import CUT, Served, body_of, events, prepared, served, submit, whole
+from larqlpy.server.guard import Guard, error_response
 from larqlpy.server.protocol import ApiError
-from larqlpy.state.prefix_cache import PrefixCache
-from larqlpy.weights.loader import LoadedModel
-
-PREPARING = 4  # threads preparing requests: a template stuck till its bound holds one, not the others
-
-
-def preparing_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(PREPARING, thread_name_prefix="larqlpy-prepare")
-
-
-@dataclass
-class Served:
-    """Everything a route needs: the loaded model, its name, the engine and its kept states, the
-    settings, and the engine requests run when they name none."""
-
-    loaded: LoadedModel
-    name: str
-    engine: ServeEngine
-    cache: PrefixCache
-    cfg: ServeConfig
-    default: Request
-    metrics: Metrics
-    has_template: bool
-    preparing: ThreadPoolExecutor = field(default_factory=preparing_pool)
-
-
-def served(request: HttpRequest) -> Served:
-    return request.app.state.served
 
 
 async def health(request: HttpRequest):
@@ -121,92 +88,6 @@ async def count_tokens(request: HttpRequest):
     body = await body_of(request, chat=True)
     ids = await prepared(s, lambda: anthropic.read_request(body, default=s.default, counting=True), prompt_of)
     return JSONResponse({"input_tokens": len(ids)})
-
-
-async def body_of(request: HttpRequest, chat: bool) -> dict:
-    s = served(request)
-    body = protocol.parse_body(await read_limited(request, s.cfg.max_body_bytes), s.cfg.max_body_bytes)
-    protocol.check_model(body, s.name)
-    if chat and not s.has_template:
-        raise ApiError(400, f"the model '{s.name}' has no chat template: use /v1/completions")
-    return body
-
-
-async def prepared(s: Served, read, work=None):
-    """The body read into a Request (`read`, here), then `work` on it (its sequences, by default)
-    on the preparing pool; a refusal is a 400."""
-    work = work or partial(prepare_all, source=s.cache)
-    try:
-        req = read()
-        return await asyncio.get_running_loop().run_in_executor(s.preparing, partial(work, s.loaded, req))
-    except LarqlError as e:
-        raise protocol.invalid(e) from None
-
-
-def submit(s: Served, seqs) -> list[Handle]:
-    handles = []
-    try:
-        for seq in seqs:
-            handles.append(s.engine.submit(seq))
-    except (QueueFull, ShuttingDown) as e:
-        for h in handles:
-            s.engine.cancel(h)
-        if isinstance(e, QueueFull):
-            raise ApiError(429, "too many requests are waiting; retry later", kind="rate_limit_error") from None
-        raise ApiError(503, "the server is shutting down", kind="server_error") from None
-    return handles
-
-
-async def events(request: HttpRequest, handles: list[Handle]) -> AsyncIterator[tuple[int, str, object]]:
-    """The request's events as they come, with the choice they belong to: (i, "token", Token) ...,
-    then (i, "done", seq) or (i, "error", message) for each choice. Ends early when the client goes
-    away; then, or when its reader stops, the choices still going are cancelled."""
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def forward(i: int, h: Handle) -> None:
-        kind = "token"
-        while kind == "token":
-            kind, value = await h.events.get()
-            merged.put_nowait((i, kind, value))
-
-    tasks = [asyncio.create_task(forward(i, h)) for i, h in enumerate(handles)]
-    going = set(range(len(handles)))
-    try:
-        while going:
-            try:
-                i, kind, value = await asyncio.wait_for(merged.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return
-                continue
-            if kind != "token":
-                going.discard(i)
-            yield i, kind, value
-    finally:
-        for t in tasks:
-            t.cancel()
-        for i in going:
-            served(request).engine.cancel(handles[i])
-
-
-CUT = "the server shut down before this answer was complete"
-
-
-async def whole(request: HttpRequest, handles: list[Handle], shape):
-    """The answer once every choice is done, in `shape` (its sequences -> the body)."""
-    s, done = served(request), 0
-    async with aclosing(events(request, handles)) as source:
-        async for _, kind, value in source:
-            if kind == "error":
-                raise ApiError(500, value, kind="server_error")
-            if kind == "cut":
-                raise ApiError(503, CUT, kind="server_error")
-            done += kind == "done"
-    if done < len(handles):
-        return Response(status_code=499)  # the client went away
-    seqs = [h.seq for h in handles]
-    s.metrics.served(seqs)
-    return JSONResponse(shape(seqs))
 
 
 async def streamed(request: HttpRequest, handles: list[Handle], rid: str, chat: bool, include_usage: bool):
@@ -293,7 +174,7 @@ ROUTES = [Route("/health", health), Route("/v1/models", models), Route("/metrics
           Route("/v1/completions", completions, methods=["POST"]),
           Route("/v1/chat/completions", chat_completions, methods=["POST"]),
           Route("/v1/messages", messages, methods=["POST"]),
-          Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
+          Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]), *responses_http.ROUTES]
 
 
 def build_app(s: Served) -> Starlette:

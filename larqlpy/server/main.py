@@ -22,6 +22,7 @@ from larqlpy.server.app import Served, build_app
 from larqlpy.server.bind import listen
 from larqlpy.server.engine import ServeEngine
 from larqlpy.server.metrics import Metrics
+from larqlpy.server.response_store import ResponseStore
 from larqlpy.state.prefix_cache import PrefixCache
 from larqlpy.text.chat_template import ChatTemplate
 from larqlpy.text.template_bounds import TemplateBoundError
@@ -51,7 +52,7 @@ def assemble(loaded: LoadedModel, config: ServeConfig, has_template: bool | None
     engine = ServeEngine(loaded, cache, budget, config.parallel, config.queue_size)
     default = Request(engine=config.engine, continuation=config.continuation, options=config.options)
     return Served(loaded, config.name or Path(loaded.path).resolve().name, engine, cache, config, default,
-                  Metrics(engine), has_template)
+                  Metrics(engine), has_template, ResponseStore(config.state_dir))
 
 
 def serve(loaded: LoadedModel, config: ServeConfig, announce: Callable[[dict], None] | None = None,
