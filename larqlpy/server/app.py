@@ -33,7 +33,7 @@ from larqlpy.config import ServeConfig
 from larqlpy.errors import LarqlError
 from larqlpy.pipeline.prepare import prepare_all, prompt_of
 from larqlpy.pipeline.request import Request
-from larqlpy.server import anthropic, openai, protocol
+from larqlpy.server import anthropic, anthropic_events, openai, protocol
 from larqlpy.server.engine import Handle, QueueFull, ServeEngine, ShuttingDown
 from larqlpy.server.guard import Guard, error_response, read_limited
 from larqlpy.server.metrics import Metrics
@@ -112,7 +112,7 @@ async def messages(request: HttpRequest):
     if stream:
         return EventSourceResponse(anthropic_streamed(request, handles[0], mid), ping=15, sep="\n",
                                    ping_message_factory=anthropic.ping)
-    return await whole(request, handles, lambda seqs: anthropic.message(mid, s.name, seqs[0]))
+    return await whole(request, handles, lambda seqs: anthropic_events.message(mid, s.name, seqs[0]))
 
 
 async def count_tokens(request: HttpRequest):
@@ -211,7 +211,7 @@ async def whole(request: HttpRequest, handles: list[Handle], shape):
 
 async def streamed(request: HttpRequest, handles: list[Handle], rid: str, chat: bool, include_usage: bool):
     s, seqs = served(request), [h.seq for h in handles]
-    deltas = [openai.ChatDeltas(seq.request.tools) for seq in seqs]
+    deltas = [openai.ChatDeltas(seq.request.tools, seq.request.reasoning) for seq in seqs]
     pending = [[] for _ in seqs]  # log-probabilities of tokens whose text has not gone out yet
     sent, ended, cut = [0] * len(seqs), 0, False  # text sent per choice
     if chat:
@@ -254,9 +254,9 @@ async def streamed(request: HttpRequest, handles: list[Handle], rid: str, chat: 
 
 
 async def anthropic_streamed(request: HttpRequest, handle: Handle, mid: str):
-    """A message's events (anthropic.Events) as server-sent events; a failed step an `error` event."""
+    """A message's events (anthropic_events.Events) as server-sent events; a failed step an `error` event."""
     s, seq = served(request), handle.seq
-    shaped = anthropic.Events(mid, s.name, seq)
+    shaped = anthropic_events.Events(mid, s.name, seq)
     for name, data in shaped.start():
         yield {"event": name, "data": json.dumps(data)}
     async with aclosing(events(request, [handle])) as source:
