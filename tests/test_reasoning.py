@@ -120,3 +120,11 @@ def test_request_fields_are_read_and_refused_in_one_line():
     with pytest.raises(LarqlError, match="one setting"):
         anthropic_request({"max_tokens": 9, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 5},
                            "larqlpy": {"thinking_budget": 3}})
+
+
+def test_the_run_flags_need_a_chat_and_a_known_effort(cli):
+    code, _, err = cli("run", "models/none", "hi", "--thinking-budget", "5")
+    assert code == 2 and err.strip() == ("larqlpy: error: --thinking-budget needs --chat: a model's reasoning is "
+                                         "told from its chat template")
+    code, _, err = cli("run", "models/none", "hi", "--chat", "--reasoning-effort", "huge")
+    assert code == 2 and "--reasoning-effort is one of none, minimal, low, medium, high" in err
