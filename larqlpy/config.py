@@ -75,6 +75,8 @@ class GenerationConfig:
     lookup: int = 0  # prompt lookup: up to N ids proposed from an earlier match of the history's tail (0: off)
     draft_p_min: float = DRAFT_P_MIN  # the first choice the draft gives less ends its proposals (0: always K)
     draft_fixed: bool = False  # propose up to draft_tokens / lookup every round (False: as many as measured to pay)
+    thinking_budget: int | None = None  # a thinking model's reasoning: past N tokens the sequence closes the
+    # block itself and the answer follows (decode/forcing.py); None: no limit
 
     def __post_init__(self):
         self._check_shaping()
@@ -103,6 +105,8 @@ class GenerationConfig:
                 raise LarqlError(f"`{name}` must be in 0..{most}, got {getattr(self, name)}")
         if not 0.0 <= self.draft_p_min <= 1.0:
             raise LarqlError(f"`draft_p_min` must be in [0, 1], got {self.draft_p_min}")
+        if self.thinking_budget is not None and self.thinking_budget < 0:
+            raise LarqlError(f"`thinking_budget` must be >= 0, got {self.thinking_budget}")
         if self.repeat_last_n < -1:
             raise LarqlError(f"`repeat_last_n` must be >= -1 (-1: the whole history), got {self.repeat_last_n}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias

@@ -53,9 +53,12 @@ def sse(server, body: dict, key: str = KEY) -> list[tuple[str, dict]]:
 
 
 def test_a_message_is_the_chat_completion_of_the_same_conversation(server, client):
-    m = client.messages.create(model=NAME, max_tokens=12, system=SYSTEM, messages=ASK, extra_body=GREEDY)
-    c = chat(server, [{"role": "system", "content": SYSTEM}, *ASK], max_tokens=12, **GREEDY)
+    # thinking asked of a model that does not think (no markers in its template): nothing changes
+    m = client.messages.create(model=NAME, max_tokens=12, system=SYSTEM, messages=ASK, extra_body=GREEDY,
+                               thinking={"type": "enabled", "budget_tokens": 1024})
+    c = chat(server, [{"role": "system", "content": SYSTEM}, *ASK], max_tokens=12, reasoning_effort="high", **GREEDY)
     assert m.model_extra["larqlpy"]["tokens"] == c["larqlpy"]["tokens"]  # token for token
+    assert "reasoning_content" not in c["choices"][0]["message"]
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == c["choices"][0]["message"]["content"]
     assert m.id.startswith("msg_") and m.role == "assistant" and m.model == NAME
     assert m.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[c["choices"][0]["finish_reason"]]
@@ -283,10 +286,11 @@ def test_a_body_reads_into_the_chat_pipelines_request():
     req = read_request(body)
     assert list(req.messages) == [
         {"role": "system", "content": "A.\n\nB."}, {"role": "user", "content": "ls?"},
-        {"role": "assistant", "content": "Listing.", "tool_calls": [
+        {"role": "assistant", "content": "Listing.", "reasoning_content": "...", "tool_calls": [
             {"id": "toolu_1", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}]},
         {"role": "tool", "content": "Error: no such dir", "tool_call_id": "toolu_1"},
         {"role": "user", "content": "Try again."}]
+    assert req.thinking is False and req.gen.thinking_budget is None  # thinking disabled
     assert req.gen.stop == ("\n\n",) and req.gen.max_tokens == 8 and req.gen.sampling.top_k == 5
     assert req.gen.sampling.temperature == 1.0  # Anthropic's default
     assert req.tools.name == "Bash" and req.tools.forced and not req.tools.parallel
@@ -303,14 +307,14 @@ class FakeSeq:
     def __init__(self, tools=None, stop_string=None, finish="stop"):
         from types import SimpleNamespace
 
-        self.request = SimpleNamespace(tools=tools)
+        self.request = SimpleNamespace(tools=tools, reasoning=None)
         self.prompt_ids, self.output, self.state, self.finish_reason = [1] * 7, [2] * 3, None, finish
         self.out = SimpleNamespace(stop_string=stop_string)
 
 
 def test_events_hold_blank_text_before_a_call_and_close_each_block():
-    from larqlpy.server.anthropic import Events, error_event
-    from larqlpy.server.anthropic import read_request
+    from larqlpy.server.anthropic import error_event, read_request
+    from larqlpy.server.anthropic_events import Events
 
     tools = read_request({"max_tokens": 8, "messages": ASK, "tools": CODE_TOOLS}).tools
     seq = FakeSeq(tools)

@@ -67,6 +67,8 @@ class Model:
 
 def _message(result: dict) -> dict:
     message = {"role": "assistant", "content": result.get("content", result["text"])}
+    if result.get("reasoning") is not None:  # a thinking model's, as the server's chat completions say it
+        message["reasoning_content"] = result["reasoning"]
     if result.get("tool_calls"):
         message["tool_calls"] = result["tool_calls"]
     return {**message, "finish_reason": result["finish_reason"]}

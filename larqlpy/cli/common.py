@@ -64,6 +64,7 @@ FLAGS = {
     "repetition_penalty": "--repetition-penalty", "repeat_last_n": "--repeat-last-n", "tools": "--tools",
     "tool_choice": "--tool-choice", "messages": "--chat", "draft_tokens": "--draft-tokens", "lookup": "--lookup",
     "draft_p_min": "--draft-p-min", "draft_weights": "--draft-weights", "pre_tokenizer": "--pre-tokenizer",
+    "thinking_budget": "--thinking-budget", "reasoning_effort": "--reasoning-effort",
 }
 
 # Speculative decoding (docs/speculative.md)
@@ -95,6 +96,10 @@ REPETITION_PENALTY = typer.Option(1.0, "--repetition-penalty", help="llama.cpp's
 REPEAT_LAST_N = typer.Option(64, "--repeat-last-n", help="the tokens --repetition-penalty looks back over (-1: all)")
 TOOLS = typer.Option(None, "--tools", help="with --chat: the tools the model may call, a FILE holding OpenAI's "
                      "`tools` list (JSON); the calls come back in --json's tool_calls")
+THINKING_BUDGET = typer.Option(None, "--thinking-budget", help="with --chat, a model that thinks: close its "
+                               "reasoning after N tokens and go on with the answer (0: at once)")
+REASONING_EFFORT = typer.Option(None, "--reasoning-effort", help="with --chat: none | minimal (thinking off) | "
+                                "low | medium | high (a thinking budget of 1024, 4096, 16384 tokens)")
 TOOL_CHOICE = typer.Option(None, "--tool-choice", help="with --tools: auto (default), none, required, or the name "
                            "of the one function to call")
 

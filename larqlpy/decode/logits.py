@@ -1,6 +1,7 @@
 """What a sequence's settings do to a row of logits before it is sampled, and the log-probabilities
 reported of it. The order: llama.cpp's repetition penalty, OpenAI's frequency and presence
-penalties, the logit bias, then the grammar's mask (so that nothing a bias adds can escape it).
+penalties, the logit bias, then the grammar's mask (so that nothing a bias adds can escape it), then
+a thinking budget's forced id (decode/forcing.py) where the grammar allows it.
 Log-probabilities are the log-softmax of those logits over the temperature (1 under greedy): what
 is sampled from, before top-k / top-p cut the tail."""
 
@@ -12,6 +13,7 @@ import torch
 
 from larqlpy.config import GenerationConfig
 from larqlpy.decode.constraint import Constraint
+from larqlpy.decode.forcing import ThinkingBudget
 
 
 @dataclass(frozen=True)
@@ -23,11 +25,13 @@ class Logprob:
 
 
 class Shaper:
-    """One sequence's logits shaping: its counts of generated ids and its grammar's state."""
+    """One sequence's logits shaping: its counts of generated ids, its grammar's state and its
+    thinking budget."""
 
-    def __init__(self, gen: GenerationConfig, vocab_size: int, constraint: Constraint | None = None):
-        self.gen, self.constraint = gen, constraint
-        self.active = gen.shapes_logits
+    def __init__(self, gen: GenerationConfig, vocab_size: int, constraint: Constraint | None = None,
+                 budget: ThinkingBudget | None = None):
+        self.gen, self.constraint, self.budget = gen, constraint, budget
+        self.active = gen.shapes_logits or budget is not None
         self.counts = torch.zeros(vocab_size) if gen.frequency_penalty or gen.presence_penalty else None
         if gen.logit_bias:
             self.bias = (torch.tensor([t for t, _ in gen.logit_bias]), torch.tensor([b for _, b in gen.logit_bias]))
@@ -52,6 +56,14 @@ class Shaper:
             out.index_add_(0, self.bias[0], self.bias[1])
         if self.constraint is not None:
             out.masked_fill_(~torch.from_numpy(self.constraint.allowed()), float("-inf"))
+        forced = self.budget.forced() if self.budget is not None else None
+        if forced is not None:
+            if out[forced] == float("-inf"):  # the grammar refuses it (or a bias of -inf): the grammar rules
+                self.budget.refuse()
+            else:
+                keep = out[forced].clone()
+                out.fill_(float("-inf"))
+                out[forced] = keep
         return out
 
     def accept(self, tok: int) -> None:
@@ -60,6 +72,8 @@ class Shaper:
             self.counts[tok] += 1
         if self.constraint is not None:
             self.constraint.accept(tok)
+        if self.budget is not None:
+            self.budget.accept(tok)
 
     @property
     def done(self) -> bool:

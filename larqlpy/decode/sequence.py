@@ -18,6 +18,7 @@ import torch
 
 from larqlpy.config import GenerationConfig
 from larqlpy.decode.constraint import Constraint, Vocabulary, compile_grammar
+from larqlpy.decode.forcing import ThinkingBudget
 from larqlpy.decode.logits import Logprob, Shaper, logprob
 from larqlpy.decode.output import Metrics, Output, Token
 from larqlpy.decode.sampling import refuse_non_finite, sample, verify
@@ -28,15 +29,18 @@ from larqlpy.engines.stores.state import EngineState
 from larqlpy.errors import LarqlError, failure
 from larqlpy.kernels import compiles
 from larqlpy.state.sources import Held, Reuse, StateSource
+from larqlpy.text.reasoning import Reasoning
 
 
 class Sequence:
     def __init__(self, model, prompt_ids: list[int], spec: EngineSpec = EngineSpec(),
                  gen: GenerationConfig = GenerationConfig(), *, stop_ids=(), tokenizer=None,
                  source: StateSource | None = None, key: Any = None, request: Any = None, notes=(),
-                 proposer: Proposer | None = None, before_start: Callable[[], str | None] | None = None):
+                 proposer: Proposer | None = None, before_start: Callable[[], str | None] | None = None,
+                 reasoning: Reasoning | None = None):
         """`before_start`: what the model must do before this sequence's first state (its engine's
-        key calibration), run by `start` -- on the thread that runs the model -- with its note kept."""
+        key calibration), run by `start` -- on the thread that runs the model -- with its note kept.
+        `reasoning`: the reasoning block its model writes, held to `gen.thinking_budget` tokens."""
         if not prompt_ids:
             raise LarqlError("empty prompt: nothing to condition on")
         if (gen.stop or gen.grammar is not None) and tokenizer is None:
@@ -49,10 +53,12 @@ class Sequence:
         self.stop_ids = frozenset(stop_ids) if gen.stop_at_eos else frozenset()
         self.tokenizer = tokenizer
         self.out = Output(tokenizer, gen.stop)
-        vocab = model.cfg.vocab_size if gen.shapes_logits else 0
+        budget = ThinkingBudget(tokenizer, reasoning, gen.thinking_budget) \
+            if reasoning is not None and gen.thinking_budget is not None and tokenizer is not None else None
+        vocab = model.cfg.vocab_size if gen.shapes_logits or budget is not None else 0
         constraint = Constraint(Vocabulary.of(tokenizer, vocab), compile_grammar(gen.grammar)) \
             if gen.grammar is not None else None
-        self.shaper = Shaper(gen, vocab, constraint)
+        self.shaper = Shaper(gen, vocab, constraint, budget)
         seed = gen.sampling.seed
         self.rng = torch.Generator().manual_seed(seed) if seed is not None else None
         self.state: EngineState | None = None

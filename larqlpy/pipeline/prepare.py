@@ -22,6 +22,7 @@ from larqlpy.state.branches import Branches
 from larqlpy.state.saved import FileSource
 from larqlpy.state.sources import StateSource
 from larqlpy.text.chat_template import ChatTemplate
+from larqlpy.text.reasoning import SWITCH, reasoning_of, switchable
 from larqlpy.text.tools import call_grammar, tag_tokens
 from larqlpy.weights.loader import LoadedModel
 
@@ -33,7 +34,9 @@ def prepare(loaded: LoadedModel, req: Request, source: StateSource | None = None
     spec = req.spec() if spec is None else spec
     template = ChatTemplate.for_tokenizer(loaded.tokenizer, req.chat_template) if req.messages is not None else None
     req = with_tools(loaded, req, template)
-    ids = prompt_ids(loaded, req, template)
+    text = rendered(req, template)
+    req = with_reasoning(req, template, text)
+    ids = prompt_ids(loaded, req, text)
     if req.resume is not None:
         source = FileSource(loaded, req.resume, req.reprefill)
         spec = source.spec(spec)
@@ -47,14 +50,15 @@ def prepare(loaded: LoadedModel, req: Request, source: StateSource | None = None
     gen, notes = fit_context(req.gen, len(ids), loaded.config.max_position_embeddings)
     return Sequence(loaded.model, ids, spec, gen, stop_ids=loaded.tokenizer.stop_ids, tokenizer=loaded.tokenizer,
                     source=source, key=key if key is not None else req.id, request=req, notes=notes,
-                    proposer=proposer(loaded, spec, gen), before_start=calibrated(loaded, spec))
+                    proposer=proposer(loaded, spec, gen), before_start=calibrated(loaded, spec),
+                    reasoning=req.reasoning)
 
 
 def prompt_of(loaded: LoadedModel, req: Request) -> list[int]:
     """The prompt's ids as `prepare` makes them (the template, with the request's tools), and no
     sequence: what counting a prompt's tokens needs."""
     template = ChatTemplate.for_tokenizer(loaded.tokenizer, req.chat_template) if req.messages is not None else None
-    return prompt_ids(loaded, with_tools(loaded, req, template), template) or []
+    return prompt_ids(loaded, req, rendered(with_tools(loaded, req, template), template)) or []
 
 
 def calibrated(loaded: LoadedModel, spec: EngineSpec | None) -> Callable[[], str | None] | None:
@@ -97,7 +101,7 @@ def branch(loaded: LoadedModel, first: Sequence, gen: GenerationConfig) -> Seque
     return Sequence(loaded.model, first.prompt_ids, first.spec, gen, stop_ids=loaded.tokenizer.stop_ids,
                     tokenizer=loaded.tokenizer, source=first.source, key=first.key, request=first.request,
                     notes=first.notes, proposer=proposer(loaded, first.spec, gen),
-                    before_start=first.before_start)
+                    before_start=first.before_start, reasoning=first.request.reasoning)
 
 
 def with_tools(loaded: LoadedModel, req: Request, template: ChatTemplate | None) -> Request:
@@ -112,13 +116,38 @@ def with_tools(loaded: LoadedModel, req: Request, template: ChatTemplate | None)
     return dataclasses.replace(req, tools=use)
 
 
-def prompt_ids(loaded: LoadedModel, req: Request, template: ChatTemplate | None) -> list[int] | None:
-    """The request's prompt as ids: its conversation rendered with the chat template (`template`,
-    which writes BOS itself), its ids, or its text; None for an empty prompt that continues a
+def rendered(req: Request, template: ChatTemplate | None) -> str | None:
+    """The request's conversation as `template` renders it (None: no conversation), with its tools
+    and template variables: `chat_template_kwargs`, and `enable_thinking` from `thinking` where the
+    template takes it."""
+    if template is None:
+        return None
+    extra = dict(req.chat_template_kwargs or {})
+    if req.thinking is not None and switchable(template.source):
+        extra.setdefault(SWITCH, req.thinking)
+    return template.render(list(req.messages), tools=req.tools, **extra)
+
+
+def with_reasoning(req: Request, template: ChatTemplate | None, text: str | None) -> Request:
+    """A chat with a model that thinks: its reasoning block (`text`: the rendered prompt, which may
+    have opened it). Thinking off where the template has no switch for it: a budget of 0 tokens, the
+    block closed as it opens."""
+    reasoning = reasoning_of(template.source, text) if template is not None else None
+    if reasoning is None:
+        return req
+    gen = req.gen
+    if req.thinking is False and not switchable(template.source):
+        gen = dataclasses.replace(gen, thinking_budget=0)
+    return dataclasses.replace(req, reasoning=reasoning, gen=gen)
+
+
+def prompt_ids(loaded: LoadedModel, req: Request, text: str | None) -> list[int] | None:
+    """The request's prompt as ids: its conversation as the chat template rendered it (`text`, BOS
+    written by the template), its ids, or its text; None for an empty prompt that continues a
     resumed state."""
     tok = loaded.tokenizer
-    if req.messages is not None:
-        return tok.encode(template.render(list(req.messages), tools=req.tools), add_bos=False)
+    if text is not None:
+        return tok.encode(text, add_bos=False)
     if req.ids is not None:
         vocab = loaded.config.vocab_size
         if max(req.ids) >= vocab or min(req.ids) < 0:

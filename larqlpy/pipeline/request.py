@@ -21,11 +21,16 @@ from larqlpy.engines.options import parse_size
 from larqlpy.errors import LarqlError
 from larqlpy.files import check_output, utf8
 from larqlpy.text.messages import check_messages
+from larqlpy.text.reasoning import Reasoning
 from larqlpy.text.tools import ToolUse, call_grammar, tool_use
 
 MAX_CHOICES = 16  # `n`: each choice is a live sequence of its own
 GRAMMAR_FIELDS = ("json_schema", "regex", "grammar", "response_format")  # the flat spelling: one at most
 SHAPING = ("frequency_penalty", "presence_penalty", "repetition_penalty")
+# `reasoning_effort` as a thinking budget in tokens; none and minimal turn thinking off (docs/serve.md)
+EFFORT = {"none": 0, "minimal": 0, "low": 1024, "medium": 4096, "high": 16384}
+THINKING = ("reasoning_effort", "thinking", "thinking_budget", "chat_template_kwargs")  # a chat's only
+RENDERED = ("messages", "tools", "documents", "add_generation_prompt")  # template variables the request sets
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,9 @@ class Request:
     reprefill: bool = False
     n: int = 1  # choices of one prompt (prefilled once: state/branches.py)
     tools: ToolUse | None = None  # OpenAI's tools and tool_choice (text/tools.py); with `messages` only
+    thinking: bool | None = None  # a thinking model's reasoning on or off (None: as its template has it)
+    chat_template_kwargs: dict | None = None  # more variables for the chat template (vLLM's spelling)
+    reasoning: Reasoning | None = None  # the reasoning block its template's model writes (set by prepare)
     gen: GenerationConfig = field(default_factory=GenerationConfig)
 
     @classmethod
@@ -63,10 +71,14 @@ class Request:
         for key in ("engine", "continuation", "kv_budget", "resume", "save_state", "chat_template"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 raise LarqlError(f"`{key}` must be a string")
-        own = {f.name for f in fields(cls)} - {"gen", "options", "prompt", "ids", "tools", "n"}
+        own = {f.name for f in fields(cls)} - {"gen", "options", "prompt", "ids", "tools", "n", "reasoning",
+                                               "thinking", "chat_template_kwargs"}
         gen = generation(raw)
+        given = [k for k in THINKING if raw.get(k) is not None]
+        if given and messages is None:
+            raise LarqlError(f"`{given[0]}` needs `messages`: a model's reasoning is told from its chat template")
         return cls(prompt=prompt, options=options_of(raw.get("options", raw.get("continuation_options", ()))),
-                   gen=gen, tools=tools_of(raw, gen), n=choices(raw),
+                   gen=gen, tools=tools_of(raw, gen), n=choices(raw), **chat_settings(raw),
                    **{k: raw[k] for k in own if raw.get(k) is not None})
 
     @classmethod
@@ -130,8 +142,38 @@ def generation(raw: dict[str, Any]) -> GenerationConfig:
     stop = raw.get("stop")
     if stop is not None:
         raw = {**raw, "stop": stops(stop)}
-    raw = {**raw, "grammar": _grammar(raw), "logit_bias": _logit_bias(raw.get("logit_bias"))}
+    raw = {**raw, "grammar": _grammar(raw), "logit_bias": _logit_bias(raw.get("logit_bias")),
+           "thinking_budget": _thinking(raw)[1]}
     return GenerationConfig.from_dict(raw)
+
+
+def chat_settings(raw: dict[str, Any]) -> dict[str, Any]:
+    """A chat's `thinking` (from `reasoning_effort` too) and `chat_template_kwargs`, as Request fields."""
+    extra = raw.get("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+            raise LarqlError("`chat_template_kwargs` must be an object of template variables")
+        taken = [k for k in RENDERED if k in extra]
+        if taken:
+            raise LarqlError(f"`chat_template_kwargs` cannot set `{taken[0]}`: the request gives it")
+    return {"thinking": _thinking(raw)[0], "chat_template_kwargs": extra or None}
+
+
+def _thinking(raw: dict[str, Any]) -> tuple[bool | None, int | None]:
+    """`reasoning_effort`, `thinking` and `thinking_budget` as (thinking on, off or as the template has
+    it; the budget in tokens): an effort of none or minimal is thinking off, another a budget (EFFORT)."""
+    effort, on, budget = raw.get("reasoning_effort"), raw.get("thinking"), integer(raw, "thinking_budget")
+    if on is not None and not isinstance(on, bool):
+        raise LarqlError(f"`thinking` must be a boolean, got {_json_type(on)}")
+    if effort is None:
+        return on, budget
+    if effort not in EFFORT:
+        raise LarqlError(f"`reasoning_effort` is one of {', '.join(EFFORT)}, got {effort!r}")
+    if budget is not None:
+        raise LarqlError("`reasoning_effort` and `thinking_budget` are one setting; give one")
+    if on is not None and on != bool(EFFORT[effort]):
+        raise LarqlError(f"`reasoning_effort` {effort} and `thinking` {str(on).lower()} disagree")
+    return bool(EFFORT[effort]), EFFORT[effort] or None
 
 
 def _grammar(raw: dict[str, Any]) -> Grammar | None:
@@ -244,7 +286,9 @@ def messages_of(messages: Any) -> tuple[dict, ...]:
             one["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
                 "name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}}
                 for c in m["tool_calls"]]
-        one.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
+        if isinstance(m.get("reasoning_content"), str):  # an earlier answer's, for templates that take it
+            utf8(m["reasoning_content"], "`messages`")
+        one.update({k: m[k] for k in ("tool_call_id", "name", "reasoning_content") if isinstance(m.get(k), str)})
         kept.append(one)
     return tuple(kept)
 

@@ -17,6 +17,7 @@ from larqlpy.errors import LarqlError, failure
 from larqlpy.pipeline.prepare import prepare_all
 from larqlpy.pipeline.request import Request
 from larqlpy.state.saved import save
+from larqlpy.text.reasoning import split
 from larqlpy.text.tools import read_reply
 from larqlpy.weights.loader import LoadedModel
 
@@ -85,7 +86,7 @@ def finished_record(loaded: LoadedModel, seqs: list[Sequence]) -> dict:
     except Exception as err:  # saving its state failed
         return error_record(seqs[0].request, failure(err))
     if len(seqs) > 1:
-        own = ("text", "tokens", "finish_reason", "content", "tool_calls", "logprobs")
+        own = ("text", "tokens", "finish_reason", "content", "tool_calls", "reasoning", "logprobs")
         result["choices"] = [{"index": i, **{k: v for k, v in record(loaded, s).items() if k in own}}
                              for i, s in enumerate(seqs)]
         result["stats"]["completion_tokens"] = sum(len(s.output) for s in seqs)
@@ -103,10 +104,12 @@ def record(loaded: LoadedModel, seq: Sequence) -> dict:
               "device": str(loaded.device), "dtype": str(loaded.model.dtype).replace("torch.", ""),
               "weights": loaded.weights, "kv_dtype": loaded.kv_dtype,
               "stats": seq.metrics().as_dict() if seq.output else {"prompt_tokens": len(seq.prompt_ids)}, "error": None}
-    if req.tools is not None:
-        reply = read_reply(seq.text, req.tools)
+    if req.tools is not None or req.reasoning is not None:  # a thinking model's reasoning apart, then the calls
+        thought, content = split(seq.text, req.reasoning)
+        reply = read_reply(content, req.tools)
         result["content"], result["tool_calls"] = reply.content, list(reply.calls)
         result["finish_reason"] = "tool_calls" if reply.calls else result["finish_reason"]
+        result.update({"reasoning": thought} if req.reasoning is not None else {})
     if seq.gen.logprobs is not None:
         result["logprobs"] = [described(loaded.tokenizer, t, lp) for t, lp in zip(seq.output, seq.logprobs)]
     if seq.notes:

@@ -2,8 +2,8 @@
 read into the pipeline's `Request` (`read_request`: the conversation as the OpenAI-shaped messages
 the chat template and the tool-call machinery take -- tool_use blocks as an assistant's calls,
 tool_result blocks as `tool` messages -- tools and tool_choice as OpenAI's, stop sequences and
-sampling in the flat spelling), and the answer's shapes: the message, its stream's events
-(`Events`), usage and errors."""
+sampling in the flat spelling, `thinking` as a thinking budget or thinking off), and its errors'
+shape; the answer's shapes are server/anthropic_events.py's."""
 
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ from typing import Any
 
 from sse_starlette.sse import ServerSentEvent
 
-from larqlpy.decode.sequence import Sequence
 from larqlpy.errors import LarqlError
-from larqlpy.pipeline.request import Request, generation, integer, messages_of, number, stops, tools_of
-from larqlpy.server.openai import cached, extra
+from larqlpy.pipeline.request import Request, chat_settings, generation, integer, messages_of, number, stops, tools_of
 from larqlpy.server.protocol import ApiError, extension
-from larqlpy.text.tools import NAME, CallStream, read_reply
+from larqlpy.text.tools import NAME
 
 PATH = "/v1/messages"
 # fields that would have this server do what it cannot (run MCP servers, a code container): refused,
-# not ignored; the rest that shape nothing here (metadata, service_tier, thinking, cache_control,
+# not ignored; the rest that shape nothing here (metadata, service_tier, cache_control,
 # output_config.effort) are ignored
 REFUSED = ("mcp_servers", "container")
 UNREADABLE = ("image", "document", "search_result")  # input a text model cannot take
-SKIPPED = ("thinking", "redacted_thinking")  # an earlier answer's reasoning: the models here write none
+# an earlier answer's reasoning: a thinking block's text goes to the template as the message's
+# reasoning_content (Qwen3's renders it after the last user turn; most drop it), a redacted one nowhere
+THOUGHT, SKIPPED = "thinking", ("redacted_thinking",)
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
          413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
@@ -48,15 +48,18 @@ def read_request(body: dict, max_tokens_limit: int | None = None, default: Reque
         if body.get(key) is not None:
             raise LarqlError(f"`{key}` is not supported by this server")
     engine, more = extension(body.get("larqlpy"), default or Request())
+    thinking = _thinking(body.get("thinking"), more.pop("thinking_budget", None))
     gen = generation({"max_tokens": 0 if counting else _max_tokens(body, max_tokens_limit),
                       "temperature": number(body, "temperature", 0.0, 1.0, default=1.0),
                       "top_p": number(body, "top_p", 0.0, 1.0, lo_open=True), "top_k": integer(body, "top_k"),
-                      "stop": _stop_sequences(body.get("stop_sequences")), **_output_format(body), **more})
+                      "stop": _stop_sequences(body.get("stop_sequences")), **_output_format(body), **more,
+                      **thinking})
     messages = conversation(body)
     choice, parallel = _tool_choice(body.get("tool_choice"))
     raw = {"messages": messages, "tools": _tools(body.get("tools")), "tool_choice": choice,
            "parallel_tool_calls": parallel}
-    req = Request(messages=messages_of(messages), gen=gen, tools=tools_of(raw, gen), **engine)
+    req = Request(messages=messages_of(messages), gen=gen, tools=tools_of(raw, gen), **chat_settings(thinking),
+                  **engine)
     req.spec()
     return req
 
@@ -77,6 +80,24 @@ def _max_tokens(body: dict, limit: int | None) -> int:
     if limit is not None and n > limit:
         raise LarqlError(f"`max_tokens` is {n:,}; this server allows at most {limit:,}")
     return n
+
+
+def _thinking(value: Any, budget: int | None) -> dict[str, Any]:
+    """`thinking`: {"type": "enabled", "budget_tokens": N} (a thinking budget), {"type": "adaptive"}
+    (thinking, no budget) or {"type": "disabled"}; absent, as the model's template has it. The
+    `larqlpy` object's thinking_budget is the same setting."""
+    if value is None:
+        return {"thinking_budget": budget}
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise LarqlError("`thinking` is {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"adaptive\"} or "
+                         "{\"type\": \"disabled\"}")
+    given = integer(value, "budget_tokens") if kind == "enabled" else None
+    if kind == "enabled" and (given is None or given < 0):
+        raise LarqlError("`thinking`.budget_tokens must be an integer >= 0")
+    if given is not None and budget is not None:
+        raise LarqlError("`thinking`.budget_tokens and `larqlpy`.thinking_budget are one setting; give one")
+    return {"thinking": kind != "disabled", "thinking_budget": given if given is not None else budget}
 
 
 def _stop_sequences(value: Any) -> tuple[str, ...]:
@@ -168,10 +189,13 @@ def _user(blocks: list[dict], i: int) -> list[dict]:
 
 
 def _assistant(blocks: list[dict], i: int) -> dict:
-    text, calls = [], []
+    text, calls, thought = [], [], []
     for j, b in enumerate(blocks):
         where = f"`messages`[{i}].content[{j}]"
-        if b["type"] in SKIPPED:
+        if b["type"] in SKIPPED or (b["type"] == THOUGHT and not isinstance(b.get(THOUGHT), str)):
+            continue
+        if b["type"] == THOUGHT:
+            thought.append(b[THOUGHT])
             continue
         if b["type"] != "tool_use":
             text.append(_text(b, where))
@@ -183,6 +207,7 @@ def _assistant(blocks: list[dict], i: int) -> dict:
         calls.append({"id": b["id"], "type": "function",
                       "function": {"name": b["name"], "arguments": json.dumps(b["input"], ensure_ascii=False)}})
     message = {"role": "assistant", "content": "\n\n".join(text) or (None if calls else "")}
+    message.update({"reasoning_content": "\n\n".join(thought)} if thought else {})
     return {**message, "tool_calls": calls} if calls else message
 
 
@@ -230,116 +255,9 @@ def _tool_choice(choice: Any) -> tuple[Any, bool]:
 
 # -- the answer --------------------------------------------------------------------------------------
 
-def message(mid: str, model: str, seq: Sequence) -> dict:
-    reply = read_reply(seq.text, seq.request.tools)
-    blocks = [{"type": "text", "text": reply.content}] if reply.content else []
-    blocks += [tool_use(c) for c in reply.calls]
-    reason = stop_reason(seq, bool(reply.calls))
-    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
-            "stop_reason": reason, "stop_sequence": seq.out.stop_string if reason == "stop_sequence" else None,
-            "usage": usage(seq), "larqlpy": extra(seq)}
-
-
-def tool_use(call: dict) -> dict:
-    """An OpenAI tool call (text/tools.py reads them so) as a tool_use block."""
-    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
-            "input": json.loads(call["function"]["arguments"])}
-
-
-def stop_reason(seq: Sequence, called: bool) -> str:
-    if called:
-        return "tool_use"
-    if seq.out.stop_string is not None:
-        return "stop_sequence"
-    return "end_turn" if seq.finish_reason == "stop" else "max_tokens"
-
-
-def usage(seq: Sequence) -> dict:
-    """Anthropic counts the prompt tokens read from its cache apart from `input_tokens`: here, those a
-    kept state held (the prefix cache). Every request's state is kept without a cost of its own, so
-    none is counted as written to the cache."""
-    held = cached(seq)
-    return {"input_tokens": len(seq.prompt_ids) - held, "output_tokens": len(seq.output),
-            "cache_read_input_tokens": held, "cache_creation_input_tokens": 0}
-
-
 def ping() -> ServerSentEvent:
     return ServerSentEvent(event="ping", data=json.dumps({"type": "ping"}))
 
 
 def error_event(message: str, status: int = 500) -> tuple[str, dict]:
     return "error", error_body(ApiError(status, message))
-
-
-class Events:
-    """A message's stream as Anthropic's events, (event, data) pairs: message_start and a ping, then
-    content blocks as the text comes -- text deltas, or, where tools are offered, each call as a
-    tool_use block once it is whole (its input in one input_json_delta) -- then message_delta
-    (stop_reason, usage) and message_stop. Blank text is held until something follows it: before
-    a call it is not content."""
-
-    def __init__(self, mid: str, model: str, seq: Sequence):
-        use = seq.request.tools
-        self.calls = CallStream(use) if use is not None and use.choice != "none" else None
-        self.parallel = use is None or use.parallel
-        self.index, self.open, self.held, self.called = 0, False, "", False
-        self.head = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-                     "stop_reason": None, "stop_sequence": None,
-                     # what a kept state holds is known once the sequence starts: message_delta says it
-                     "usage": {"input_tokens": len(seq.prompt_ids), "output_tokens": 0,
-                               "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
-
-    def start(self) -> list[tuple[str, dict]]:
-        return [("message_start", {"type": "message_start", "message": self.head}), ("ping", {"type": "ping"})]
-
-    def feed(self, text: str) -> list[tuple[str, dict]]:
-        return self._events(self.calls.feed(text) if self.calls is not None else [text])
-
-    def finish(self, seq: Sequence) -> list[tuple[str, dict]]:
-        out = self._events(self.calls.close()) if self.calls is not None else []
-        if self.held and not self.called:  # blank text that no call followed: the answer's text
-            held, self.held = self.held, ""
-            out += self._text(held, force=True)
-        out += self._close()
-        reason = stop_reason(seq, self.called)
-        delta = {"stop_reason": reason, "stop_sequence": seq.out.stop_string if reason == "stop_sequence" else None}
-        return out + [("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(seq)}),
-                      ("message_stop", {"type": "message_stop"})]
-
-    def cut(self) -> list[tuple[str, dict]]:
-        """Ended before its answer was whole (the server shut down): the open block closed."""
-        return self._close()
-
-    def _events(self, parts: list) -> list[tuple[str, dict]]:
-        out = []
-        for p in parts:
-            if isinstance(p, str):
-                out += self._text(p)
-            elif self.parallel or not self.called:
-                block = tool_use(p)
-                out += self._close() + [
-                    ("content_block_start", {"type": "content_block_start", "index": self.index,
-                                             "content_block": {**block, "input": {}}}),
-                    ("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
-                        "type": "input_json_delta", "partial_json": p["function"]["arguments"]}}),
-                    ("content_block_stop", {"type": "content_block_stop", "index": self.index})]
-                self.index, self.called = self.index + 1, True
-        return out
-
-    def _text(self, text: str, force: bool = False) -> list[tuple[str, dict]]:
-        out = []
-        if not self.open:
-            self.held += text
-            if not force and not self.held.strip():
-                return []
-            text, self.held, self.open = self.held, "", True
-            out.append(("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                "content_block": {"type": "text", "text": ""}}))
-        return out + [("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                               "delta": {"type": "text_delta", "text": text}})] if text else out
-
-    def _close(self) -> list[tuple[str, dict]]:
-        if not self.open:
-            return []
-        self.open, self.index = False, self.index + 1
-        return [("content_block_stop", {"type": "content_block_stop", "index": self.index - 1})]

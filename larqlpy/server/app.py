@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from larqlpy.pipeline.prepare import prompt_of
-from larqlpy.server import anthropic, openai, responses_http
+from larqlpy.server import anthropic, anthropic_events, openai, responses_http
 from larqlpy.server.engine import Handle
 from larqlpy.server.flow import CUT, Served, body_of, events, prepared, served, submit, whole
 from larqlpy.server.guard import Guard, error_response
@@ -79,7 +79,7 @@ async def messages(request: HttpRequest):
     if stream:
         return EventSourceResponse(anthropic_streamed(request, handles[0], mid), ping=15, sep="\n",
                                    ping_message_factory=anthropic.ping)
-    return await whole(request, handles, lambda seqs: anthropic.message(mid, s.name, seqs[0]))
+    return await whole(request, handles, lambda seqs: anthropic_events.message(mid, s.name, seqs[0]))
 
 
 async def count_tokens(request: HttpRequest):
@@ -92,7 +92,7 @@ async def count_tokens(request: HttpRequest):
 
 async def streamed(request: HttpRequest, handles: list[Handle], rid: str, chat: bool, include_usage: bool):
     s, seqs = served(request), [h.seq for h in handles]
-    deltas = [openai.ChatDeltas(seq.request.tools) for seq in seqs]
+    deltas = [openai.ChatDeltas(seq.request.tools, seq.request.reasoning) for seq in seqs]
     pending = [[] for _ in seqs]  # log-probabilities of tokens whose text has not gone out yet
     sent, ended, cut = [0] * len(seqs), 0, False  # text sent per choice
     if chat:
@@ -135,9 +135,9 @@ async def streamed(request: HttpRequest, handles: list[Handle], rid: str, chat: 
 
 
 async def anthropic_streamed(request: HttpRequest, handle: Handle, mid: str):
-    """A message's events (anthropic.Events) as server-sent events; a failed step an `error` event."""
+    """A message's events (anthropic_events.Events) as server-sent events; a failed step an `error` event."""
     s, seq = served(request), handle.seq
-    shaped = anthropic.Events(mid, s.name, seq)
+    shaped = anthropic_events.Events(mid, s.name, seq)
     for name, data in shaped.start():
         yield {"event": name, "data": json.dumps(data)}
     async with aclosing(events(request, [handle])) as source:

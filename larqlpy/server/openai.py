@@ -14,9 +14,10 @@ from larqlpy.decode.logits import Logprob, described
 from larqlpy.decode.sequence import Sequence
 from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
-from larqlpy.pipeline.request import (SHAPING, Request, choices, generation, integer, messages_of, number, stops,
-                                      token_ids, tools_of)
+from larqlpy.pipeline.request import (SHAPING, Request, chat_settings, choices, generation, integer, messages_of,
+                                      number, stops, token_ids, tools_of)
 from larqlpy.server.protocol import ApiError, extension
+from larqlpy.text.reasoning import REASONING, Reasoning, Splitter, split
 from larqlpy.text.tools import CallStream, ToolUse, read_reply
 
 # OpenAI fields that would change what is generated and that larqlpy does not implement: refused,
@@ -33,14 +34,19 @@ def read_request(body: dict, chat: bool, max_tokens_limit: int | None = None,
         if body.get(key) not in (None, False):
             raise LarqlError(f"`{key}` is not supported by this server")
     engine, extra = extension(body.get("larqlpy"), default or Request())
+    if body.get("logit_bias") is not None and extra.get("logit_bias") is not None:
+        raise LarqlError("give `logit_bias` once: the `larqlpy` object's is for APIs without one")
+    thinking = {"reasoning_effort": body.get("reasoning_effort"), "thinking_budget": extra.pop("thinking_budget", None),
+                "chat_template_kwargs": body.get("chat_template_kwargs")} if chat else {}
     gen = generation({"max_tokens": _max_tokens(body, chat, max_tokens_limit),
                        "temperature": number(body, "temperature", 0.0, 2.0, default=1.0),
                        "top_p": number(body, "top_p", 0.0, 1.0, default=1.0, lo_open=True),
                        "seed": integer(body, "seed"), "stop": stops(body.get("stop"), MAX_STOPS),
-                       **_openai_shaping(body, chat), **extra})
+                       **_openai_shaping(body, chat), **extra, **thinking})
     n = choices(body)
     if chat:
-        req = Request(messages=messages_of(body.get("messages")), gen=gen, tools=tools_of(body, gen), n=n, **engine)
+        req = Request(messages=messages_of(body.get("messages")), gen=gen, tools=tools_of(body, gen), n=n,
+                      **chat_settings(thinking), **engine)
     elif body.get("tools") is not None:
         raise LarqlError("`tools` need /v1/chat/completions")
     else:
@@ -160,8 +166,11 @@ def choice(chat: bool, seq: Sequence, index: int) -> dict:
     lps = logprobs(seq, chat, list(zip(seq.output, seq.logprobs)))
     if not chat:
         return {"index": index, "text": seq.text, "finish_reason": finish, "logprobs": lps}
-    reply = read_reply(seq.text, seq.request.tools)
+    thought, content = split(seq.text, seq.request.reasoning)
+    reply = read_reply(content, seq.request.tools)
     message = {"role": "assistant", "content": reply.content}
+    if thought is not None:
+        message["reasoning_content"] = thought  # as vLLM and DeepSeek spell it
     if reply.calls:
         message["tool_calls"], finish = list(reply.calls), "tool_calls"
     return {"index": index, "message": message, "finish_reason": finish, "logprobs": lps}
@@ -181,19 +190,29 @@ def chunk(rid: str, chat: bool, model: str, text: str | dict | None, finish: str
 
 
 class ChatDeltas:
-    """A chat stream's deltas for its text as it comes: content, or, where tools are offered, each
-    call once it is whole -- its id and name first, then its arguments, in OpenAI's shape."""
+    """A chat stream's deltas for its text as it comes: a thinking model's reasoning
+    (`reasoning_content`), then content, or, where tools are offered, each call once it is whole --
+    its id and name first, then its arguments, in OpenAI's shape."""
 
-    def __init__(self, use: ToolUse | None):
-        self.use = use
+    def __init__(self, use: ToolUse | None, reasoning: Reasoning | None = None):
+        self.use, self.split = use, Splitter(reasoning)
         self.calls = CallStream(use) if use is not None and use.choice != "none" else None
         self.n = 0  # calls sent
 
     def feed(self, text: str) -> list[dict]:
-        return self._deltas(self.calls.feed(text) if self.calls is not None else [text])
+        return self._parts(self.split.feed(text))
 
     def close(self) -> list[dict]:
-        return self._deltas(self.calls.close()) if self.calls is not None else []
+        return self._parts(self.split.close()) + (self._deltas(self.calls.close()) if self.calls is not None else [])
+
+    def _parts(self, parts: list) -> list[dict]:
+        out = []
+        for kind, text in parts:
+            if kind == REASONING:
+                out.append({"reasoning_content": text})
+            else:
+                out += self._deltas(self.calls.feed(text) if self.calls is not None else [text])
+        return out
 
     def _deltas(self, parts: list) -> list[dict]:
         out = []

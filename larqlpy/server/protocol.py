@@ -14,7 +14,7 @@ from larqlpy.pipeline.request import Request, integer, options_of
 
 # the body's "larqlpy" object: the engine, and the settings the APIs have no field for
 EXTENSION_SHAPING = ("regex", "grammar", "repetition_penalty", "repeat_last_n", "draft_tokens", "lookup",
-                     "draft_p_min", "draft_fixed")
+                     "draft_p_min", "draft_fixed", "thinking_budget", "logit_bias")
 EXTENSION = ("continuation", "options", "engine", "prefill_chunk", *EXTENSION_SHAPING)
 
 
