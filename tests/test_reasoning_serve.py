@@ -177,3 +177,26 @@ def test_thinking_off_without_a_switch_closes_an_opened_block_at_once(thinker, t
     assert record["reasoning"] is None and record["text"] == "\n</think>\n\n" + record["content"]
     on = model.respond(ASK, chat_template=str(r1), max_tokens=4)  # the block left open: all of it reasoning
     assert on["content"] == "" and on["reasoning_content"] and on["finish_reason"] == "length"
+
+
+def test_the_responses_api_gives_a_reasoning_item_whole_and_streamed(thinker):
+    server, ids = thinker
+    body = {"max_tokens": 40, "larqlpy": {"regex": FREE}}
+    c = chat(server, **body)["choices"][0]["message"]
+    ask = {"model": NAME, "input": ASK[0]["content"], "temperature": 0, "max_output_tokens": 40,
+           "larqlpy": {"regex": FREE}}
+    r = server.post("/v1/responses", ask).json()
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message"]
+    assert r["output"][0]["content"][0]["text"] == c["reasoning_content"]
+    assert r["output"][1]["content"][0]["text"] == c["content"]
+    tokens = r["larqlpy"]["tokens"]
+    assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == tokens.index(ids["</think>"])
+    streamed = [d for _, d in events(server, "/v1/responses", {**ask, "messages": None})]
+    kinds = [d["type"] for d in streamed]
+    assert kinds[2:4] == ["response.output_item.added", "response.reasoning_text.delta"]
+    assert "".join(d["delta"] for d in streamed if d["type"] == "response.reasoning_text.delta") == \
+        c["reasoning_content"]
+    assert "".join(d["delta"] for d in streamed if d["type"] == "response.output_text.delta") == c["content"]
+    last = streamed[-1]["response"]
+    assert [o["type"] for o in last["output"]] == ["reasoning", "message"] and last["status"] == "completed"
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.content_part.added")

@@ -9,7 +9,7 @@ of that response before the new input. The whole conversation is rendered and to
 completion of it would be, so its ids are the same: the state the previous response left in the
 server's kept states holds all but their newest part, and only that is prefilled (the answer is
 the chat completion's, token for token). Function tools, `tool_choice`, `text.format`,
-`max_output_tokens`, `temperature` and `top_p` go to the chat pipeline in its own spelling, after
+`max_output_tokens`, `temperature`, `top_p` and `reasoning.effort` go to the chat pipeline in its own spelling, after
 their own checks here name the Responses API's fields.
 """
 
@@ -68,13 +68,20 @@ def read_request(body: dict, store: ResponseStore, max_tokens_limit: int | None 
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "tools": tools,
             "tool_choice": _tool_choice(body.get("tool_choice")) if tools else None,
             "parallel_tool_calls": body.get("parallel_tool_calls"), "response_format": _format(body.get("text")),
-            "larqlpy": body.get("larqlpy")}
+            "reasoning_effort": _effort(body.get("reasoning")), "larqlpy": body.get("larqlpy")}
     req = openai.read_request({k: v for k, v in chat.items() if v is not None}, True, max_tokens_limit, default)
     echo = {k: body.get(k) for k in ECHOED}
     echo.update(store=keep, tools=body.get("tools") or [], tool_choice=body.get("tool_choice", "auto"),
                 parallel_tool_calls=body.get("parallel_tool_calls", True), text=body.get("text") or {
                     "format": {"type": "text"}}, truncation=body.get("truncation") or "disabled")
     return Chain(req, messages, echo, keep)
+
+
+def _effort(reasoning: Any) -> str | None:
+    """`reasoning.effort` as chat's `reasoning_effort` (a thinking budget; none and minimal: thinking off)."""
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise LarqlError("`reasoning` must be an object")
+    return (reasoning or {}).get("effort")
 
 
 def _check_include(body: dict) -> None:

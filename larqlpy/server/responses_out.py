@@ -1,7 +1,7 @@
-"""The Responses API's answers: the response object (its output items -- an assistant message with
-one output_text part, function_call items -- status, usage with the cached tokens a kept state
-held), the streamed events (`Events`), and the assistant message the response adds to its chain's
-conversation (`assistant`)."""
+"""The Responses API's answers: the response object (its output items -- a thinking model's
+reasoning item, an assistant message with one output_text part, function_call items -- status,
+usage with the cached tokens a kept state held), the streamed events (`Events`), and the assistant
+message the response adds to its chain's conversation (`assistant`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 
 from larqlpy.decode.sequence import Sequence
 from larqlpy.server.openai import cached, extra
+from larqlpy.text.reasoning import REASONING, Splitter, split
 from larqlpy.text.tools import CallStream, read_reply
 
 
@@ -26,10 +27,30 @@ def call_item(call: dict, status: str = "completed") -> dict:
             "arguments": fn["arguments"] if status == "completed" else "", "status": status}
 
 
+def reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": "rs_" + secrets.token_hex(16), "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+
+
 def output(seq: Sequence) -> list[dict]:
-    reply = read_reply(seq.text, seq.request.tools)
-    items = [message_item(reply.content)] if reply.content or not reply.calls else []
+    thought, content = split(seq.text, seq.request.reasoning)
+    reply = read_reply(content, seq.request.tools)
+    items = [reasoning_item(thought)] if thought is not None else []
+    items += [message_item(reply.content)] if reply.content or not reply.calls else []
     return items + [call_item(c) for c in reply.calls]
+
+
+def reasoning_tokens(seq: Sequence) -> int:
+    """The output's tokens up to the one that completes the reasoning block's closing marker (all of
+    them when the block never closed); 0 for a model that does not think."""
+    if seq.request.reasoning is None or split(seq.text, seq.request.reasoning).reasoning is None:
+        return 0
+    close, text, detok = seq.request.reasoning.markers.close, "", seq.tokenizer.stream()
+    for i, tok in enumerate(seq.output):
+        text += detok.step(tok)
+        if close in text:
+            return i
+    return len(seq.output)
 
 
 def assistant(items: list[dict]) -> dict:
@@ -44,7 +65,7 @@ def usage(seq: Sequence) -> dict:
     """OpenAI counts the cached tokens inside `input_tokens`: here, those a kept state held."""
     prompt, out = len(seq.prompt_ids), len(seq.output)
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached(seq)}, "output_tokens": out,
-            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + out}
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens(seq)}, "total_tokens": prompt + out}
 
 
 def response(rid: str, model: str, echo: dict, created: float, items: list[dict], seq: Sequence | None) -> dict:
@@ -61,7 +82,9 @@ def response(rid: str, model: str, echo: dict, created: float, items: list[dict]
 
 class Events:
     """A response's stream as the Responses API's events, each a dict with its `type` and
-    `sequence_number`: response.created and .in_progress; then, as the text comes, a message item
+    `sequence_number`: response.created and .in_progress; then, as the text comes, a thinking
+    model's reasoning item (output_item.added, reasoning_text.delta ..., reasoning_text.done,
+    output_item.done), a message item
     (output_item.added, content_part.added, output_text.delta ..., output_text.done,
     content_part.done, output_item.done) or, where tools are offered, each call once it is whole
     (output_item.added, function_call_arguments.delta and .done, output_item.done); then
@@ -71,6 +94,7 @@ class Events:
     def __init__(self, rid: str, model: str, echo: dict, seq: Sequence):
         use = seq.request.tools
         self.calls = CallStream(use) if use is not None and use.choice != "none" else None
+        self.split, self.thought, self.thinking = Splitter(seq.request.reasoning), None, ""  # an open reasoning item
         self.parallel = use is None or use.parallel
         self.rid, self.model, self.echo, self.created = rid, model, echo, time.time()
         self.n, self.items, self.text, self.held, self.open = 0, [], "", "", None
@@ -80,11 +104,12 @@ class Events:
         return [self._e("response.created", response=head), self._e("response.in_progress", response=head)]
 
     def feed(self, text: str) -> list[dict]:
-        return self._parts(self.calls.feed(text) if self.calls is not None else [text])
+        return self._split(self.split.feed(text))
 
     def finish(self, seq: Sequence) -> tuple[list[dict], dict]:
         """The last events and the whole response object."""
-        out = self._parts(self.calls.close()) if self.calls is not None else []
+        out = self._split(self.split.close()) + self._thought_done()
+        out += self._parts(self.calls.close()) if self.calls is not None else []
         if self.held and not any(i["type"] == "function_call" for i in self.items) or not self.items:
             held, self.held = self.held, ""
             out += self._text(held, force=True)
@@ -102,6 +127,36 @@ class Events:
     def _e(self, kind: str, **fields) -> dict:
         self.n += 1
         return {"type": kind, "sequence_number": self.n - 1, **fields}
+
+    def _split(self, parts: list) -> list[dict]:
+        """The splitter's parts: reasoning into the reasoning item, the rest as content."""
+        out = []
+        for kind, text in parts:
+            if kind == REASONING:
+                out += self._thought(text)
+            else:
+                out += self._thought_done()
+                out += self._parts(self.calls.feed(text) if self.calls is not None else [text])
+        return out
+
+    def _thought(self, text: str) -> list[dict]:
+        out, at = [], len(self.items)
+        if self.thought is None:
+            self.thought = reasoning_item("", "in_progress")
+            out.append(self._e("response.output_item.added", output_index=at, item=self.thought))
+        self.thinking += text
+        return out + [self._e("response.reasoning_text.delta", item_id=self.thought["id"], output_index=at,
+                              content_index=0, delta=text)]
+
+    def _thought_done(self) -> list[dict]:
+        if self.thought is None:
+            return []
+        at, text, self.thinking = len(self.items), self.thinking, ""
+        item = {**reasoning_item(text), "id": self.thought["id"]}
+        self.items.append(item)
+        self.thought = None
+        return [self._e("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
+                        text=text), self._e("response.output_item.done", output_index=at, item=item)]
 
     def _parts(self, parts: list) -> list[dict]:
         out = []
