@@ -153,6 +153,16 @@ LLAMA3 = [
 ]
 
 
+def in_pieces(text: str, use, rng: random.Random, most: int = 7) -> list:
+    """`text` fed to a CallStream in pieces of random size: the content and calls it gives out."""
+    stream, parts, at = CallStream(use), [], 0
+    while at < len(text):
+        step = rng.randint(1, most)
+        parts += stream.feed(text[at:at + step])
+        at += step
+    return parts + stream.close()
+
+
 @pytest.mark.parametrize("conv, text, content, names", [("hermes", *c) for c in HERMES] +
                          [("llama3", *c) for c in LLAMA3])
 def test_calls_are_read_back_per_family_whole_and_streamed(conv, text, content, names):
@@ -163,12 +173,7 @@ def test_calls_are_read_back_per_family_whole_and_streamed(conv, text, content, 
         check_call(c)
     rng = random.Random(len(text))
     for _ in range(5):  # the text in pieces of random size: the same content and calls
-        stream, parts, at = CallStream(use), [], 0
-        while at < len(text):
-            step = rng.randint(1, 7)
-            parts += stream.feed(text[at:at + step])
-            at += step
-        parts += stream.close()
+        parts = in_pieces(text, use, rng)
         assert [p["function"]["name"] for p in parts if isinstance(p, dict)] == names
         streamed = "".join(p for p in parts if isinstance(p, str))
         assert (streamed.strip() or None if names else streamed) == content

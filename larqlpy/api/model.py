@@ -12,7 +12,7 @@ from larqlpy.decode.stream import generate_step
 from larqlpy.engines import EngineSpec, parse_engine_spec
 from larqlpy.errors import LarqlError
 from larqlpy.pipeline.prepare import prepare
-from larqlpy.pipeline.request import Request, generation
+from larqlpy.pipeline.request import Request, choices, generation, tools_of
 from larqlpy.pipeline.runner import execute
 from larqlpy.weights.loader import LoadedModel, load_with_draft
 
@@ -36,12 +36,16 @@ class Model:
 
     def chat(self, messages: list[dict], **kw: object) -> Iterator[Token]:
         """The assistant's reply to a conversation ([{"role": ..., "content": ...}, ...]) rendered with
-        the model's chat template (or the file `chat_template`); it stops at the end of its turn."""
+        the model's chat template (or the file `chat_template`); it stops at the end of its turn.
+        `tools` / `tool_choice` (OpenAI's) are offered as the server offers them: the tokens are the
+        call's text, which `respond` reads back as `tool_calls`."""
         return self._run(Request.from_api(messages=messages, **kw))
 
     def respond(self, messages: list[dict], **kw: object) -> dict:
         """The assistant's whole reply to a conversation as OpenAI's message -- {"role", "content",
-        "tool_calls" (when `tools` were offered and called)} -- with its "finish_reason"."""
+        "tool_calls" (when `tools` were offered and called)} -- with its "finish_reason"; with `n` > 1
+        every answer's in "choices". `json_schema` (or `regex`, `grammar`, `response_format`) holds
+        the answer to a grammar."""
         result = execute(self.loaded, Request.from_api(messages=messages, **kw))
         out = _message(result)
         if "choices" in result:  # n > 1: every choice's, the first's also at the top
@@ -49,11 +53,14 @@ class Model:
         return out
 
     def session(self, system: str | None = None, **kw) -> ChatSession:
-        """A conversation that keeps its attention state across turns (larqlpy.api.chat.ChatSession)."""
+        """A conversation that keeps its attention state across turns (larqlpy.api.chat.ChatSession);
+        `kw` as `respond`'s (tools, tool_choice, json_schema, n, sampling), for every turn."""
         spec = engine_spec(kw.pop("engine", None), kw.pop("continuation", None), kw.pop("options", None)) \
             if {"engine", "continuation", "options"} & kw.keys() else None
         template = kw.pop("chat_template", None)
-        return ChatSession(self.loaded, spec, generation(kw), template, system=system)
+        gen = generation(kw)
+        return ChatSession(self.loaded, spec, gen, template, system=system, tools=tools_of({**kw, "messages": ()}, gen),
+                           n=choices(kw))
 
     def complete(self, prompt: str | list[int], **kw) -> str:
         return "".join(t.text for t in self.generate(prompt, **kw))

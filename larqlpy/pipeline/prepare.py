@@ -84,13 +84,14 @@ def proposer(loaded: LoadedModel, spec, gen: GenerationConfig):
     return Lookup(gen.lookup) if gen.lookup else None
 
 
-def prepare_all(loaded: LoadedModel, req: Request, source: StateSource | None = None, key=None) -> list[Sequence]:
+def prepare_all(loaded: LoadedModel, req: Request, source: StateSource | None = None, key=None,
+                spec=None) -> list[Sequence]:
     """`req` as its sequences: one, or its `n` choices -- branches of one prompt, prefilled once
     (state/branches.py), each with its own seed when one is given. Branches neither take from nor
-    leave kept states: `source` serves a single choice only."""
+    leave kept states: `source` serves a single choice only. `spec`: as `prepare`'s."""
     if req.n == 1:
-        return [prepare(loaded, req, source, key)]
-    first = prepare(loaded, req, key=key)
+        return [prepare(loaded, req, source, key, spec)]
+    first = prepare(loaded, req, key=key, spec=spec)
     branches = Branches(loaded.model, first.spec, req.n, first.gen.prefill_chunk)
     first.source = branches
     return [first] + [branch(loaded, first, branch_settings(first.gen, i)) for i in range(1, req.n)]

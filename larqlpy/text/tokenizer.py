@@ -13,6 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from larqlpy.errors import LarqlError
+from larqlpy.text.tool_formats import MARKERS
 
 
 # The tokens that end a turn in the chat templates of the supported families (a run stops at them as
@@ -85,7 +86,22 @@ class Tokenizer:
         return self.inner.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self.inner.decode(ids, skip_special_tokens=True)
+        """The text of `ids`, special tokens skipped but the tool-call markers (Mistral's [TOOL_CALLS]
+        is one): the reply's calls are read from its text."""
+        if not self._markers.keys() & set(ids):
+            return self.inner.decode(ids, skip_special_tokens=True)
+        parts, start = [], 0
+        for i, t in enumerate(ids):
+            if t in self._markers:
+                parts += [self.inner.decode(ids[start:i], skip_special_tokens=True), self._markers[t]]
+                start = i + 1
+        return "".join(parts) + self.inner.decode(ids[start:], skip_special_tokens=True)
+
+    @cached_property
+    def _markers(self) -> dict[int, str]:
+        """The special tokens that are tool-call markers (text/tool_formats.py), by id."""
+        return {i: t.content for i, t in self.inner.get_added_tokens_decoder().items()
+                if t.special and t.content in MARKERS}
 
     def stream(self) -> "Detokenizer":
         """An incremental decoder for generated ids (special tokens skipped, as `decode` does)."""

@@ -1,16 +1,10 @@
 """Tool calls as OpenAI's API spells them and as chat templates and models know them (no torch, no
 jinja2): `tools` and `tool_choice` checked at the boundary; the convention a template's model
-calls tools in; the conversation's tool messages in the shape templates take; the grammar that
-forces a call (`required`, a named function); and the calls read back out of the text, whole or
-as it streams.
+calls tools in (text/tool_formats.py, one registry of the families' formats); the conversation's
+tool messages in the shape templates take; the grammar that forces a call (`required`, a named
+function); and the calls read back out of the text, whole or as it streams.
 
-Conventions, told from the template's source:
-    hermes   Qwen2/2.5 and Hermes: the template renders `tools` itself and the model answers
-             <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
-    llama3   Llama 3.1+: the template renders `tools`; the model answers {"name": ..., "parameters": {...}}
-    generic  a template that knows no tools (SmolLM2, Gemma 3): the tools and the hermes answer form
-             are described in a system message, calls and results are written into the turns as text
-Under any of them an answer that is nothing but call objects is read as calls: small models drop
+Under any convention an answer that is nothing but call objects is read as calls: small models drop
 the tags (Qwen2.5-Coder-0.5B answers a weather question with the bare JSON).
 """
 
@@ -18,18 +12,14 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from larqlpy.errors import LarqlError
+from larqlpy.text.tool_formats import BY_NAME, JSON_LAYOUT, MARKERS, OPEN, PYTHON_TAG, Format, call_object, told
 
 CHOICES = ("auto", "none", "required")
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"  # Llama 3: what may come before a call
-# JSON held to one layout, json.dumps' own (grammars' JSON too: decode/constraint.py): a model cannot
-# spend tokens on blank space, and a call it makes re-renders in the next prompt as the same text
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+__all__ = ["JSON_LAYOUT"]  # decode/constraint.py's, from here as before
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for a function's name
 GENERIC_PROMPT = (
     "You may call one or more functions to assist with the user query.\n\n"
@@ -49,7 +39,11 @@ class ToolUse:
     choice: str = "auto"
     name: str | None = None
     parallel: bool = True  # OpenAI's parallel_tool_calls: False, one call at most
-    convention: str = "hermes"
+    convention: str = "hermes"  # a name in text/tool_formats.py's registry
+
+    @property
+    def format(self) -> Format:
+        return BY_NAME[self.convention]
 
     @property
     def forced(self) -> bool:
@@ -95,23 +89,19 @@ def tool_use(tools: Any, choice: Any, parallel: Any = True) -> ToolUse | None:
 
 
 def convention(template_source: str) -> str:
-    if OPEN in template_source:
-        return "hermes"
-    if "tools" in template_source and (PYTHON_TAG in template_source or "<|eom_id|>" in template_source):
-        return "llama3"
-    return "generic"
+    """The name of the tool-call format a template's model writes (text/tool_formats.py)."""
+    return told(template_source).name
 
 
 # -- the conversation, as templates take it ---------------------------------------------------------
 
 def template_messages(messages: list[dict], conv: str, use: ToolUse | None) -> list[dict]:
-    """OpenAI messages in the shape templates take: a call's `arguments` as an object (OpenAI sends
-    a JSON string; templates `tojson` it), and under the generic convention the tools described in
-    the system message and calls and results written into the turns."""
-    out = [_parsed_arguments(m) for m in messages]
+    """OpenAI messages in the shape the convention's templates take (its format's `message`: calls'
+    arguments as objects, or Mistral's short ids), and under the generic convention the tools
+    described in the system message and calls and results written into the turns."""
     if conv != "generic":
-        return out
-    out = _as_text(out)
+        return [BY_NAME[conv].message(m) for m in messages]
+    out = _as_text([BY_NAME[conv].message(m) for m in messages])
     if use is not None and use.choice != "none":
         listing = "\n".join(json.dumps(dict(t), ensure_ascii=False) for t in use.tools)
         prompt = GENERIC_PROMPT.format(tools=listing)
@@ -120,14 +110,6 @@ def template_messages(messages: list[dict], conv: str, use: ToolUse | None) -> l
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
-
-
-def _parsed_arguments(m: dict) -> dict:
-    if not m.get("tool_calls"):
-        return dict(m)
-    calls = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-             for c in m["tool_calls"]]
-    return {**m, "tool_calls": calls}
 
 
 def _as_text(messages: list[dict]) -> list[dict]:
@@ -150,36 +132,27 @@ def _as_text(messages: list[dict]) -> list[dict]:
 
 
 def render_call(name: str, arguments: dict) -> str:
-    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
 
 
 # -- forcing a call -----------------------------------------------------------------------------------
 
 def call_grammar(use: ToolUse, single: dict[str, int] | None = None) -> str:
-    """A Lark grammar (llguidance's) whose every sentence is a call -- one, to the named function,
-    or one or more to any -- with arguments that match the function's parameters. `single`: the
-    tags the vocabulary holds as one token (Qwen's <tool_call>), by id: a model writes them so."""
-    key = "parameters" if use.convention == "llama3" else "arguments"
-    schemas = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                 key: f.get("parameters") or {"type": "object"}},
-                "required": ["name", key], "additionalProperties": False} for f in use.functions()]
-    schema = {"x-guidance": JSON_LAYOUT, **(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})}
-    call = f"call: %json {json.dumps(schema)}"
-    if use.convention == "llama3":
-        return f"start: call\n{call}\n"
-    many = ' ("\\n" block)*' if use.name is None and use.parallel else ""
+    """A Lark grammar (llguidance's) whose every sentence is a call in the convention's format --
+    one, to the named function, or one or more to any -- with arguments that match the function's
+    parameters. `single`: the format's markers the vocabulary holds as one token (Qwen's
+    <tool_call>, Mistral's [TOOL_CALLS]), by id: a model writes them so."""
 
     def tag(text: str) -> str:
         tok = (single or {}).get(text)
-        return f'<[{tok}]> | "{text}"' if tok is not None else f'"{text}"'
+        return f"<[{tok}]> | {json.dumps(text)}" if tok is not None else json.dumps(text)
 
-    return (f'start: block{many}\nblock: open "\\n" call "\\n" close\nopen: {tag(OPEN)}\nclose: {tag(CLOSE)}\n'
-            f"{call}\n")
+    return use.format.grammar(use.functions(), use.name is None and use.parallel, tag)
 
 
 def tag_tokens(ids_of) -> dict[str, int]:
-    """The call tags a vocabulary holds as one token each (`ids_of`: text -> its ids)."""
-    return {t: ids[0] for t in (OPEN, CLOSE) if len(ids := ids_of(t)) == 1}
+    """The call markers (every format's) a vocabulary holds as one token each (`ids_of`: text -> its ids)."""
+    return {t: ids[0] for t in MARKERS if len(ids := ids_of(t)) == 1}
 
 
 # -- reading calls back -------------------------------------------------------------------------------
@@ -202,27 +175,28 @@ def read_reply(text: str, use: ToolUse | None) -> Reply:
     return Reply(content.strip() or None if calls else content, calls)
 
 
-def openai_call(name: str, arguments: Any) -> dict:
-    return {"id": "call_" + secrets.token_hex(12), "type": "function",
+def openai_call(name: str, arguments: Any, ident: str | None = None) -> dict:
+    """An OpenAI tool call; `ident`: the id the model wrote (Mistral's), else a fresh one (`call_...`)."""
+    return {"id": ident or BY_NAME["hermes"].new_id(), "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def _call(text: str, use: ToolUse) -> dict | None:
-    """One call's JSON as an OpenAI tool call, or None when it is not one of the request's tools."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
+def _openai(calls: list | None, use: ToolUse) -> list[dict] | None:
+    """Calls as read (name, arguments, id) as OpenAI's, or None when one is not a call to one of
+    the request's tools with an object of arguments (some models write them as a JSON string)."""
+    if not calls:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except ValueError:
+    known, out = {f["name"] for f in use.functions()}, []
+    for name, args, ident in calls:
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if name not in known or not isinstance(args, dict):
             return None
-    known = {f["name"] for f in use.functions()}
-    return openai_call(obj["name"], args) if obj["name"] in known and isinstance(args, dict) else None
+        out.append(openai_call(name, args, ident or use.format.new_id()))
+    return out
 
 
 class CallStream:
@@ -230,12 +204,14 @@ class CallStream:
     Text that may be the start of a call is held back until it is one or is not.
 
     An answer that begins with a JSON object is read as bare calls once it ends (Llama 3's form,
-    and what small Qwen models often write, tags left out); otherwise, except under Llama 3,
-    calls are <tool_call> blocks among the content."""
+    and what small Qwen models often write, tags left out); otherwise calls are read in the
+    convention's format among the content (Llama 3's has no tags: the rest is content)."""
 
     def __init__(self, use: ToolUse):
-        self.use, self.buffer, self.inside, self.after = use, "", False, False  # after: a call just closed
+        self.use, self.format, self.buffer, self.inside = use, use.format, "", False
+        self.after = False  # a call just closed: the blank after it is not content
         self.mode: str | None = None  # bare, tagged or plain: told by the answer's first characters
+        self.marks = tuple(m for m in (self.format.opens, *self.format.noise) if m)
 
     def feed(self, text: str) -> list:
         self.buffer += text
@@ -244,7 +220,7 @@ class CallStream:
             if not head or PYTHON_TAG.startswith(head):
                 return []  # it may yet be the tag
             bare = head.startswith(("{", PYTHON_TAG))
-            self.mode = "bare" if bare else "plain" if self.use.convention == "llama3" else "tagged"
+            self.mode = "bare" if bare else "plain" if not self.marks else "tagged"
         if self.mode == "bare":
             return []
         if self.mode == "plain":
@@ -255,24 +231,28 @@ class CallStream:
     def _tagged(self) -> list:
         out: list = []
         while True:
-            if self.after and not self.inside:  # the blank between calls, or after the last, is not content
+            if self.after and not self.inside:
                 self.buffer = self.buffer.lstrip()
                 self.after = not self.buffer
             if not self.inside:
-                at = self.buffer.find(OPEN)
+                at, mark = min(((i, m) for m in self.marks if (i := self.buffer.find(m)) >= 0), default=(-1, ""))
                 if at < 0:
-                    keep = _open_prefix(self.buffer)
+                    keep = _mark_prefix(self.buffer, self.marks)
                     out += [self.buffer[:len(self.buffer) - keep]] if len(self.buffer) > keep else []
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     return out
                 out += [self.buffer[:at]] if at else []
-                self.buffer, self.inside = self.buffer[at + len(OPEN):], True
-            end = self.buffer.find(CLOSE)
-            if end < 0:
+                self.buffer = self.buffer[at + len(mark):]
+                if mark != self.format.opens:  # a wrapper: dropped
+                    self.after = True
+                    continue
+                self.inside = True
+            scanned = self.format.scan(self.buffer)
+            if scanned is None:
                 return out
-            call = _call(self.buffer[:end].strip(), self.use)
-            out.append(call if call is not None else OPEN + self.buffer[:end + len(CLOSE)])
-            self.buffer, self.inside, self.after = self.buffer[end + len(CLOSE):], False, call is not None
+            calls, used = _openai(scanned[0], self.use), scanned[1]
+            out += calls if calls is not None else [self.format.opens + self.buffer[:used]]
+            self.buffer, self.inside, self.after = self.buffer[used:], False, calls is not None
 
     def close(self) -> list:
         """What is left when generation ends: bare calls, an unclosed call (a model that stopped
@@ -281,18 +261,26 @@ class CallStream:
         if not text:
             return []
         if self.mode == "bare":
-            calls = [_call(part, self.use) for part in _json_objects(text)]
-            return calls if calls and all(c is not None for c in calls) else [text]
+            read = [call_object(_load(part)) for part in _json_objects(text)]
+            calls = _openai(read, self.use) if None not in read else None
+            return calls if calls is not None else [text]
         if self.inside:
-            call = _call(text.strip(), self.use)
-            return [call] if call is not None else [OPEN + text]
+            calls = _openai(self.format.finish(text), self.use)
+            return calls if calls is not None else [self.format.opens + text]
         return [text]
 
 
-def _open_prefix(text: str) -> int:
-    """How many characters at the end of `text` could begin OPEN."""
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-k:]):
+def _load(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _mark_prefix(text: str, marks: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could begin one of `marks`."""
+    for k in range(min(max(map(len, marks)) - 1, len(text)), 0, -1):
+        if any(m.startswith(text[-k:]) for m in marks):
             return k
     return 0
 
