@@ -224,3 +224,21 @@ def test_run_json_schema_and_logprobs_from_the_command_line(cli, smol_dir, tmp_p
     assert_refused(cli("run", smol_dir, "hi", "--regex", "[a-"), "--regex cannot be compiled")
     assert_refused(cli("run", smol_dir, "hi", "--json-schema", tmp_path / "none.json"), "--json-schema")
     assert_refused(cli("run", smol_dir, "hi", "--logit-bias", "5"), "--logit-bias takes ID=BIAS")
+
+
+def test_a_grammar_spells_an_added_token_that_is_not_special(qwen):
+    """Qwen's <tool_call> is an added token marked not special: a grammar that spells it as text
+    may take it as that token or as its pieces (llguidance once offered the token, then refused it)."""
+    vocab = Vocabulary.of(qwen.tokenizer, qwen.config.vocab_size)
+    tag = qwen.tokenizer.ids_of("<tool_call>")
+    assert len(tag) == 1 and not vocab.inner.is_special_token(tag[0])
+    grammar = compile_grammar(Grammar("regex", "<tool_call>[a-z]{1,5}"))
+    for ids in (tag, [t for piece in ("<", "tool", "_call", ">") for t in qwen.tokenizer.ids_of(piece)]):
+        c = Constraint(vocab, grammar)
+        for t in ids + qwen.tokenizer.ids_of("hi"):
+            assert c.allowed()[t] or t in tag  # the mask offers the pieces; the whole token is text too
+            c.accept(t)
+        assert not c.matcher.is_error()
+    r = execute(qwen, Request.from_dict({"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8,
+                                         "temperature": 0, "regex": "<tool_call>[a-z]{1,5}"}))
+    assert r["text"].startswith("<tool_call>") and r["finish_reason"] == "stop", r

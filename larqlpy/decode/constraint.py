@@ -17,6 +17,7 @@ import numpy as np
 
 from larqlpy.config import Grammar
 from larqlpy.errors import LarqlError
+from larqlpy.text.tokenizer import added_as_text
 from larqlpy.text.tools import JSON_LAYOUT
 
 _VOCABULARIES: dict[tuple, "Vocabulary"] = {}
@@ -103,7 +104,7 @@ class Vocabulary:
     def of(cls, tokenizer, size: int) -> "Vocabulary":
         key = (tokenizer.fingerprint, size, tuple(sorted(tokenizer.stop_ids)))
         if key not in _VOCABULARIES:
-            _VOCABULARIES[key] = cls(tokenizer.to_json(), size, tokenizer.stop_ids)
+            _VOCABULARIES[key] = cls(added_as_text(tokenizer.to_json()), size, tokenizer.stop_ids)
         return _VOCABULARIES[key]
 
 

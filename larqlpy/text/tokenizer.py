@@ -145,6 +145,26 @@ def _byte_decoder() -> dict[str, int]:
     return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
+def added_as_text(tokenizer_json: str) -> str:
+    """`tokenizer_json` with its added tokens that are not special (Qwen's <tool_call>, Qwen3's
+    <think>) moved into the BPE vocabulary, spelled as its other entries are: a grammar engine
+    (llguidance) reads every added token as special, so its masks offered such a token for the
+    text it stands for and then refused it. Other models' JSON comes back unchanged."""
+    raw = json.loads(tokenizer_json)
+    model, decoder = raw.get("model") or {}, json.dumps(raw.get("decoder"))
+    vocab = model.get("vocab")
+    text = [a for a in raw.get("added_tokens") or [] if not a.get("special", True)]
+    if model.get("type") != "BPE" or not isinstance(vocab, dict) or not text:
+        return tokenizer_json
+    to_char = {b: c for c, b in _byte_decoder().items()}
+    for a in text:
+        spelled = "".join(to_char[b] for b in a["content"].encode()) if "ByteLevel" in decoder \
+            else a["content"].replace(" ", "\u2581")
+        if vocab.setdefault(spelled, a["id"]) == a["id"]:  # (some vocabularies hold them already)
+            raw["added_tokens"].remove(a)
+    return json.dumps(raw, ensure_ascii=False)
+
+
 def _post_processor_adds(inner: HFTokenizer, bos_id: int | None) -> bool:
     """Without tokenizer_config.json's add_bos_token: whether tokenizer.json itself would add BOS."""
     if bos_id is None:
