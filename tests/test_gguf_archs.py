@@ -51,9 +51,8 @@ def rope_freqs(rope: dict, theta: float, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def to_gguf(hf, path: Path, arch: str, freqs: np.ndarray | None = None) -> Path:
-    c = hf.config
-    w = gguf.GGUFWriter(str(path), arch)
+def header(w: gguf.GGUFWriter, c) -> None:
+    """A tiny model's sizes (transformers config `c`) and the small byte-level vocabulary."""
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -71,6 +70,12 @@ def to_gguf(hf, path: Path, arch: str, freqs: np.ndarray | None = None) -> Path:
     w.add_token_merges(["Ġ t"])
     w.add_bos_token_id(257)
     w.add_eos_token_id(259)
+
+
+def to_gguf(hf, path: Path, arch: str, freqs: np.ndarray | None = None) -> Path:
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    header(w, c)
     for name, t in hf.state_dict().items():
         a = t.detach().float().numpy()
         if name == "model.embed_tokens.weight":

@@ -81,13 +81,23 @@ FAMILIES = {
                                                          # caps that bite
                                                          attn_logit_softcapping=1.5, final_logit_softcapping=3.0)),
 }
+# Mixtures of experts (tests/test_moe.py): Mixtral's four experts, two a row, with a window; Qwen3-MoE's
+# eight, three a row, unnormalized, layer 1 a dense MLP.
+MOE_FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                            sliding_window=8, tie_word_embeddings=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[1],
+        tie_word_embeddings=True)),
+}
 
 
 def make_tiny_family(path: Path, family: str, seed: int = 0, **overrides):
-    """A random tiny model of `family` (FAMILIES) in the HF layout; returns the transformers model."""
+    """A random tiny model of `family` (FAMILIES, MOE_FAMILIES) in the HF layout; returns the
+    transformers model."""
     import transformers
 
-    config_cls, model_cls, extra = FAMILIES[family]
+    config_cls, model_cls, extra = {**FAMILIES, **MOE_FAMILIES}[family]
     path.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(path)
     cfg = getattr(transformers, config_cls)(**{**COMMON, "vocab_size": vocab, **extra, **overrides})

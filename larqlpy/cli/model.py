@@ -27,8 +27,8 @@ def info(model: Path = typer.Argument(..., help="model directory or .gguf file")
         return
     t = Table(title=str(model), show_header=False)
     for k in ("model_type", "parameters", "dtypes", "layers", "hidden_size", "heads", "kv_heads", "head_dim",
-              "sliding_window", "vocab_size", "rope", "final_logit_softcapping", "key_calibration", "unused_tensors",
-              "pre_tokenizer"):
+              "sliding_window", "vocab_size", "rope", "final_logit_softcapping", "experts", "key_calibration",
+              "unused_tensors", "pre_tokenizer"):
         v = d[k]
         t.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
     if d["float_fallback"] is not None:
@@ -38,7 +38,7 @@ def info(model: Path = typer.Argument(..., help="model directory or .gguf file")
     out.print(t)
 
 
-def convert_gguf(src: Path = typer.Argument(..., help="a .gguf file (gemma3, llama, qwen2, qwen3)"),
+def convert_gguf(src: Path = typer.Argument(..., help="a .gguf file (gemma3, llama, qwen2, qwen3; no experts)"),
                  dest: Path = typer.Argument(..., help="output directory (HF layout)"),
                  force: bool = typer.Option(False, "--force", help="overwrite DEST if it exists"),
                  dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float32 (exact): the "

@@ -53,6 +53,9 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
         check_name(pre_tokenizer)
     meta, arch = read_gguf(src, pre_tokenizer)
     config = arch.config(meta)
+    if config_from_dict(config).moe is not None:
+        raise LarqlError(f"{src}: a mixture of experts ({config['model_type']}) runs from the GGUF file itself; "
+                         "convert-gguf does not write experts")
     ours = used_tensors(src, meta.reader.tensors, arch, config, allow_unused_tensors)
     step = progress or (lambda what, done, total: None)
     total = len(ours) + 1

@@ -26,6 +26,19 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture of experts in place of the MLP on its sparse layers (Mixtral, Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int  # experts each row runs
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool  # the top k's softmax weights divided by their sum (Mixtral always)
+    sparse: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of `intermediate_size`
+    hf_block: str  # where a sparse layer's router (gate) and experts live: "block_sparse_moe" | "mlp"
+    hf_experts: tuple[str, str, str]  # an expert's gate, up and down under experts.{j}.: ("w1", "w3", "w2")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str  # as config.json spells it
     vocab_size: int
@@ -55,6 +68,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     weight_prefix: str = "model."  # where the decoder's tensors live ("language_model.model." multimodal)
+    moe: MoeConfig | None = None  # experts on some layers (model/moe.py), or a dense MLP on every layer
 
     @property
     def kv_dim(self) -> int:
@@ -70,6 +84,10 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         return self.windows[layer] is not None
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether this layer runs experts in place of the dense MLP."""
+        return self.moe is not None and self.moe.sparse[layer]
 
     def rope(self, layer: int) -> RopeConfig:
         return self.rope_local if self.is_sliding(layer) else self.rope_global
@@ -149,3 +167,18 @@ def activation(raw: dict[str, Any], default: str) -> str:
     if act not in table:
         raise LarqlError(f"config.json: unsupported hidden_activation {act!r}")
     return table[act]
+
+
+def moe_from(raw: dict[str, Any], experts_key: str, intermediate_key: str, norm_topk_prob: bool,
+             sparse: list[bool], hf_block: str, hf_experts: tuple[str, str, str]) -> MoeConfig | None:
+    """A family's experts from config.json, checked: the expert count under `experts_key`, the top k
+    under num_experts_per_tok, each expert's size under `intermediate_key`; None without sparse layers."""
+    n, k, size = raw.get(experts_key), raw.get("num_experts_per_tok", 2), raw.get(intermediate_key)
+    for key, v in ((experts_key, n), ("num_experts_per_tok", k), (intermediate_key, size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == experts_key else 1):
+            raise LarqlError(f"config.json: missing or invalid {key} ({v!r})")
+    if n == 0 or not any(sparse):
+        return None
+    if k > n:
+        raise LarqlError(f"config.json: num_experts_per_tok is {k}, above the {n} experts ({experts_key})")
+    return MoeConfig(n, k, size, norm_topk_prob, tuple(sparse), hf_block, hf_experts)

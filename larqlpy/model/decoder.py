@@ -23,6 +23,7 @@ from larqlpy.engines.stores.dispatch import attend_block
 from larqlpy.engines.stores.state import EngineState
 from larqlpy.kernels.weights.matvec import embedding, gated, linear, qkv_rope, residual_norm, rms_norm, stacked
 from larqlpy.model.config import ModelConfig, RopeConfig
+from larqlpy.model.moe import experts_of
 from larqlpy.model.tensors import block_weights
 
 
@@ -66,15 +67,16 @@ def _weight(*shape: int) -> nn.Parameter:
 
 
 class Block(nn.Module):
-    SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # packed weights stack these
-
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.eps, self.offset = cfg.rms_norm_eps, 1.0 if cfg.norm_offset else 0.0
-        self.cfg = cfg
-        for ours, (_, shape) in block_weights(cfg).items():  # HF names: q_proj, ..., input_layernorm, ...
-            setattr(self, ours, _weight(*shape(cfg)))
+        self.cfg, self.layer = cfg, layer
+        if cfg.is_sparse(layer):  # experts.{j}.gate_proj, ...: one submodule an expert
+            self.experts = nn.ModuleList(nn.Module() for _ in range(cfg.moe.num_experts))
+        for ours, (_, shape) in block_weights(cfg, layer).items():  # HF names: q_proj, ..., input_layernorm, ...
+            owner, _, attr = ours.rpartition(".")
+            setattr(self.get_submodule(owner) if owner else self, attr, _weight(*shape(cfg)))
         self.attn = AttentionParams(scale=cfg.attention_scale, softcap=cfg.attn_softcap)
 
     def hot(self) -> SimpleNamespace:
@@ -84,7 +86,8 @@ class Block(nn.Module):
         w = self.__dict__.get("_hot")
         if w is None:
             c = self.cfg
-            w = SimpleNamespace(**{n: getattr(self, n) for n in block_weights(c)})
+            w = SimpleNamespace(**{n: getattr(self, n) for n in block_weights(c, self.layer) if "." not in n})
+            w.experts = experts_of(self, c.moe, c.activation) if c.is_sparse(self.layer) else None
             w.qkv_bias = torch.cat((w.q_proj_bias, w.k_proj_bias, w.v_proj_bias)) if c.qkv_bias else None
             w.q_norm, w.k_norm = (w.q_norm, w.k_norm) if c.qk_norm else (None, None)
             w.o_bias = w.o_proj_bias if c.o_bias else None
@@ -109,7 +112,8 @@ class Block(nn.Module):
         if w.o_bias is not None:
             a = a + w.o_bias
         x, h = residual_norm(x, a, w.after_attention, w.mlp_norm, self.eps, self.offset)
-        m = linear(gated(stacked(h, w.gate_proj, w.up_proj), self.cfg.activation), w.down_proj)
+        m = linear(gated(stacked(h, w.gate_proj, w.up_proj), self.cfg.activation), w.down_proj) \
+            if w.experts is None else w.experts(h)  # a sparse layer's experts (model/moe.py)
         return residual_norm(x, m, w.after_mlp, next_norm, self.eps, self.offset)
 
 

@@ -62,7 +62,7 @@ def wanted_tensors(path: Path, cfg: ModelConfig, files: dict[str, Path]) -> Want
     if not cfg.tie_word_embeddings:  # the head sits beside the decoder: lm_head.weight
         wanted["lm_head"] = (prefix.removesuffix("model.") + "lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
     for i in range(cfg.num_hidden_layers):
-        for ours, (hf, shape) in block_weights(cfg).items():
+        for ours, (hf, shape) in block_weights(cfg, i).items():
             wanted[f"layers.{i}.{ours}"] = (f"{prefix}layers.{i}.{hf}", shape(cfg))
     missing = [hf for hf, _ in wanted.values() if hf not in files]
     if missing:

@@ -10,6 +10,11 @@ the metadata, its tensor names, and the conventions llama.cpp's converter applie
 - qwen2: the llama layout with q/k/v biases, and no permutation (llama.cpp runs Qwen's RoPE as is).
 - qwen3: qwen2's layout with an RMSNorm on each query and key head (attn_q_norm, attn_k_norm) and no
   biases.
+- Experts (llama with {arch}.expert_count: Mixtral; qwen3moe): a layer's router is ffn_gate_inp, its
+  experts three 3-D tensors, ffn_gate_exps / ffn_up_exps / ffn_down_exps (experts, rows, inputs),
+  read as one 2-D view an expert, `NAME[j]` (expert_views). qwen3moe's layers without a router run
+  the dense MLP (ffn_gate, ffn_up, ffn_down); qwen3moe's top k weights are renormalized
+  (norm_topk_prob), as llama.cpp always does.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from typing import Callable
 
 import numpy as np
 
+from larqlpy.model.families import mixtral, qwen3_moe
+
 
 LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -26,6 +33,8 @@ LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v":
 GEMMA_NORMS = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+EXPERTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # index in a family's expert names
+ROUTER = "ffn_gate_inp"
 LLAMA_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
@@ -38,9 +47,12 @@ class Arch:
     permuted_qk: bool  # llama.cpp permuted attn_q / attn_k rows for its RoPE
     config: Callable[["Meta"], dict]
     in_config: tuple[str, ...] = ()  # tensors read into config.json, not weights
+    moe_names: tuple[str, tuple[str, str, str]] | None = None  # HF's router block and expert names (families)
 
     def hf_name(self, gguf_name: str) -> tuple[str, bool] | None:
         """HF tensor name for a GGUF one, and whether it is a norm stored as 1 + w. None: not ours."""
+        if self.moe_names is not None and (moe := self._moe_name(gguf_name)) is not None:
+            return moe, False
         if gguf_name == "token_embd.weight":
             return "model.embed_tokens.weight", False
         if gguf_name == "output_norm.weight":
@@ -54,6 +66,19 @@ class Arch:
                 return f"model.layers.{layer}.{self.norms[kind]}.weight", self.norm_plus_one
             if kind in LINEARS:
                 return f"model.layers.{layer}.{LINEARS[kind]}.{what}", False
+        return None
+
+    def _moe_name(self, gguf_name: str) -> str | None:
+        """A router's HF name, or an expert's (a view `blk.N.ffn_gate_exps.weight[j]`)."""
+        base, _, expert = gguf_name.partition("[")
+        parts = base.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight":
+            return None
+        block, names = self.moe_names
+        if parts[2] == ROUTER and not expert:
+            return f"model.layers.{parts[1]}.{block}.gate.weight"
+        if parts[2] in EXPERTS and expert[:-1].isdigit() and expert.endswith("]"):
+            return f"model.layers.{parts[1]}.{block}.experts.{int(expert[:-1])}.{names[EXPERTS[parts[2]]]}.weight"
         return None
 
     def restore(self, gguf_name: str, w: np.ndarray, config: dict) -> np.ndarray:
@@ -159,6 +184,10 @@ def llama_config(m: Meta) -> dict:
     tensor = m.tensor(ROPE_FREQS)
     if tensor is not None:  # checked by gguf_check: of the llama3 form
         c["rope_scaling"] = llama3_rope(np.asarray(tensor.data), c["rope_theta"], c["head_dim"])
+    if m.arch_key("expert_count"):  # Mixtral: llama's layout, experts in every layer (checked by gguf_check)
+        c.update(model_type="mixtral", architectures=["MixtralForCausalLM"], sliding_window=None,
+                 num_local_experts=int(m.arch_key("expert_count")),
+                 num_experts_per_tok=int(m.arch_key("expert_used_count")))
     return c
 
 
@@ -201,13 +230,41 @@ def qwen3_config(m: Meta) -> dict:
             "use_sliding_window": False}
 
 
+def qwen3moe_config(m: Meta) -> dict:
+    c = {**qwen3_config(m), "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    n = c["num_hidden_layers"]
+    routed = {t.name for t in m.reader.tensors if t.name.endswith(f".{ROUTER}.weight")}
+    c.update(num_experts=int(m.arch_key("expert_count")), num_experts_per_tok=int(m.arch_key("expert_used_count")),
+             moe_intermediate_size=int(m.arch_key("expert_feed_forward_length")), decoder_sparse_step=1,
+             norm_topk_prob=True,  # llama.cpp's qwen3moe always renormalizes (Qwen3-MoE's own configs say so)
+             mlp_only_layers=[i for i in range(n) if f"blk.{i}.{ROUTER}.weight" not in routed])
+    return c
+
+
+def expert_views(tensors: dict[str, tuple]) -> dict[str, tuple]:
+    """A tensor table (name -> type, shape, offset, bytes) with each 3-D tensor (a layer's experts,
+    outermost) in place as one 2-D view an expert, `NAME[j]`: an expert's rows lie whole and
+    together, so each is read, checked and packed as any matrix is."""
+    out = {}
+    for name, (qtype, shape, offset, nbytes) in tensors.items():
+        if len(shape) != 3 or shape[0] < 1 or nbytes % shape[0]:
+            out[name] = (qtype, shape, offset, nbytes)
+            continue
+        per = nbytes // shape[0]
+        out.update({f"{name}[{j}]": (qtype, tuple(shape[1:]), offset + j * per, per) for j in range(shape[0])})
+    return out
+
+
 def qwen2_config(m: Meta) -> dict:
     return {**m.common("qwen2", "Qwen2ForCausalLM", 1e6), "hidden_act": "silu", "use_sliding_window": False}
 
 
 ARCHS = {a.name: a for a in (
     Arch("gemma3", GEMMA_NORMS, norm_plus_one=True, permuted_qk=False, config=gemma3_config),
-    Arch("llama", LLAMA_NORMS, norm_plus_one=False, permuted_qk=True, config=llama_config, in_config=(ROPE_FREQS,)),
+    Arch("llama", LLAMA_NORMS, norm_plus_one=False, permuted_qk=True, config=llama_config, in_config=(ROPE_FREQS,),
+         moe_names=mixtral.HF_NAMES),
     Arch("qwen2", LLAMA_NORMS, norm_plus_one=False, permuted_qk=False, config=qwen2_config),
     Arch("qwen3", LLAMA_NORMS, norm_plus_one=False, permuted_qk=False, config=qwen3_config),
+    Arch("qwen3moe", LLAMA_NORMS, norm_plus_one=False, permuted_qk=False, config=qwen3moe_config,
+         moe_names=qwen3_moe.HF_NAMES),
 )}

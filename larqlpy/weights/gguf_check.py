@@ -27,6 +27,7 @@ MAX_FFN = 1 << 18
 MAX_CONTEXT = 1 << 24
 MAX_VOCAB = 1 << 21
 MAX_HEAD_DIM = 1 << 12
+MAX_EXPERTS = 1 << 12  # published MoEs have up to a few hundred
 EXTRA_SIZES = {"gemma3": ("attention.sliding_window",)}  # what an architecture's config reads beyond the common ones
 INTEGERS = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
             GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
@@ -111,6 +112,18 @@ def _sizes(src: Path, m: Meta) -> None:
     _int(src, m, a + "context_length", 1, MAX_CONTEXT, optional=True)
     for key in EXTRA_SIZES.get(m.arch, ()):
         _int(src, m, a + key, 1, MAX_CONTEXT)
+    _experts(src, m)
+
+
+def _experts(src: Path, m: Meta) -> None:
+    """A mixture of experts' sizes: qwen3moe always has them, llama where expert_count says (Mixtral)."""
+    a = m.arch + "."
+    if m.arch != "qwen3moe" and not m.get(a + "expert_count"):
+        return
+    count = _int(src, m, a + "expert_count", 1, MAX_EXPERTS)
+    _int(src, m, a + "expert_used_count", 1, count, f" (at most {a}expert_count)")
+    if m.arch == "qwen3moe":
+        _int(src, m, a + "expert_feed_forward_length", 1, MAX_FFN)
 
 
 def _number(src: Path, m: Meta, key: str, below: float = math.inf, zero: bool = False) -> float | None:

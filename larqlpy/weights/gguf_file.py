@@ -23,7 +23,7 @@ from typing import Callable
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_directory, atomic_write, is_gguf
 from larqlpy.weights.checkpoint import SAMPLE
-from larqlpy.weights.gguf_archs import ARCHS, Arch
+from larqlpy.weights.gguf_archs import ARCHS, Arch, expert_views
 from larqlpy.weights.gguf_meta import read_gguf, write_metadata
 from larqlpy.weights.gguf_pretok import check_name
 from larqlpy.weights.gguf_tokenizer import build_tokenizer
@@ -102,9 +102,10 @@ class GGUFFile:
         self.digest: str = record["digest"]
         self.fingerprint = self.digest[:16]
         self.header_bytes = int(record["header_bytes"])
-        # gguf name -> (type name, shape (out, in) as numpy lays it out, absolute offset, bytes)
-        self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {
-            k: (t, tuple(s), int(o), int(n)) for k, (t, s, o, n) in record["tensors"].items()}
+        # gguf name -> (type name, shape (out, in) as numpy lays it out, absolute offset, bytes); a layer's
+        # experts as one view an expert, `NAME[j]` (gguf_archs.expert_views)
+        self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = expert_views({
+            k: (t, tuple(s), int(o), int(n)) for k, (t, s, o, n) in record["tensors"].items()})
 
     def _cached(self) -> dict | None:
         """The record, when it holds for the file as it is now (rewritten with the new identity when

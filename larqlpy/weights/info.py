@@ -42,13 +42,21 @@ def describe(path: str | Path, pre_tokenizer: str | None = None) -> dict:
         "head_dim": cfg.head_dim, "sliding_window": windows[0] if len(windows) == 1 else (windows or None),
         "vocab_size": cfg.vocab_size, "rope": _rope_text(cfg), "tied_embeddings": cfg.tie_word_embeddings,
         "attention_softcapping": cfg.attn_softcap, "final_logit_softcapping": cfg.final_softcap,
-        "max_position_embeddings": cfg.max_position_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings, "experts": _experts_text(cfg),
         "fingerprint": ckpt.fingerprint, "unused_tensors": len(ckpt.unused), "pre_tokenizer": _splits(ckpt),
         # `native` runs a GGUF's codes; types without codes are read as float32, at their cost a token
         "float_fallback": ckpt.float_fallback() if isinstance(ckpt, GGUFCheckpoint) else None,
         "key_calibration": calibration_file.summary(home, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                                     cfg.head_dim, ckpt.fingerprint),
     }
+
+
+def _experts_text(cfg: ModelConfig) -> str | None:
+    m = cfg.moe
+    if m is None:
+        return None
+    return f"{m.num_experts} of width {m.intermediate_size}, top {m.top_k}" \
+        f"{' renormalized' if m.norm_topk_prob else ''}, on {sum(m.sparse)} of {cfg.num_hidden_layers} layers"
 
 
 def _splits(ckpt) -> str | None:

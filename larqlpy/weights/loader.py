@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import reduce
 from pathlib import Path
 
 import torch
@@ -18,9 +19,9 @@ from larqlpy.errors import LarqlError
 from larqlpy.kernels.weights import prefetch
 from larqlpy.kernels.weights.qweight import PackedPart, PackedWeight, check_format, stack
 from larqlpy.model.config import ModelConfig
-from larqlpy.model.decoder import Block, Decoder
+from larqlpy.model.decoder import Decoder
 from larqlpy.model.families import read_config
-from larqlpy.model.tensors import block_weights
+from larqlpy.model.tensors import block_weights, matrix_groups
 from larqlpy.text.tokenizer import Tokenizer
 from larqlpy.text.tokenizer_process import TokenizerProcess
 from larqlpy.weights import calibration_file, native_file, packed_cache
@@ -52,7 +53,8 @@ class LoadedModel:
         """Every weight as the model holds it: float tensors, packed matrices (not nn.Parameters), and
         the stacked matrix behind packed q|k|v and gate|up once."""
         m = self.model
-        held = [m.embed_tokens, m.norm, m.head] + [getattr(b, n) for b in m.layers for n in block_weights(m.cfg)]
+        held = [m.embed_tokens, m.norm, m.head] + [reduce(getattr, n.split("."), b) for i, b in enumerate(m.layers)
+                                                   for n in block_weights(m.cfg, i)]  # experts.{j}.gate_proj
         return list({id(w): w for w in (w.whole if isinstance(w, PackedPart) else w for w in held)}.values())
 
     @property
@@ -191,12 +193,10 @@ def _pack(ckpt: Checkpoint, handles: dict, checks: KnownFiles, cfg: ModelConfig,
     out = {name: PackedWeight.quantize(_float32(ckpt, handles, checks, name), fmt, name)
            for name in ("embed_tokens", "lm_head") if name in ckpt.wanted}
     for i in range(cfg.num_hidden_layers):
-        for names in Block.SHARED_INPUT:
-            key = f"layers.{i}.{'|'.join(names)}"
-            out[key] = stack([_float32(ckpt, handles, checks, f"layers.{i}.{n}") for n in names], fmt, key)[0].whole
-        for n in ("o_proj", "down_proj"):
-            key = f"layers.{i}.{n}"
-            out[key] = PackedWeight.quantize(_float32(ckpt, handles, checks, key), fmt, key)
+        for owner, names in matrix_groups(cfg, i):
+            key = f"layers.{i}.{owner}{'|'.join(names)}"
+            ws = [_float32(ckpt, handles, checks, f"layers.{i}.{owner}{n}") for n in names]
+            out[key] = stack(ws, fmt, key)[0].whole if len(ws) > 1 else PackedWeight.quantize(ws[0], fmt, key)
     return out
 
 
@@ -209,14 +209,14 @@ def _pack_native(ckpt: Checkpoint | GGUFCheckpoint, native: NativeFile | GGUFCod
         return name if name in native.matrices else None
 
     out = {}
-    for name in [n for n in ("embed_tokens", "lm_head") if n in ckpt.wanted] + \
-            [f"layers.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in ("o_proj", "down_proj")]:
+    for name in [n for n in ("embed_tokens", "lm_head") if n in ckpt.wanted]:
         if hf(name) is not None:
             gathered = name == "embed_tokens" and "lm_head" in ckpt.wanted  # only gathered from: one row a token
             out[name] = native.table(hf(name)) if gathered else native.pack([hf(name)])
     for i in range(cfg.num_hidden_layers):
-        for names in Block.SHARED_INPUT:
-            out.update(_stacks(native, [(n, hf(f"layers.{i}.{n}")) for n in names], f"layers.{i}."))
+        for owner, names in matrix_groups(cfg, i):  # a single matrix is a stack of one
+            prefix = f"layers.{i}.{owner}"
+            out.update(_stacks(native, [(n, hf(prefix + n)) for n in names], prefix))
     return out
 
 

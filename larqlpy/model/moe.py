@@ -1,0 +1,76 @@
+"""A mixture of experts in place of a block's MLP (Mixtral, Qwen3-MoE; model/families/), as
+transformers' sparse MoE blocks compute it: a router (a linear) scores every expert, a softmax in
+float32 over the scores, torch.topk picks each row's top k (ties broken as transformers' own
+torch.topk breaks them), the k weights renormalized to sum to one where the family says
+(`norm_topk_prob`), and each row's output is the weighted sum of its experts' SiLU-gated MLPs.
+
+Every expert matrix is an ordinary weight (float, packed int8 / int4, a GGUF's codes) multiplied
+through kernels/weights/matvec.py. One row (a decode step) runs only its k experts. Several rows (a
+prefill chunk, a batch of decode steps) are grouped by expert: each chosen expert's rows gathered,
+one product per expert matrix for all of them, the weighted results added back into their rows; each
+expert's weights are read once per step however many rows chose it. Either way a row's experts are
+added in increasing expert order, as transformers adds them, so a row comes out of a group as it
+comes out alone wherever a product's numbers do not depend on the rows beside it (the packed
+integer kernels; float32's few-row loop against its GEMM differs in rounding)."""
+
+from __future__ import annotations
+
+import torch
+
+from larqlpy.kernels.weights.matvec import gated, gemm_few_f32, linear, stacked
+from larqlpy.model.config import MoeConfig
+
+
+class Experts:
+    """A sparse layer's router and experts, called on a block's normed rows h (T, E) -> (T, E)."""
+
+    def __init__(self, router, experts: list[tuple], moe: MoeConfig, activation: str):
+        self.router, self.experts = router, experts  # experts: (gate, up, down) matrices per expert
+        self.top_k, self.norm, self.activation = moe.top_k, moe.norm_topk_prob, activation
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's k weights (float32) and experts (T, k), in torch.topk's order. On the CPU in
+        float32 the router's scores come from one loop whatever the rows (not torch's GEMM beyond a
+        few): a row's experts and weights do not depend on the rows beside it."""
+        router = self.router
+        invariant = h.is_cpu and h.dtype is torch.float32 and isinstance(router, torch.Tensor) and \
+            router.dtype is torch.float32
+        probs = torch.softmax((gemm_few_f32(h, router, "numba") if invariant else linear(h, router)).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.experts[e]
+        return linear(gated(stacked(x, gate, up), self.activation), down)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(h)
+        if h.shape[0] == 1:  # a decode step: its k experts, added in increasing expert order
+            out, ids = None, chosen[0].tolist()
+            for pos in sorted(range(self.top_k), key=ids.__getitem__):
+                y = (self.expert(ids[pos], h) * weights[0, pos]).to(h.dtype)
+                out = y if out is None else out + y
+            return out
+        return self.grouped(h, weights, chosen)
+
+    def grouped(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by expert: each expert's rows gathered (in row order) and run as one block,
+        its weighted output added into them; experts taken in increasing order."""
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (row, slot) pairs by expert, rows ascending within one
+        rows, w = order // self.top_k, weights.reshape(-1)[order]
+        out = torch.zeros_like(h)
+        at = 0
+        for e, n in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
+            if n:
+                idx = rows[at:at + n]
+                out.index_add_(0, idx, (self.expert(e, h.index_select(0, idx)) * w[at:at + n, None]).to(h.dtype))
+                at += n
+        return out
+
+
+def experts_of(block, moe: MoeConfig, activation: str) -> Experts:
+    """A block's router and experts (its `router`, `experts[j].gate_proj` ...) as one Experts."""
+    return Experts(block.router, [(e.gate_proj, e.up_proj, e.down_proj) for e in block.experts], moe, activation)
