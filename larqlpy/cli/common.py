@@ -64,6 +64,7 @@ FLAGS = {
     "repetition_penalty": "--repetition-penalty", "repeat_last_n": "--repeat-last-n", "tools": "--tools",
     "tool_choice": "--tool-choice", "messages": "--chat", "draft_tokens": "--draft-tokens", "lookup": "--lookup",
     "draft_p_min": "--draft-p-min", "draft_weights": "--draft-weights", "pre_tokenizer": "--pre-tokenizer",
+    "pooling": "--pooling", "max_embed_inputs": "--max-embed-inputs",
 }
 
 # Speculative decoding (docs/speculative.md)
