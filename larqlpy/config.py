@@ -41,6 +41,18 @@ MAX_PROPOSALS = 32  # speculative decoding: proposals verified in one pass at mo
 DRAFT_TOKENS = 6  # ... and a draft model's proposals a step, unless told otherwise (the best measured: speculative.md)
 DRAFT_P_MIN = 0.75  # a draft stops proposing at a token it gives less (llama.cpp's default too)
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+# how an embedding pools its rows' final hidden states (decode/embed.py); the first is the default:
+# in a causal model only the last row has read the whole text (docs/serve.md)
+POOLINGS = ("last", "mean")
+
+
+def check_pooling(name: str | None) -> str:
+    """An embedding's pooling, checked (None: the default)."""
+    if name is None:
+        return POOLINGS[0]
+    if name not in POOLINGS:
+        raise LarqlError(f"`pooling` must be one of {', '.join(POOLINGS)}, got {name!r}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -182,11 +194,14 @@ class ServeConfig:
     engine: str | None = None  # the engine of requests that name none (as a run spells it)
     continuation: str | None = None
     options: tuple[str, ...] = ()
+    pooling: str | None = None  # /v1/embeddings: the pooling of requests that name none
+    max_embed_inputs: int = 64  # /v1/embeddings: inputs a request may carry (each is a sequence in the queue)
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise LarqlError(f"`port` must be in 1..65535, got {self.port}")
-        for name in ("max_body_bytes", "max_tokens_limit", "kv_budget", "disk_budget"):
+        check_pooling(self.pooling)
+        for name in ("max_body_bytes", "max_tokens_limit", "kv_budget", "disk_budget", "max_embed_inputs"):
             if getattr(self, name) < 1:
                 raise LarqlError(f"`{name}` must be positive, got {getattr(self, name)}")
         if self.queue_size < 0:

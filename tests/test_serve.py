@@ -156,7 +156,7 @@ BAD = [  # (what, body or raw bytes, headers, status, text in the message)
     ("no API key", {"model": NAME, "prompt": "hi"}, {"auth": None}, 401, "API key"),
     ("wrong API key", {"model": NAME, "prompt": "hi"}, {"auth": "Bearer sk-wrong"}, 401, "API key"),
     ("wrong method", None, {"get": True}, 405, ""),
-    ("unknown route", {}, {"path": "/v1/embeddings"}, 404, ""),
+    ("unknown route", {}, {"path": "/v1/audio/speech"}, 404, ""),
 ]
 
 

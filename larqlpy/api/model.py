@@ -1,16 +1,21 @@
 """The Python API: `larqlpy.load(path).generate(prompt, continuation=..., options=..., stop=...)`.
-Each call is a request (`Request.from_api`) through the same `prepare` and decode loop as the CLI."""
+Each call is a request (`Request.from_api`) through the same `prepare` and decode loop as the CLI;
+`embed` through the same embedding sequences and scheduler as the server's /v1/embeddings."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Iterator, Mapping
 
+import torch
+
 from larqlpy.api.chat import ChatSession
+from larqlpy.decode.scheduler import Scheduler
 from larqlpy.decode.output import Token
 from larqlpy.decode.stream import generate_step
 from larqlpy.engines import EngineSpec, parse_engine_spec
 from larqlpy.errors import LarqlError
+from larqlpy.pipeline.embed import embeddings, inputs_of, one_input
 from larqlpy.pipeline.prepare import prepare
 from larqlpy.pipeline.request import Request, choices, generation, tools_of
 from larqlpy.pipeline.runner import execute
@@ -61,6 +66,20 @@ class Model:
         gen = generation(kw)
         return ChatSession(self.loaded, spec, gen, template, system=system, tools=tools_of({**kw, "messages": ()}, gen),
                            n=choices(kw))
+
+    def embed(self, texts: str | list[str] | list[int] | list[list[int]], pooling: str | None = None) -> torch.Tensor:
+        """Unit-length embeddings of `texts` (a string, strings, token ids, or lists of ids): the final
+        hidden state, after the final norm, pooled over each input's positions -- "last" (default) or
+        "mean" -- batched through the scheduler as the server batches them. (N, hidden) float32, or
+        (hidden,) for one text or one list of ids; `.tolist()` gives lists."""
+        seqs = embeddings(self.loaded, inputs_of(texts), pooling)
+        for _ in Scheduler(self.loaded.model).run(seqs):
+            pass
+        failed = next((s.error for s in seqs if s.error is not None), None)
+        if failed is not None:
+            raise LarqlError(failed)
+        vectors = torch.stack([s.vector for s in seqs])
+        return vectors[0] if one_input(texts) else vectors
 
     def complete(self, prompt: str | list[int], **kw) -> str:
         return "".join(t.text for t in self.generate(prompt, **kw))

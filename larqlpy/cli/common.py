@@ -65,6 +65,7 @@ FLAGS = {
     "tool_choice": "--tool-choice", "messages": "--chat", "draft_tokens": "--draft-tokens", "lookup": "--lookup",
     "draft_p_min": "--draft-p-min", "draft_weights": "--draft-weights", "pre_tokenizer": "--pre-tokenizer",
     "thinking_budget": "--thinking-budget", "reasoning_effort": "--reasoning-effort", "n": "--n",
+    "pooling": "--pooling", "max_embed_inputs": "--max-embed-inputs",
 }
 
 # Speculative decoding (docs/speculative.md)

@@ -43,6 +43,10 @@ def serve(
                                          help="seconds in-flight requests get to finish at SIGTERM"),
     queue_size: int = typer.Option(ServeConfig.queue_size, "--queue-size", help="requests waiting "
                                    "beyond the live ones before 429"),
+    pooling: Optional[str] = typer.Option(None, "--pooling", help="/v1/embeddings: pool the final hidden states "
+                                          "of the 'last' token (default) or their 'mean'"),
+    max_embed_inputs: int = typer.Option(ServeConfig.max_embed_inputs, "--max-embed-inputs", help="inputs one "
+                                         "/v1/embeddings request may carry (each waits in the queue as a request)"),
     draft: Optional[Path] = DRAFT,
     draft_tokens: Optional[int] = DRAFT_TOKENS,
     draft_weights: Optional[str] = DRAFT_WEIGHTS,
@@ -53,8 +57,8 @@ def serve(
     allow_unused_tensors: bool = ALLOW_UNUSED,
     pre_tokenizer: Optional[str] = PRE_TOKENIZER,
 ):
-    """Serve MODEL over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics). Conversations' attention states are kept and reused by later requests that
+    """Serve MODEL over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/embeddings,
+    /v1/models, /health, /metrics). Conversations' attention states are kept and reused by later requests that
     share their prefix."""
     from larqlpy.files import check_output
     from larqlpy.model.families import read_config
@@ -67,7 +71,7 @@ def serve(
                       kv_budget=sizes["--kv-budget"], disk_budget=sizes["--disk-budget"],
                       state_dir=str(state_dir) if state_dir else None, name=Path(model).resolve().name,
                       engine=engine, continuation=continuation, options=tuple(continuation_option),
-                      shutdown_grace_s=shutdown_grace)
+                      shutdown_grace_s=shutdown_grace, pooling=pooling, max_embed_inputs=max_embed_inputs)
     read_config(model_home(model, pre_tokenizer))
     check_kv_dtype(kv_dtype)
     speculation(draft, draft_tokens, 0, draft_weights=draft_weights)

@@ -167,10 +167,12 @@ class Decoder(nn.Module):
     @torch.inference_mode()
     def forward_many(self, blocks: Sequence[tuple[torch.Tensor, EngineState, str]]) -> list[torch.Tensor | None]:
         """Blocks of several sequences in one pass: [(ids (T_i,), its state, "last" | "all" | "none" |
-        "steps")] -> each block's logits ((1 or T_i, V) float32, or None for "none"). Each block runs
-        at its state's next positions; the LM head runs once, on the rows whose logits are wanted.
-        "steps": every row's logits, and its rows attended as successive decode steps (a verification
-        of speculative proposals: each row's numbers are those a decode step of it gives)."""
+        "steps" | "hidden")] -> each block's logits ((1 or T_i, V) float32, or None for "none"). Each
+        block runs at its state's next positions; the LM head runs once, on the rows whose logits are
+        wanted. "steps": every row's logits, and its rows attended as successive decode steps (a
+        verification of speculative proposals: each row's numbers are those a decode step of it
+        gives). "hidden": every row's final-normed hidden state (T_i, E) float32 instead of logits --
+        transformers' last_hidden_state, what an embedding pools."""
         sizes = [b[0].shape[0] for b in blocks]
         states = [b[1] for b in blocks]
         stepped = [b[2] == "steps" for b in blocks] if any(b[2] == "steps" for b in blocks) else ()
@@ -188,24 +190,47 @@ class Decoder(nn.Module):
             x, h = block.forward(x, h, after, *tables[stores[0].geometry.kind], stores, sizes, stepped)
         for s in states:
             s.end_block()
+        return self._outputs(x, [b[2] for b in blocks], sizes)
+
+    def _outputs(self, x: torch.Tensor, wants: list[str], sizes: list[int]) -> list[torch.Tensor | None]:
+        """Each block's wanted rows of the final norm, through the LM head unless it wants them as
+        they are ("hidden": an embedding's rows, which never meet the head)."""
         rows, lo = [], 0  # (first row, count) of each block's wanted rows in x
-        for (_, _, want), n in zip(blocks, sizes):
-            rows.append((lo, n) if want in ("all", "steps") else (lo + n - 1, 1) if want == "last" else (lo, 0))
+        for want, n in zip(wants, sizes):
+            rows.append((lo, n) if want in ALL_ROWS else (lo + n - 1, 1) if want == "last" else (lo, 0))
             lo += n
         keep = [r for r in rows if r[1]]
         if not keep:
-            return [None] * len(blocks)
+            return [None] * len(wants)
         x = x[keep[0][0]:keep[0][0] + keep[0][1]] if len(keep) == 1 else torch.cat([x[a:a + n] for a, n in keep])
-        logits = linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps, 1.0 if self.cfg.norm_offset else 0.0), self.head)
+        h = rms_norm(x, self.norm, self.cfg.rms_norm_eps, 1.0 if self.cfg.norm_offset else 0.0)
+        counts = [n for _, n in rows]
+        if "hidden" not in wants:  # generation: every wanted row to the head
+            return _split(self._head(h), counts)
+        parts = _split(h, counts)
+        heads = [p for p, w in zip(parts, wants) if p is not None and w != "hidden"]
+        logits = iter(_split(self._head(torch.cat(heads)), [p.shape[0] for p in heads]) if heads else ())
+        return [p.float() if w == "hidden" else None if p is None else next(logits) for p, w in zip(parts, wants)]
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed rows -> float32 logits."""
+        logits = linear(h, self.head)
         if self.cfg.final_softcap:
             cap = self.cfg.final_softcap
             logits = torch.tanh(logits / cap) * cap
-        logits = logits.float()
-        out, at = [], 0
-        for _, n in rows:
-            out.append(logits[at:at + n] if n else None)
-            at += n
-        return out
+        return logits.float()
+
+
+ALL_ROWS = ("all", "steps", "hidden")  # the wants that take every row of their block
+
+
+def _split(t: torch.Tensor, counts: list[int]) -> list[torch.Tensor | None]:
+    """Consecutive slices of `counts` rows (None where 0)."""
+    out, at = [], 0
+    for n in counts:
+        out.append(t[at:at + n] if n else None)
+        at += n
+    return out
 
 
 def prefill(model: Decoder, state: EngineState, ids: Sequence[int] | torch.Tensor, chunk: int,

@@ -8,7 +8,8 @@ request is read into a `Request`, prepared into a sequence (every refusal a 400 
 on a small pool of threads, never on the event loop (the chat template renders there, for up to its
 time bound, while /health and other requests are answered), and handed to the engine thread; one
 event source (`events`) serves both the whole answer and the stream, and a client that
-goes away cancels its sequence either way.
+goes away cancels its sequence either way. POST /v1/embeddings (OpenAI's, server/embeddings.py):
+each input a sequence that prefills and pools, through the same queue.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from larqlpy.pipeline.prepare import prompt_of
-from larqlpy.server import anthropic, anthropic_events, openai, responses_http
+from larqlpy.server import anthropic, anthropic_events, embeddings, openai, responses_http
 from larqlpy.server.engine import Handle
 from larqlpy.server.flow import CUT, Served, body_of, events, prepared, served, submit, whole
 from larqlpy.server.guard import Guard, error_response
@@ -88,6 +89,15 @@ async def count_tokens(request: HttpRequest):
     body = await body_of(request, chat=True)
     ids = await prepared(s, lambda: anthropic.read_request(body, default=s.default, counting=True), prompt_of)
     return JSONResponse({"input_tokens": len(ids)})
+
+
+async def embed(request: HttpRequest):
+    """OpenAI's embeddings: each input a sequence the engine thread prefills beside generation and pools."""
+    s = served(request)
+    body = await body_of(request, chat=False)
+    read = partial(embeddings.read_request, body, s.cfg, s.loaded.config.hidden_size)
+    handles = submit(s, await prepared(s, read, embeddings.sequences))
+    return await whole(request, handles, partial(embeddings.response, s.name))
 
 
 async def streamed(request: HttpRequest, handles: list[Handle], rid: str, chat: bool, include_usage: bool):
@@ -173,6 +183,7 @@ async def on_error(request: HttpRequest, e: Exception):
 ROUTES = [Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
           Route("/v1/completions", completions, methods=["POST"]),
           Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+          Route("/v1/embeddings", embed, methods=["POST"]),
           Route("/v1/messages", messages, methods=["POST"]),
           Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]), *responses_http.ROUTES]
 

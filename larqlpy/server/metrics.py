@@ -25,9 +25,10 @@ class Metrics:
         self.registry.register(_EngineCollector(engine))
 
     def served(self, seqs) -> None:
-        """A request answered in full (its choices' sequences: the prompt counted once)."""
+        """A request answered in full: its choices' sequences (which share a key: the prompt counted
+        once), or an embedding request's inputs (a key each)."""
         self.requests.labels("200").inc()
-        self.tokens.labels("prompt").inc(len(seqs[0].prompt_ids))
+        self.tokens.labels("prompt").inc(sum(len(s.prompt_ids) for s in {s.key: s for s in seqs}.values()))
         self.tokens.labels("completion").inc(sum(len(s.output) for s in seqs))
         self.tokens.labels("cached").inc(seqs[0].held_from)
         for kind in ("proposed", "accepted", "steps"):
