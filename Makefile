@@ -82,6 +82,7 @@ bench: model bench-setup
 	$(BIN)/python bench/busy.py --model $(MODEL_DIR)
 	$(BIN)/python bench/busy_decode.py --gguf "$(GEMMA_GGUF)" --gguf "$(QWEN_GGUF)"
 	$(BIN)/python bench/serve.py --model $(MODEL_DIR)
+	$(BIN)/python bench/responses_chain.py --model $(QWEN_DIR)
 	$(BIN)/python bench/codec.py --model $(MODEL_DIR)
 	$(BIN)/python bench/resume.py --model $(MODEL_DIR)
 	$(BIN)/python bench/stream.py --model $(MODEL_DIR)
