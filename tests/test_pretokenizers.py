@@ -196,3 +196,15 @@ def test_the_override_splits_as_its_name_and_only_while_given(cli, tmp_path):
 def test_a_deepseek_r1_distill_name_runs_as_qwen2(cli, tmp_path):
     rc, out, _ = cli("info", tiny_file(tmp_path, "deepseek-r1-qwen"), "--json")
     assert rc == 0 and json.loads(out)["pre_tokenizer"] == "deepseek-r1-qwen"
+
+
+def test_every_command_that_loads_a_model_takes_the_override(cli, tmp_path):
+    path = tiny_file(tmp_path, "mystery")
+    for command in (["kv-stats", path, "the 123 abc"], ["bench", "ladder", path, "--positions", "8", "--steps", "1"],
+                    ["bench", "needle", path], ["calibrate", path], ["warmup", path]):
+        assert_refused(cli(*command), "tokenizer.ggml.pre is 'mystery'", "--pre-tokenizer NAME")
+    rc, out, err = cli("kv-stats", path, "the 123 abc", "--json", "--pre-tokenizer", "qwen2")
+    assert rc == 0, err
+    rc, out, err = cli("bench", "ladder", path, "--positions", "8", "--steps", "1", "--continuation", "canonical/v1",
+                       "--json", "--pre-tokenizer", "qwen2")
+    assert rc == 0 and json.loads(out)["rows"], err

@@ -12,8 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from larqlpy.cli.common import (ALLOW_UNUSED, CONTINUATION, CONTINUATION_OPTION, DEVICE, DTYPE, MONITOR, MONITOR_PLOT,
-                                WEIGHTS, check_paths, err, fmt_bytes, load_model, monitored, one_engine, out,
-                                size_flag)
+                                PRE_TOKENIZER, WEIGHTS, check_paths, err, fmt_bytes, load_model, monitored, one_engine,
+                                out, size_flag)
 from larqlpy.errors import LarqlError
 from larqlpy.files import check_output
 
@@ -39,6 +39,7 @@ def bench_ladder(
     dtype: str = DTYPE,
     weights: Optional[str] = WEIGHTS,
     allow_unused_tensors: bool = ALLOW_UNUSED,
+    pre_tokenizer: Optional[str] = PRE_TOKENIZER,
 ):
     """Each engine at several lengths: live KV bytes, speed, row cosine and KL against canonical/v1."""
     from larqlpy.tools.ladder import ladder
@@ -55,10 +56,10 @@ def bench_ladder(
         with monitored(monitor, monitor_plot):
             return _ladder_budget(model, budget, specs, max_positions, as_json,
                                   dict(device=device, dtype=dtype, weights=weights,
-                                       allow_unused_tensors=allow_unused_tensors))
+                                       allow_unused_tensors=allow_unused_tensors, pre_tokenizer=pre_tokenizer))
     with monitored(monitor, monitor_plot) as mon:
         loaded = load_model(model, device=device, dtype=dtype, weights=weights,
-                            allow_unused_tensors=allow_unused_tensors)
+                            allow_unused_tensors=allow_unused_tensors, pre_tokenizer=pre_tokenizer)
         result = ladder(loaded, lengths, specs, steps, on_length=lambda n: setattr(mon, "position", n))
     if plot is not None:
         draw(result, plot)
@@ -137,6 +138,7 @@ def bench_consistency(
     device: str = DEVICE,
     weights: Optional[str] = WEIGHTS,
     allow_unused_tensors: bool = ALLOW_UNUSED,
+    pre_tokenizer: Optional[str] = PRE_TOKENIZER,
 ):
     """A fixed question set answered greedily by each engine, against canonical/v1."""
     from larqlpy.engines import preset_spec
@@ -150,7 +152,8 @@ def bench_consistency(
     items = load_questions(questions)
     check_paths(monitor, monitor_plot)
     with monitored(monitor, monitor_plot):
-        loaded = load_model(model, device=device, weights=weights, allow_unused_tensors=allow_unused_tensors)
+        loaded = load_model(model, device=device, weights=weights, allow_unused_tensors=allow_unused_tensors,
+                            pre_tokenizer=pre_tokenizer)
         r = consistency(loaded, items, specs, max_tokens)
     if as_json:
         sys.stdout.write(json.dumps(r) + "\n")
@@ -181,6 +184,7 @@ def bench_needle(
     device: str = DEVICE,
     weights: Optional[str] = WEIGHTS,
     allow_unused_tensors: bool = ALLOW_UNUSED,
+    pre_tokenizer: Optional[str] = PRE_TOKENIZER,
 ):
     """Pass-key retrieval: a key hidden in filler text, asked for, per engine, length and depth."""
     from larqlpy.tools import needle as nd
@@ -201,7 +205,8 @@ def bench_needle(
         raise LarqlError(f"--plot: expected a .png path, got {plot}")
     if plot is not None:
         check_output(plot, "--plot")
-    loaded = load_model(model, device=device, weights=weights, allow_unused_tensors=allow_unused_tensors)
+    loaded = load_model(model, device=device, weights=weights, allow_unused_tensors=allow_unused_tensors,
+                        pre_tokenizer=pre_tokenizer)
     show = None if as_json else (lambda r: err.print(
         f"{r['positions']:,} tokens, depth {r['depth']}: {r['engine']}: "
         f"{'refused' if r['found'] is None else 'found' if r['found'] else 'missed'}",

@@ -69,6 +69,7 @@ def calibrate(
     if_needed: bool = typer.Option(False, "--if-needed", help="do nothing when MODEL has a usable calibration"),
     device: str = DEVICE,
     allow_unused_tensors: bool = ALLOW_UNUSED,
+    pre_tokenizer: Optional[str] = PRE_TOKENIZER,
 ):
     """Measure the keys' mean and per-channel scale (what codec calib=on quantizes with) and write
     kv_calibration.safetensors into MODEL (a .gguf file's: into its metadata cache)."""
@@ -76,7 +77,7 @@ def calibrate(
     from larqlpy.model.families import read_config
     from larqlpy.weights.gguf_checkpoint import checkpoint
 
-    home = model_home(model)
+    home = model_home(model, pre_tokenizer)
     if if_needed:
         cfg = read_config(home)
         pairs, problem = calibration_file.read(home, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
@@ -99,7 +100,8 @@ def calibrate(
     from larqlpy.calibration import calibrate as measure
 
     t0 = time.perf_counter()
-    loaded = load_model(model, device=device, key_calibration=False, allow_unused_tensors=allow_unused_tensors)
+    loaded = load_model(model, device=device, key_calibration=False, allow_unused_tensors=allow_unused_tensors,
+                        pre_tokenizer=pre_tokenizer)
     cals, meta = measure(loaded, body)
     path = calibration_file.save(home, cals, meta)
     t = Table(title=f"{model}: key calibration over {int(meta['tokens']):,} tokens")

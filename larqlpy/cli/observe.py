@@ -10,7 +10,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from larqlpy.cli.common import ALLOW_UNUSED, DEVICE, WEIGHTS, err, load_model, model_home, out, read_prompt
+from larqlpy.cli.common import (ALLOW_UNUSED, DEVICE, PRE_TOKENIZER, WEIGHTS, err, load_model, model_home, out,
+                                read_prompt)
 from larqlpy.errors import LarqlError
 from larqlpy.files import PROMPT_LIMIT, atomic_write, check_output, read_text
 
@@ -27,20 +28,22 @@ def kv_stats(
     device: str = DEVICE,
     weights: Optional[str] = WEIGHTS,
     allow_unused_tensors: bool = ALLOW_UNUSED,
+    pre_tokenizer: Optional[str] = PRE_TOKENIZER,
 ):
     """Per layer, K and V: range, quantiles, outlier channels, and the per-row cosine each codec reaches."""
     from larqlpy.model.families import read_config
     from larqlpy.tools.observe import QUANTILES, QUERIES, WIDER
     from larqlpy.tools.observe import kv_stats as measure
 
-    max_positions = _positions(read_config(model_home(model)).max_position_embeddings, max_positions)
+    max_positions = _positions(read_config(model_home(model, pre_tokenizer)).max_position_embeddings, max_positions)
     if not 0 < min_cosine <= 1:
         raise LarqlError("--min-cosine must be in (0, 1]")
     if rules_out is not None:
         check_output(rules_out, "--rules-out")
     named = prompt != "-" and _names_a_file(prompt)
     text = read_text(prompt, "PROMPT_OR_FILE", PROMPT_LIMIT) if named else read_prompt(prompt)
-    loaded = load_model(model, device=device, weights=weights, allow_unused_tensors=allow_unused_tensors)
+    loaded = load_model(model, device=device, weights=weights, allow_unused_tensors=allow_unused_tensors,
+                        pre_tokenizer=pre_tokenizer)
     ids = loaded.tokenizer.encode(text)[:max_positions]
     r = measure(loaded, ids, min_cosine)
     if rules_out is not None:

