@@ -178,6 +178,9 @@ class ServeConfig:
     engine: str | None = None  # the engine of requests that name none (as a run spells it)
     continuation: str | None = None
     options: tuple[str, ...] = ()
+    # one of several replicas sharing `state_dir` (its name): kept states written through to its own
+    # directory there, the others' read (state/prefix_cache.py)
+    replica: str | None = None
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
