@@ -108,9 +108,12 @@ class Affinity:
         replica = self.known(keys)
         return replica if replica in alive else None
 
-    def count(self, keys: Keys, replica: str) -> str:
+    def count(self, keys: Keys, replica: str) -> str | None:
         """A request of `keys` went to `replica`: "hit" (its state's replica), "moved" (its state's
-        replica was gone or full), "new" (no state known)."""
+        replica was gone or full), "new" (no state known); None for a request without keys (/health,
+        /v1/models: no turn of a conversation)."""
+        if not keys.prefixes and keys.previous is None:
+            return None
         known = self.known(keys)
         result = "new" if known is None else "hit" if known == replica else "moved"
         with self.lock:

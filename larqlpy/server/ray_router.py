@@ -46,4 +46,5 @@ class StateRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         landed = affinity.SHARED.count(keys_of_request(pending_request), replica_id.unique_id)
-        self.turns.inc(1, tags={"result": landed})
+        if landed is not None:
+            self.turns.inc(1, tags={"result": landed})

@@ -115,7 +115,7 @@ class Replica:
             cfg = dataclasses.replace(cfg, replica=self.name)
         self.served = ready(setup.load(), cfg)
         self.app = build_app(self.served)
-        self.mirror = Mirror(self.served.metrics.registry).start()
+        self.mirror = Mirror(self.served.metrics.registry, self.name).start()
 
     async def run(self, call: Call):
         first = True
