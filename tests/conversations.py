@@ -135,7 +135,6 @@ async def converse(server: Launched, model: str, ids, turns: int, max_tokens: in
     Each conversation's turns (an error's text where one failed), and the replica killed."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
     progress: list = []
     kill = await asyncio.to_thread(replica_killer, server.cluster) if kill_after is not None else None
 
@@ -145,7 +144,9 @@ async def converse(server: Launched, model: str, ids, turns: int, max_tokens: in
         return await asyncio.to_thread(kill)
 
     killing = asyncio.create_task(killer()) if kill is not None else None
-    convs = await asyncio.gather(*(conversation(client, model, i, turns, max_tokens, stream, progress) for i in ids))
+    async with AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600) as client:
+        convs = await asyncio.gather(*(conversation(client, model, i, turns, max_tokens, stream, progress)
+                                       for i in ids))
     if killing is not None and not killing.done():  # the run ended (or failed) first
         killing.cancel()
         return list(convs), None

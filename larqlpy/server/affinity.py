@@ -70,10 +70,12 @@ def keys_of(body: bytes) -> Keys:
     previous = previous if isinstance(previous, str) else None
     if isinstance(b.get("messages"), list):
         return Keys(_chain(head, b["messages"]))
+    if previous is not None:  # its input is only the new turn's: the chain is the key
+        return Keys(previous=previous)
     if "input" in b:
         items = b["input"]
         items = [{"role": "user", "content": items}] if isinstance(items, str) else items
-        return Keys(_chain(head, items) if isinstance(items, list) else (), previous)
+        return Keys(_chain(head, items) if isinstance(items, list) else ())
     return Keys(_prompt(b.get("prompt")))
 
 

@@ -94,7 +94,14 @@ async def asgi_call(app, call: Call):
             if m["type"] == "http.response.start":
                 yield "start", m["status"], tuple(m.get("headers", ()))
             elif m["type"] == "http.response.body" and m.get("body"):
-                yield "body", m["body"]
+                body, ended = m["body"], False
+                while not out.empty() and not ended:  # what queued meanwhile goes as one item: a Ray item costs CPU
+                    more = out.get_nowait()
+                    ended = more is None
+                    body += b"" if ended else more.get("body", b"")
+                yield "body", body
+                if ended:
+                    break
         task.result()
     finally:
         gone.set()
