@@ -196,6 +196,9 @@ class ServeConfig:
     options: tuple[str, ...] = ()
     pooling: str | None = None  # /v1/embeddings: the pooling of requests that name none
     max_embed_inputs: int = 64  # /v1/embeddings: inputs a request may carry (each is a sequence in the queue)
+    # one of several replicas sharing `state_dir` (its name): kept states written through to its own
+    # directory there, the others' read (state/prefix_cache.py)
+    replica: str | None = None
 
     def __post_init__(self):
         if not 0 < self.port < 65536:

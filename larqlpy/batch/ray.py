@@ -39,7 +39,7 @@ def ray_records(ray_address: str, setup: Setup, items: list[Item], show: Show, a
     `on_replace(name)` hears of each actor that died and was replaced.
     `ray_address`: "local" starts a cluster in this process, "auto" joins the one this machine belongs
     to, anything else is a cluster address (host:port, or ray://host:port)."""
-    ray, died = _connect(ray_address, actors * actor_cpus)
+    ray, died = connect(ray_address, actors * actor_cpus)
     setup = dataclasses.replace(setup, threads=setup.threads or actor_cpus)
     size = chunk or max(1, 2 * (setup.parallel or 4 * setup.threads))
     pool = _Pool(ray, setup, actors, actor_cpus, deque((items[i:i + size], 0) for i in range(0, len(items), size)))
@@ -70,7 +70,7 @@ def ray_records(ray_address: str, setup: Setup, items: list[Item], show: Show, a
         pool.close()
 
 
-def _connect(address: str, cpus: int):
+def connect(address: str, cpus: int):
     """Ray, connected (a cluster of `cpus` started here for "local"), and the errors of a lost actor."""
     try:
         import ray

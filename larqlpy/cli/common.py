@@ -58,6 +58,8 @@ FLAGS = {
     "chat_template": "--chat-template", "parallel": "--parallel", "port": "--port", "api_key": "--api-key",
     "queue_size": "--queue-size", "max_tokens_limit": "--max-tokens-limit", "max_body_bytes": "--max-body",
     "disk_budget": "--disk-budget", "state_dir": "--state-dir", "shard": "--shard",
+    "replicas": "--replicas", "replica_cpus": "--replica-cpus", "min_replicas": "--min-replicas",
+    "max_replicas": "--max-replicas",
     "shutdown_grace_s": "--shutdown-grace", "host": "--host", "allow_unused_tensors": "--allow-unused-tensors",
     "json_schema": "--json-schema", "regex": "--regex", "grammar": "--grammar", "logprobs": "--logprobs",
     "logit_bias": "--logit-bias", "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",

@@ -56,6 +56,15 @@ def serve(
     kv_dtype: Optional[str] = KV_DTYPE,
     allow_unused_tensors: bool = ALLOW_UNUSED,
     pre_tokenizer: Optional[str] = PRE_TOKENIZER,
+    ray_address: Optional[str] = typer.Option(None, "--ray", help="serve from replicas on Ray Serve: local | auto | "
+                                              "ADDRESS (docs/scale-out.md)"),
+    replicas: int = typer.Option(1, "--replicas", help="with --ray: replicas, each a whole server"),
+    replica_cpus: int = typer.Option(1, "--replica-cpus", help="with --ray: CPUs per replica (its threads)"),
+    min_replicas: Optional[int] = typer.Option(None, "--min-replicas", help="with --ray: autoscale on queue depth, "
+                                               "down to this many"),
+    max_replicas: Optional[int] = typer.Option(None, "--max-replicas", help="with --ray: autoscale up to this many"),
+    worker_model: Optional[str] = typer.Option(None, "--worker-model", help="with --ray: MODEL's path as the "
+                                               "replicas see it (default: the same path)"),
 ):
     """Serve MODEL over HTTP with the OpenAI API (/v1/completions, /v1/chat/completions, /v1/embeddings,
     /v1/models, /health, /metrics). Conversations' attention states are kept and reused by later requests that
@@ -75,11 +84,20 @@ def serve(
     read_config(model_home(model, pre_tokenizer))
     check_kv_dtype(kv_dtype)
     speculation(draft, draft_tokens, 0, draft_weights=draft_weights)
+    scale = _scale(ray_address, replicas, replica_cpus, min_replicas, max_replicas, worker_model)
     if state_dir is not None:
         state_dir.mkdir(exist_ok=True)
     if host not in LOOPBACK and api_key is None:
         err.print(f"larqlpy: warning: listening on {host} without --api-key: anyone who can reach it may use it",
                   markup=False)
+    if ray_address is not None:
+        from larqlpy.batch.local import Setup
+
+        setup = Setup(worker_model or str(Path(model).resolve()), device, dtype, weights, kv_dtype, parallel,
+                      threads=replica_cpus, allow_unused_tensors=allow_unused_tensors,
+                      draft=str(draft) if draft else None, draft_tokens=draft_tokens, draft_weights=draft_weights,
+                      pre_tokenizer=pre_tokenizer)
+        return _on_ray(ray_address, setup, cfg, scale)
 
     from larqlpy.cli.compiling import compile_progress
     from larqlpy.server import listen, serve as run_server
@@ -90,6 +108,48 @@ def serve(
                             allow_unused_tensors=allow_unused_tensors, draft=draft, draft_tokens=draft_tokens,
                             draft_weights=draft_weights, pre_tokenizer=pre_tokenizer)
         run_server(loaded, cfg, announce, sock)
+
+
+def _scale(ray_address, replicas, replica_cpus, min_replicas, max_replicas, worker_model):
+    """The replicas `--ray` asks for; every refusal before anything starts."""
+    from larqlpy.server.scaling import Scale
+
+    if ray_address is None:
+        if (replicas, replica_cpus) != (1, 1) or (min_replicas, max_replicas, worker_model) != (None,) * 3:
+            raise LarqlError("--replicas, --replica-cpus, --min-replicas, --max-replicas and --worker-model go "
+                             "with --ray")
+        return None
+    return Scale(replicas, replica_cpus, min_replicas, max_replicas)
+
+
+def _on_ray(ray_address: str, setup, cfg: ServeConfig, scale) -> None:
+    """The replicas on Ray Serve; with `--ray local` and no --state-dir, a temporary directory they
+    share (so a turn whose replica died resumes from its file)."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from larqlpy.server.ray_serve import serve_on_ray
+
+    tmp = None
+    if cfg.state_dir is not None:  # as the replicas see it, whatever their working directory
+        cfg = dataclasses.replace(cfg, state_dir=str(Path(cfg.state_dir).resolve()))
+    elif ray_address == "local":
+        tmp = tempfile.mkdtemp(prefix="larqlpy-replicas-")
+        cfg = dataclasses.replace(cfg, state_dir=tmp)
+    else:
+        err.print("larqlpy: warning: --ray without --state-dir on a shared file system: a turn that lands on "
+                  "another replica than its state's is prefilled afresh", markup=False)
+    try:
+        serve_on_ray(ray_address, setup, cfg, scale, announce_ray)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def announce_ray(s: dict) -> None:
+    err.print(f"larqlpy: serving on Ray ({s['address']}: cluster {s['cluster']}, {s['replicas']} replicas, states in "
+              f"{s['state_dir'] or 'each replica'}) on {s['url']} (pid {os.getpid()})", markup=False)
 
 
 def _sizes(*flags: tuple[str, str]) -> dict[str, int]:

@@ -48,11 +48,20 @@ def assemble(loaded: LoadedModel, config: ServeConfig, has_template: bool | None
     `has_template`: `chat_template(loaded)`, when the caller has asked it already."""
     has_template = chat_template(loaded) if has_template is None else has_template
     budget = KVBudget(config.kv_budget)
-    cache = PrefixCache(loaded, budget, config.disk_budget, config.state_dir)
+    cache = PrefixCache(loaded, budget, config.disk_budget, config.state_dir, replica=config.replica)
     engine = ServeEngine(loaded, cache, budget, config.parallel, config.queue_size)
     default = Request(engine=config.engine, continuation=config.continuation, options=config.options)
     return Served(loaded, config.name or Path(loaded.path).resolve().name, engine, cache, config, default,
                   Metrics(engine), has_template, ResponseStore(config.state_dir))
+
+
+def ready(loaded: LoadedModel, config: ServeConfig) -> Served:
+    """`assemble`d, after the checks and the work before the first request: the chat template
+    rendered within its bounds (a template that loops is refused before the calibration's prefill),
+    the key calibration measured here, not inside the first request's handler."""
+    has_template = chat_template(loaded)
+    ensure_calibration(loaded, config.spec())
+    return assemble(loaded, config, has_template)
 
 
 def serve(loaded: LoadedModel, config: ServeConfig, announce: Callable[[dict], None] | None = None,
@@ -60,17 +69,17 @@ def serve(loaded: LoadedModel, config: ServeConfig, announce: Callable[[dict], N
     """Serve `loaded` as `config` says, on `sock` (bound by `listen` before the weights loaded, or
     now); `announce` hears what it serves before it answers."""
     sock = sock or listen(config.host, config.port)
-    has_template = chat_template(loaded)  # a template that loops is refused before the calibration's prefill
-    ensure_calibration(loaded, config.spec())  # here, not inside the first request's handler
-    s = assemble(loaded, config, has_template)
+    s = ready(loaded, config)
     if announce is not None:
         announce({"name": s.name, "weights": loaded.weights, "kv_dtype": loaded.kv_dtype,
                   "engine": config.spec().describe(),
                   "parallel": s.engine.parallel, "kept": len(s.cache.entries), "state_dir": config.state_dir,
                   "url": f"http://{config.host}:{config.port}"})
     AppStatus.disable_automatic_graceful_drain()  # sse-starlette would end every stream at the signal
-    server = Draining(uvicorn.Config(build_app(s), log_level="warning", access_log=False,
-                                     timeout_graceful_shutdown=DRAINED_S), s.engine, config.shutdown_grace_s)
+    # h11 and asyncio, whatever else is installed (ray[serve] brings httptools and uvloop): one behaviour
+    server = Draining(uvicorn.Config(build_app(s), log_level="warning", access_log=False, http="h11",
+                                     loop="asyncio", timeout_graceful_shutdown=DRAINED_S), s.engine,
+                      config.shutdown_grace_s)
     server.run(sockets=[sock])
 
 

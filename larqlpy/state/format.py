@@ -99,6 +99,17 @@ def load_state(path: str | Path) -> SavedState:
     return SavedState(path, header, records, logits, backing)
 
 
+def read_tokens(path: str | Path) -> tuple[list[int], int]:
+    """A state file's token ids and processed count, from its checked header alone (no data read):
+    what a server needs to list a file another server wrote."""
+    path = Path(path)
+    header, _ = _read_header(path, path.stat().st_size)
+    tokens, processed = header.get("tokens"), header.get("processed")
+    if not (isinstance(tokens, list) and isinstance(processed, int) and 0 <= processed <= len(tokens)):
+        raise LarqlError(f"{path}: malformed header (tokens)")
+    return tokens, processed
+
+
 def _read_header(path: Path, size: int) -> tuple[dict, int]:
     """The checked header bytes as JSON, and where the data area starts."""
     with open(path, "rb") as f:

@@ -16,6 +16,14 @@ sequences' reservations; past it the least recently used go first, QUANTIZED whe
 can, else PERSISTED. Matching is on token ids; a state that holds more than the request shares is
 trimmed back where the engine allows (`session.align`). A state made under another engine, options,
 weights or model is refused for reuse with the reason (the request is then prefilled afresh).
+
+Replicas sharing one state directory (`replica`: this one's name; server/ray_serve.py) each write
+under `<state_dir>/replicas/<replica>/` and read the others' files there. A replica writes a state's
+file as it keeps it (write-through, on the engine thread: a later turn that lands on another replica,
+its own gone, resumes from it) and keeps the file while the state is in use, until a newer state of
+the same tokens supersedes it. On every `take` it lists the other replicas' directories and reads
+the token ids of files it has not seen (their headers only); it reads such a file whole only when a
+request takes it, and never deletes one: each replica evicts only its own files.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from larqlpy.engines import EngineSpec
 from larqlpy.engines.lifecycle import State
 from larqlpy.errors import LarqlError
 from larqlpy.files import remove_stale
-from larqlpy.state.format import common_prefix, load_state
+from larqlpy.state.format import common_prefix, load_state, read_tokens
 from larqlpy.state.saved import restore, save
 from larqlpy.state.sources import Held, Reuse, align
 from larqlpy.weights.loader import LoadedModel
@@ -41,6 +49,7 @@ from larqlpy.weights.loader import LoadedModel
 SUFFIX = ".lqkv"
 MIN_MATCH = 16  # shared tokens worth reusing a state for (a system prompt; not a lone BOS)
 STAGES = (State.ACTIVE, State.QUANTIZED, State.PERSISTED)  # where a kept state can stay
+REPLICAS = "replicas"  # under a shared state directory: one directory per replica
 
 
 @dataclass
@@ -58,6 +67,7 @@ class Kept:
     # its last use: a hit hands the state to its request, whose state comes back as a new entry at its end
     used: float = field(default_factory=time.monotonic)
     refused: str | None = None  # why this server cannot use it (a file made with other weights, ...)
+    foreign: bool = False  # a file another replica wrote: read, never deleted here
 
     def nbytes(self) -> int:
         return self.held.state.resident_bytes() if self.held is not None else self.size
@@ -65,12 +75,18 @@ class Kept:
 
 class PrefixCache:
     def __init__(self, loaded: LoadedModel, budget: KVBudget | None = None, disk_budget: int | None = None,
-                 state_dir: str | Path | None = None, min_match: int = MIN_MATCH):
+                 state_dir: str | Path | None = None, min_match: int = MIN_MATCH, replica: str | None = None):
         self.loaded, self.budget, self.disk_budget = loaded, budget or KVBudget(), disk_budget
         self.budget.on_reserve = self.enforce  # a live sequence's reservation pushes kept states out
         self.min_match = min_match
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self.dir = self.state_dir or Path(tempfile.mkdtemp(prefix="larqlpy-kept-"))
+        self.shared: Path | None = None  # the replicas' directories, this one's among them
+        self.seen: set[Path] = set()  # the other replicas' files already listed
+        if replica is not None and self.state_dir is not None:
+            self.shared = self.state_dir / REPLICAS
+            self.dir = self.shared / replica
+            self.dir.mkdir(parents=True, exist_ok=True)
         self.entries: list[Kept] = []
         self.transitions: Counter = Counter()  # "ACTIVE->PERSISTED" -> count
         self.hits = self.misses = self.refusals = 0
@@ -99,10 +115,26 @@ class PrefixCache:
                 best, common = e, n
         return best if common >= self.min_match else None
 
+    def _rescan(self) -> None:
+        """The other replicas' files as PERSISTED entries: new ones listed, vanished ones dropped."""
+        found = {p for p in self.shared.glob(f"*/*{SUFFIX}") if p.parent != self.dir}
+        self.entries = [e for e in self.entries if not e.foreign or e.path in found]
+        for path in found - self.seen:
+            try:
+                tokens, processed = read_tokens(path)
+                size = path.stat().st_size
+            except (LarqlError, OSError):
+                continue  # gone meanwhile, or not a state file: never reused
+            self.entries.append(Kept(path.stem, tokens, processed, None, path=path, size=size,
+                                     stage=State.PERSISTED, foreign=True))
+        self.seen = found
+
     def take(self, ids: list[int], spec: EngineSpec) -> Reuse:
         """The kept state sharing the longest prefix with `ids` among those of this engine (files
         read at start are checked when they are recovered); a match only under another engine is a
         refusal, with the reason."""
+        if self.shared is not None:
+            self._rescan()
         usable = [e for e in self.entries if e.refused is None and (e.spec is None or e.spec == spec)]
         best = self._longest(usable, ids)
         if best is None:
@@ -121,6 +153,9 @@ class PrefixCache:
             self.entries.append(best)
             self.misses += 1
             return Reuse()
+        if self.shared is not None and best.path is not None:  # its file stays till a newer state supersedes it
+            self.entries.append(Kept(best.name, best.tokens, best.position, best.spec, path=best.path,
+                                     size=best.size, stage=State.PERSISTED, foreign=best.foreign))
         fit.state.unshrink()
         self.hits += 1
         self.reused_tokens += fit.state.position
@@ -141,7 +176,8 @@ class PrefixCache:
         if fit is None or fit.state.position == 0:
             e.stage = State.PERSISTED
             return None
-        self._drop_file(e)
+        if self.shared is None:
+            self._drop_file(e)
         self._move(e, State.ACTIVE)
         return fit
 
@@ -149,16 +185,29 @@ class PrefixCache:
         """Keep a finished request's state."""
         if held is None or held.state.position == 0:
             return
-        self.entries.append(Kept(secrets.token_hex(8), list(held.tokens), held.state.position, held.spec, held))
+        e = Kept(secrets.token_hex(8), list(held.tokens), held.state.position, held.spec, held)
+        self.entries.append(e)
         self.transitions["NONE->ACTIVE"] += 1
+        if self.shared is not None:
+            self._write_through(e)
         self.enforce()
+
+    def _write_through(self, e: Kept) -> None:
+        """`e`'s file written now, `e` staying in memory; this replica's files of states whose
+        tokens it extends are superseded (removed)."""
+        e.path = self.dir / f"{e.name}{SUFFIX}"
+        e.size = save(self.loaded, e.path, e.held)
+        for old in [o for o in self.entries if o.held is None and not o.foreign and o.path is not None
+                    and o.position <= e.position and o.tokens[:o.position] == e.tokens[:o.position]]:
+            self._drop_file(old)
+            self.entries.remove(old)
 
     # -- budgets ----------------------------------------------------------------------------------
     def resident_bytes(self) -> int:
         return sum(e.nbytes() for e in self.entries if e.held is not None)
 
     def disk_bytes(self) -> int:
-        return sum(e.nbytes() for e in self.entries if e.held is None)
+        return sum(e.size for e in self.entries if e.path is not None and not e.foreign)
 
     def enforce(self) -> None:
         """Least recently used first: QUANTIZED where the engine can, else PERSISTED, until the kept
@@ -175,7 +224,7 @@ class PrefixCache:
                         break
                 self.persist(e)
         if self.disk_budget is not None:
-            for e in sorted((e for e in self.entries if e.held is None), key=lambda e: e.used):
+            for e in sorted((e for e in self.entries if e.held is None and not e.foreign), key=lambda e: e.used):
                 if self.disk_bytes() <= self.disk_budget:
                     break
                 self._drop_file(e)
@@ -184,7 +233,8 @@ class PrefixCache:
 
     def persist(self, e: Kept) -> None:
         path = self.dir / f"{e.name}{SUFFIX}"
-        e.size = save(self.loaded, path, e.held)
+        if e.path is None:  # written through already otherwise
+            e.size = save(self.loaded, path, e.held)
         e.held, e.path = None, path
         self._move(e, State.PERSISTED)
 
@@ -217,7 +267,7 @@ class PrefixCache:
         by_stage = {s.value: 0 for s in STAGES}
         count = {s.value: 0 for s in STAGES}
         cells: Counter = Counter()
-        for e in self.entries:
+        for e in (e for e in self.entries if not e.foreign):  # another replica's files are its to count
             by_stage[e.stage.value] += e.nbytes()
             count[e.stage.value] += 1
             if e.held is not None:

@@ -1,0 +1,50 @@
+"""Ray Serve's request router for larqlpy's replicas: a request goes to the replica that holds its
+conversation's state (server/affinity.py: its keys, recorded by the ingress as answers come back),
+otherwise, or when that replica's queue is full, to the least loaded one (the replicas' queue
+lengths, as Ray Serve's own router measures them).
+
+The router runs in the process that calls the replicas -- the ingress (server/ray_serve.py) -- and
+shares that process's one map with it (`affinity.SHARED`: Ray ships this module by value, so
+it holds no state of its own). A replica that goes leaves its keys behind; they are
+skipped until a request of theirs lands elsewhere and records its new replica, so the map follows
+replicas as they come and go. Turns are counted (hit, moved, new) here and exported through Ray's
+metrics as `larqlpy_router_turns_total{result}`.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.util.metrics import Counter
+
+from larqlpy.server import affinity
+from larqlpy.server.affinity import Keys
+
+
+def keys_of_request(pending: Optional[PendingRequest]) -> Keys:
+    """The keys the ingress passed with the call (its first argument's `keys`)."""
+    if pending is None or not pending.args:
+        return Keys()
+    return getattr(pending.args[0], "keys", None) or Keys()
+
+
+class StateRouter(RequestRouter):
+    def initialize_state(self, **kwargs):
+        self.turns = Counter("larqlpy_router_turns", "requests by where they landed: hit (the replica holding "
+                             "their state), moved (it was gone or full), new (no state known)", tag_keys=("result",))
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        """Ranks: the replica holding the request's state first, then every other one (the least
+        loaded of a rank is taken)."""
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        held = affinity.SHARED.lookup(keys_of_request(pending_request), by_id)
+        if held is None:
+            return [list(candidate_replicas)]
+        return [[by_id[held]], [r for r in candidate_replicas if r.replica_id.unique_id != held]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        landed = affinity.SHARED.count(keys_of_request(pending_request), replica_id.unique_id)
+        if landed is not None:
+            self.turns.inc(1, tags={"result": landed})
