@@ -36,12 +36,17 @@ def hf_generate(hf_model, ids, n) -> list[int]:
                                  pad_token_id=0)[0, len(ids):].tolist()
 
 
+def our_logits(loaded, ids, chunk: int = 64) -> torch.Tensor:
+    """Every position's logits from a prefill in chunks (canonical/v1)."""
+    state = new_state(EngineSpec(), loaded.model.geometries(), loaded.device)
+    return prefill(loaded.model, state, ids, chunk, all_logits=True)
+
+
 def logit_gaps(loaded, hf_model, ids, split: int = 20) -> tuple[float, float]:
     """Largest |ours - transformers'| over every position's logits: a prefill of all `ids` in chunks
     of 16, and the ids after `split` decoded one at a time."""
     want = hf_logits(hf_model, ids)
-    state = new_state(EngineSpec(), loaded.model.geometries(), loaded.device)
-    whole = (prefill(loaded.model, state, ids, 16, all_logits=True) - want).abs().max().item()
+    whole = (our_logits(loaded, ids, 16) - want).abs().max().item()
     state = new_state(EngineSpec(), loaded.model.geometries(), loaded.device)
     prefill(loaded.model, state, ids[:split], 64)
     steps = torch.stack([loaded.model(torch.tensor([t]), state)[-1] for t in ids[split:]])
