@@ -5,11 +5,15 @@ out, read by larqlpy (and by transformers where its GGUF loader takes the archit
 
 from __future__ import annotations
 
+import shutil
+
 import gguf
 import numpy as np
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from larqlpy.config import GenerationConfig
 from larqlpy.convert.gguf import convert_gguf
@@ -85,6 +89,26 @@ def test_window_is_bit_identical_to_canonical(family):
     assert ours.config.windows == (8,) * 3
     canonical, window = canonical_and_window(ours, IDS)
     assert torch.equal(canonical, window)
+
+
+@pytest.mark.parametrize("family", ["gpt2"], indirect=True)
+def test_gpt2_as_openai_names_it(family, tmp_path):
+    """OpenAI's GPT-2 files: no `transformer.` prefix, and each layer's causal mask buffer beside it."""
+    _, d, _, ours = family
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(d / f, tmp_path / f)
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        tensors = {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
+    tensors.update({f"h.{i}.attn.bias": torch.ones(1, 1, 8, 8) for i in range(3)})
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert torch.equal(our_logits(load(tmp_path, device="cpu"), IDS), our_logits(ours, IDS))
+
+
+@pytest.mark.parametrize("family", ["gpt2"], indirect=True)
+def test_gpt2_refuses_positions_past_its_table(family):
+    _, _, _, ours = family
+    with pytest.raises(LarqlError, match="gpt2 has learned positions up to 128 tokens: position 163 is past them"):
+        our_logits(ours, IDS * 4)  # 164 ids, in chunks of 64: the last one ends past them
 
 
 @pytest.mark.parametrize("family", ["granitemoe", "gpt2"], indirect=True)

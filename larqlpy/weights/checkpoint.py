@@ -129,6 +129,7 @@ def view_array(name: str, a):
 
 SAMPLE = 1 << 20  # bytes the fingerprint reads from each end of each weight file
 IGNORED = (".rotary_emb.inv_freq",)  # buffers some checkpoints saved beside the weights: nothing to load
+GPT2_IGNORED = (".attn.bias", ".attn.masked_bias")  # GPT-2's causal mask buffers, in OpenAI's files
 
 
 def unused_tensors(files: dict[str, Path], wanted: Wanted, cfg: ModelConfig) -> list[str]:
@@ -138,7 +139,8 @@ def unused_tensors(files: dict[str, Path], wanted: Wanted, cfg: ModelConfig) -> 
     used = {view_of(hf)[0] for hf, _ in wanted.values()}
     prefix = wanted["embed_tokens"][0].removesuffix(top_weights(cfg)["embed_tokens"][0])
     head = prefix.removesuffix("model.").removesuffix("transformer.") + "lm_head.weight"
-    extra = [n for n in files if (n.startswith(prefix) or n == head) and n not in used and not n.endswith(IGNORED)]
+    ignored = IGNORED + (GPT2_IGNORED if cfg.layout == "gpt2" else ())
+    extra = [n for n in files if (n.startswith(prefix) or n == head) and n not in used and not n.endswith(ignored)]
     return sorted(n for n in extra if not (n == head and cfg.tie_word_embeddings))  # a tied head's own copy
 
 
