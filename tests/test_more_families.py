@@ -15,6 +15,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from larqlpy.calibration import calibrate
 from larqlpy.config import GenerationConfig
 from larqlpy.convert.gguf import convert_gguf
 from larqlpy.engines.registry import parse_engine_spec
@@ -241,3 +242,9 @@ def test_header_check_refuses_a_bad_granite_scale(tmp_path):
     hf.config.logits_scaling = -2.0  # written as granite.logit_scale
     with pytest.raises(LarqlError, match=r"granite\.logit_scale is -2\.0: expected a number above 0"):
         load(write_gguf(hf, tmp_path / "bad.gguf", "granite"), device="cpu")
+
+
+def test_gpt2_key_calibration_stays_within_its_positions(tmp_path):
+    make(tmp_path, "gpt2", n_positions=256)
+    cals, meta = calibrate(load(tmp_path, device="cpu"))
+    assert meta["tokens"] == "256" and len(cals) == 3
