@@ -21,6 +21,7 @@ from larqlpy.convert.gguf import convert_gguf
 from larqlpy.engines.registry import parse_engine_spec
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.weights.qweight import PackedWeight
+from larqlpy.model.families import config_from_dict
 from larqlpy.weights.info import describe
 from larqlpy.weights.loader import load
 from hf_compare import hf_generate, hf_logits, logit_gaps, our_logits
@@ -248,3 +249,14 @@ def test_gpt2_key_calibration_stays_within_its_positions(tmp_path):
     make(tmp_path, "gpt2", n_positions=256)
     cals, meta = calibrate(load(tmp_path, device="cpu"))
     assert meta["tokens"] == "256" and len(cals) == 3
+
+
+def test_bad_configs_are_refused_in_one_line():
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 1, "n_head": 4, "vocab_size": 10}
+    for raw, why in (({**gpt2, "n_embd": None, "n_positions": "x"}, "missing or invalid n_embd, n_positions"),
+                     ({**gpt2, "scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+                     ({"model_type": "granite", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+                       "num_attention_heads": 1, "vocab_size": 8, "logits_scaling": 0},
+                      "logits_scaling must be a positive number, got 0")):
+        with pytest.raises(LarqlError, match=why):
+            config_from_dict(raw)

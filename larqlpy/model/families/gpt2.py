@@ -13,16 +13,21 @@ from larqlpy.model.config import RopeConfig
 from larqlpy.model.families import llama
 
 NO_ROPE = RopeConfig(10000.0, "none")
+SIZES = ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions")  # GPT-2's spellings, checked before renaming
 
 
 def config(raw: dict[str, Any]):
     if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("scale_attn_weights") is False:
         raise LarqlError("config.json: gpt2 with scale_attn_by_inverse_layer_idx or without scale_attn_weights "
                          "is not supported")
-    hidden = raw.get("n_embd")
-    renamed = {**raw, "hidden_size": hidden, "num_hidden_layers": raw.get("n_layer"),
-               "num_attention_heads": raw.get("n_head"), "max_position_embeddings": raw.get("n_positions", 1024),
-               "intermediate_size": raw.get("n_inner") or (4 * hidden if isinstance(hidden, int) else None),
+    raw = {"n_positions": 1024, **raw}
+    bad = [k for k in SIZES if not isinstance(raw.get(k), int) or isinstance(raw.get(k), bool) or raw[k] <= 0]
+    if bad:
+        raise LarqlError(f"config.json: missing or invalid {', '.join(bad)}")
+    hidden = raw["n_embd"]
+    renamed = {**raw, "hidden_size": hidden, "num_hidden_layers": raw["n_layer"],
+               "num_attention_heads": raw["n_head"], "max_position_embeddings": raw["n_positions"],
+               "intermediate_size": raw.get("n_inner") or 4 * hidden,
                "hidden_act": raw.get("activation_function", "gelu_new"), "mlp_bias": False,
                "num_key_value_heads": None, "head_dim": None, "rope_scaling": None, "rope_parameters": None}
     return llama.config(renamed, layer_norm=True, gated_mlp=False, mlp_bias=True, qkv_bias=True, o_bias=True,
