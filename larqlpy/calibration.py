@@ -178,6 +178,8 @@ def calibrate(loaded: LoadedModel, text: str | None = None) -> tuple[list[KeyCal
     """Measure on `text` (default: the packaged calibration text); returns (layers, metadata)."""
     text = TEXT.read_text() if text is None else text
     ids = loaded.tokenizer.encode(text)
+    if loaded.config.learned_positions:  # GPT-2: no position past its table's
+        ids = ids[:loaded.config.max_position_embeddings]
     cals, shares = measure(loaded.model, ids)
     meta = {"format": FORMAT, "tokens": str(len(ids)), "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
             "model_fingerprint": loaded.fingerprint, "weights": loaded.weights,

@@ -63,6 +63,20 @@ def header(w: gguf.GGUFWriter, c) -> None:
     w.add_value_length(c.head_dim)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    vocabulary(w)
+
+
+def finish(w: gguf.GGUFWriter, path: Path) -> Path:
+    """Write out what `w` holds to its file, `path`."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def vocabulary(w: gguf.GGUFWriter) -> None:
+    """The small byte-level vocabulary, TOKENS, with its merge and ids."""
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(TOKENS)

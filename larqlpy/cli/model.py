@@ -38,7 +38,8 @@ def info(model: Path = typer.Argument(..., help="model directory or .gguf file")
     out.print(t)
 
 
-def convert_gguf(src: Path = typer.Argument(..., help="a .gguf file (gemma3, llama, qwen2, qwen3; no experts)"),
+def convert_gguf(src: Path = typer.Argument(..., help="a .gguf file (gemma3, llama, qwen2, qwen3, granite, "
+                                                      "starcoder2; no experts, no gpt2)"),
                  dest: Path = typer.Argument(..., help="output directory (HF layout)"),
                  force: bool = typer.Option(False, "--force", help="overwrite DEST if it exists"),
                  dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float32 (exact): the "

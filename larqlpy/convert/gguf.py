@@ -36,13 +36,14 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = None, force: bool = False,
                  dtype: str = "bfloat16", allow_unused_tensors: bool = False, pre_tokenizer: str | None = None) -> Path:
-    """Dequantize a GGUF (gemma3, llama, qwen2, qwen3) into an HF-layout directory, written to a temp directory
-    and renamed when whole. dtype: what the quantized matrices are written as -- bfloat16 (half the
-    bytes; a GGUF's values are rarely bfloat16 exactly) or float32 (exact); matrices the file holds
-    as float stay in their own precision where dtype is bfloat16, and norms and biases are float32.
-    A file holding tensors its architecture does not take is refused (as `run` refuses it) unless
-    `allow_unused_tensors`; they are not written. pre_tokenizer: the tokenizer written splits text as this
-    llama.cpp name does, not as the file's tokenizer.ggml.pre says."""
+    """Dequantize a GGUF (gemma3, llama, qwen2, qwen3, granite, starcoder2) into an HF-layout
+    directory, written to a temp directory and renamed when whole. dtype: what the quantized
+    matrices are written as -- bfloat16 (half the bytes; a GGUF's values are rarely bfloat16
+    exactly) or float32 (exact); matrices the file holds as float stay in their own precision where
+    dtype is bfloat16, and norms and biases are float32. A file holding tensors its architecture does
+    not take is refused (as `run` refuses it) unless `allow_unused_tensors`; they are not written.
+    pre_tokenizer: the tokenizer written splits text as this llama.cpp name does, not as the file's
+    tokenizer.ggml.pre says."""
     src, dest = Path(src), Path(dest)
     if dtype not in STORED:
         raise LarqlError(f"`dtype`: expected {' or '.join(STORED)}, got {dtype!r}")
@@ -56,6 +57,8 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
     if config_from_dict(config).moe is not None:
         raise LarqlError(f"{src}: a mixture of experts ({config['model_type']}) runs from the GGUF file itself; "
                          "convert-gguf does not write experts")
+    if config_from_dict(config).layout == "gpt2":  # a directory holds GPT-2's Conv1D matrices transposed
+        raise LarqlError(f"{src}: gpt2 runs from the GGUF file itself; convert-gguf does not write GPT-2's layout")
     ours = used_tensors(src, meta.reader.tensors, arch, config, allow_unused_tensors)
     step = progress or (lambda what, done, total: None)
     total = len(ours) + 1

@@ -18,7 +18,7 @@ GLOBAL = "full_attention"
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | none (learned positions: GPT-2)
     factor: float = 1.0  # linear: positions divided by this; llama3: the low-frequency divisor
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0
@@ -36,6 +36,11 @@ class MoeConfig:
     sparse: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of `intermediate_size`
     hf_block: str  # where a sparse layer's router (gate) and experts live: "block_sparse_moe" | "mlp"
     hf_experts: tuple[str, str, str]  # an expert's gate, up and down under experts.{j}.: ("w1", "w3", "w2")
+    hf_router: str = "gate"  # the router's linear under hf_block ("router.layer": Granite-MoE)
+    # Granite-MoE's files hold a layer's experts as two 3-D tensors under hf_block, gate|up fused
+    # (experts, 2 * intermediate, hidden) and down (experts, hidden, intermediate): (their names), read
+    # as one view a matrix (weights/checkpoint.py); None: a tensor an expert matrix
+    hf_fused: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,16 @@ class ModelConfig:
     pad_token_id: int | None
     weight_prefix: str = "model."  # where the decoder's tensors live ("language_model.model." multimodal)
     moe: MoeConfig | None = None  # experts on some layers (model/moe.py), or a dense MLP on every layer
+    # Granite's multipliers: the embeddings times the first, each block's attention and MLP output
+    # times the second before the residual add, the logits divided by the third
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    layer_norm: bool = False  # LayerNorm (mean removed, gain and bias, eps rms_norm_eps): StarCoder2, GPT-2
+    gated_mlp: bool = True  # act(gate) * up; False: act(up) then down, c_fc / c_proj (StarCoder2, GPT-2)
+    mlp_bias: bool = False  # biases on a non-gated MLP's c_fc and c_proj
+    learned_positions: bool = False  # a position embedding added to the tokens' (GPT-2's wpe), no RoPE
+    layout: str = "llama"  # the files' tensor names: llama (layers.{i}.self_attn...) | gpt2 (h.{i}.attn.c_attn...)
 
     @property
     def kv_dim(self) -> int:
@@ -163,7 +178,7 @@ def token_ids(raw: dict[str, Any], default_eos: int | None = None) -> dict[str, 
 
 def activation(raw: dict[str, Any], default: str) -> str:
     act = raw.get("hidden_activation") or raw.get("hidden_act") or default
-    table = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "silu": "silu"}
+    table = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "silu": "silu"}
     if act not in table:
         raise LarqlError(f"config.json: unsupported hidden_activation {act!r}")
     return table[act]

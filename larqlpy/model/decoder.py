@@ -16,11 +16,13 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.engines.stores.base import AttentionParams
 from larqlpy.engines.stores.dispatch import attend_block
 from larqlpy.engines.stores.state import EngineState
+from larqlpy.errors import LarqlError
 from larqlpy.kernels.weights.matvec import embedding, gated, linear, qkv_rope, residual_norm, rms_norm, stacked
 from larqlpy.model.config import ModelConfig, RopeConfig
 from larqlpy.model.moe import experts_of
@@ -30,6 +32,8 @@ from larqlpy.model.tensors import block_weights
 def inv_freq(cfg: RopeConfig, head_dim: int) -> torch.Tensor:
     """RoPE's inverse frequencies, scaled as the config says (transformers' formulas)."""
     freq = 1.0 / (cfg.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if cfg.rope_type == "none":  # learned positions: cos 1, sin 0, a rotation that leaves q and k as they are
+        return torch.zeros_like(freq)
     if cfg.rope_type == "linear":
         return freq / cfg.factor  # linear scaling stretches positions
     if cfg.rope_type == "llama3":  # long wavelengths divided by factor, short ones kept, a ramp between
@@ -78,6 +82,7 @@ class Block(nn.Module):
             owner, _, attr = ours.rpartition(".")
             setattr(self.get_submodule(owner) if owner else self, attr, _weight(*shape(cfg)))
         self.attn = AttentionParams(scale=cfg.attention_scale, softcap=cfg.attn_softcap)
+        self.residual = cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else None  # Granite
 
     def hot(self) -> SimpleNamespace:
         """The tensors a forward reads, as plain attributes: gathered at the block's first forward
@@ -88,9 +93,13 @@ class Block(nn.Module):
             c = self.cfg
             w = SimpleNamespace(**{n: getattr(self, n) for n in block_weights(c, self.layer) if "." not in n})
             w.experts = experts_of(self, c.moe, c.activation) if c.is_sparse(self.layer) else None
-            w.qkv_bias = torch.cat((w.q_proj_bias, w.k_proj_bias, w.v_proj_bias)) if c.qkv_bias else None
+            fused = c.layout == "gpt2"  # q|k|v one matrix in the files
+            w.qkv = (w.qkv_proj,) if fused else (w.q_proj, w.k_proj, w.v_proj)
+            w.qkv_bias = w.qkv_proj_bias if fused else \
+                torch.cat((w.q_proj_bias, w.k_proj_bias, w.v_proj_bias)) if c.qkv_bias else None
             w.q_norm, w.k_norm = (w.q_norm, w.k_norm) if c.qk_norm else (None, None)
             w.o_bias = w.o_proj_bias if c.o_bias else None
+            w.up_bias, w.down_bias = (w.up_proj_bias, w.down_proj_bias) if c.mlp_bias else (None, None)
             # Gemma: normed after attention, then before and after the MLP; Llama: post_attention_layernorm
             # is the MLP's pre-norm
             w.after_attention = w.post_attention_layernorm if c.sandwich_norms else None
@@ -105,16 +114,41 @@ class Block(nn.Module):
         input norm's weight), its h: the residual step and the next norm are one kernel call."""
         w, t = self.hot(), x.shape[0]
         h = rms_norm(x, w.input_layernorm, self.eps, self.offset) if h is None else h  # (T, E)
-        q, k, v = qkv_rope(stacked(h, w.q_proj, w.k_proj, w.v_proj), w.qkv_bias, self.n_heads, self.n_kv, w.q_norm,
+        q, k, v = qkv_rope(stacked(h, *w.qkv), w.qkv_bias, self.n_heads, self.n_kv, w.q_norm,
                            w.k_norm, self.eps, self.offset, cos, sin)  # biased, normed per head, rotated
         a = attend_block(q, k, v, stores, sizes, self.attn, stepped)  # (H, T, D): the one call into the engines
         a = linear(a.transpose(0, 1).reshape(t, -1), w.o_proj)
         if w.o_bias is not None:
             a = a + w.o_bias
+        if self.residual is not None:
+            a = a * self.residual
         x, h = residual_norm(x, a, w.after_attention, w.mlp_norm, self.eps, self.offset)
         m = linear(gated(stacked(h, w.gate_proj, w.up_proj), self.cfg.activation), w.down_proj) \
             if w.experts is None else w.experts(h)  # a sparse layer's experts (model/moe.py)
+        if self.residual is not None:
+            m = m * self.residual
         return residual_norm(x, m, w.after_mlp, next_norm, self.eps, self.offset)
+
+
+class LayerNormBlock(Block):
+    """A block of the LayerNorm families (StarCoder2, GPT-2): LayerNorm (gain and bias) before
+    attention and before the MLP, a non-gated MLP act(up) -> down, biases where the family says.
+    Each block norms its own input (h None in, None out): no fused residual-and-RMSNorm kernel."""
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor | None, next_norm, cos: torch.Tensor, sin: torch.Tensor,
+                stores: list, sizes: list[int], stepped: Sequence[bool] = ()) -> tuple[torch.Tensor, None]:
+        w, t, e = self.hot(), x.shape[0], (x.shape[1],)
+        h = F.layer_norm(x, e, w.input_layernorm, w.input_layernorm_bias, self.eps)
+        q, k, v = qkv_rope(stacked(h, *w.qkv), w.qkv_bias, self.n_heads, self.n_kv, None, None, self.eps, 0.0,
+                           cos, sin)
+        a = attend_block(q, k, v, stores, sizes, self.attn, stepped)
+        a = linear(a.transpose(0, 1).reshape(t, -1), w.o_proj)
+        x = x + (a if w.o_bias is None else a + w.o_bias)
+        h = F.layer_norm(x, e, w.post_attention_layernorm, w.post_attention_layernorm_bias, self.eps)
+        up = linear(h, w.up_proj)
+        up = up if w.up_bias is None else up + w.up_bias
+        m = linear(F.gelu(up, approximate="tanh") if self.cfg.activation == "gelu_tanh" else F.silu(up), w.down_proj)
+        return x + (m if w.down_bias is None else m + w.down_bias), None
 
 
 class Decoder(nn.Module):
@@ -125,12 +159,19 @@ class Decoder(nn.Module):
         self.calibration_problem: str | None = None  # why it has none, when its file is stale or damaged
         self.kv_dtype = "f32"  # what the engines keep exact K/V rows in (engines.geometry.KV_DTYPES)
         self.embed_tokens = _weight(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        block = LayerNormBlock if cfg.layer_norm else Block
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = _weight(cfg.hidden_size)
+        if cfg.layer_norm:
+            self.norm_bias = _weight(cfg.hidden_size)
+        if cfg.learned_positions:
+            self.embed_positions = _weight(cfg.max_position_embeddings, cfg.hidden_size)
         if not cfg.tie_word_embeddings:
             self.lm_head = _weight(cfg.vocab_size, cfg.hidden_size)
         # HF rounds the scale to the weights' dtype before multiplying; so do we (matters in bf16).
-        self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size) if cfg.embed_scale else 1.0, dtype=dtype)
+        self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size) if cfg.embed_scale else cfg.embedding_multiplier,
+                                        dtype=dtype)
+        self.scaled_embeddings = cfg.embed_scale or cfg.embedding_multiplier != 1.0
         tables = {r: Rope(r, cfg.head_dim, self.device) for r in {cfg.rope_global, cfg.rope_local}}
         self.ropes = {"global": tables[cfg.rope_global], "sliding": tables[cfg.rope_local]}
 
@@ -144,6 +185,21 @@ class Decoder(nn.Module):
                      for b, nxt in zip(blocks, [*blocks[1:], None])]
             self.__dict__["_stack"] = pairs
         return pairs
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        if c.layer_norm:
+            return F.layer_norm(x, (c.hidden_size,), self.norm, self.norm_bias, c.rms_norm_eps)
+        return rms_norm(x, self.norm, c.rms_norm_eps, 1.0 if c.norm_offset else 0.0)
+
+    def positions(self, states: Sequence[EngineState], sizes: list[int]) -> torch.Tensor:
+        """Each row's learned position embedding (GPT-2's wpe), at its own sequence's position."""
+        end = max(s.position + n for s, n in zip(states, sizes))
+        if end > self.cfg.max_position_embeddings:
+            raise LarqlError(f"{self.cfg.model_type} has learned positions up to {self.cfg.max_position_embeddings:,}"
+                             f" tokens: position {end - 1:,} is past them")
+        idx = torch.cat([torch.arange(s.position, s.position + n) for s, n in zip(states, sizes)])
+        return self.embed_positions[idx.to(self.device)].to(self.dtype)
 
     @property
     def head(self):
@@ -178,8 +234,10 @@ class Decoder(nn.Module):
         stepped = [b[2] == "steps" for b in blocks] if any(b[2] == "steps" for b in blocks) else ()
         tokens = blocks[0][0] if len(blocks) == 1 else torch.cat([b[0] for b in blocks])
         x = embedding(tokens.to(self.device), self.embed_tokens).to(self.dtype)
-        if self.cfg.embed_scale:
+        if self.scaled_embeddings:
             x = x * self.embed_scale.to(self.device)
+        if self.cfg.learned_positions:
+            x = x + self.positions(states, sizes)
         tables = {}  # kind -> cos, sin (T, D): each row at its own sequence's position
         for kind, rope in self.ropes.items():  # one RoPE: the same tables under both kinds
             parts = [rope.tables(s.position, n, self.dtype) for s, n in zip(states, sizes)]
@@ -203,7 +261,7 @@ class Decoder(nn.Module):
         if not keep:
             return [None] * len(wants)
         x = x[keep[0][0]:keep[0][0] + keep[0][1]] if len(keep) == 1 else torch.cat([x[a:a + n] for a, n in keep])
-        h = rms_norm(x, self.norm, self.cfg.rms_norm_eps, 1.0 if self.cfg.norm_offset else 0.0)
+        h = self.final_norm(x)
         counts = [n for _, n in rows]
         if "hidden" not in wants:  # generation: every wanted row to the head
             return _split(self._head(h), counts)
@@ -218,6 +276,8 @@ class Decoder(nn.Module):
         if self.cfg.final_softcap:
             cap = self.cfg.final_softcap
             logits = torch.tanh(logits / cap) * cap
+        if self.cfg.logits_scaling != 1.0:  # Granite
+            logits = logits / self.cfg.logits_scaling
         return logits.float()
 
 

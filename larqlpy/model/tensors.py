@@ -27,6 +27,15 @@ def block_weights(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, Callable
         for n in ("gate_proj", "up_proj", "down_proj"):
             del out[n]
         out.update(_experts(cfg))
+    if cfg.layer_norm:
+        out.update(input_layernorm_bias=("input_layernorm.bias", e), post_attention_layernorm_bias=(
+            "post_attention_layernorm.bias", e))
+    if not cfg.gated_mlp:  # up then down: StarCoder2's c_fc and c_proj
+        del out["gate_proj"]
+        out.update(up_proj=("mlp.c_fc.weight", out["up_proj"][1]), down_proj=("mlp.c_proj.weight", out["down_proj"][1]))
+        if cfg.mlp_bias:
+            out.update(up_proj_bias=("mlp.c_fc.bias", lambda c: (c.intermediate_size,)),
+                       down_proj_bias=("mlp.c_proj.bias", e))
     if cfg.qkv_bias:
         out.update(q_proj_bias=("self_attn.q_proj.bias", lambda c: (c.q_dim,)),
                    k_proj_bias=("self_attn.k_proj.bias", lambda c: (c.kv_dim,)),
@@ -38,13 +47,49 @@ def block_weights(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, Callable
     if cfg.sandwich_norms:
         out.update(pre_feedforward_layernorm=("pre_feedforward_layernorm.weight", e),
                    post_feedforward_layernorm=("post_feedforward_layernorm.weight", e))
+    return _gpt2(out) if cfg.layout == "gpt2" else out
+
+
+GPT2_NAMES = {"self_attn.o_proj": "attn.c_proj", "input_layernorm": "ln_1", "post_attention_layernorm": "ln_2"}
+
+
+def _gpt2(out: dict) -> dict:
+    """GPT-2's names: q|k|v one matrix (c_attn) and one bias, under h.{i}."""
+    for n in ("q_proj", "k_proj", "v_proj", "q_proj_bias", "k_proj_bias", "v_proj_bias"):
+        out.pop(n, None)
+    qkv = lambda c: (c.q_dim + 2 * c.kv_dim,)  # noqa: E731
+    out.update(qkv_proj=("attn.c_attn.weight", lambda c: (*qkv(c), c.hidden_size)),
+               qkv_proj_bias=("attn.c_attn.bias", qkv))
+    renamed = {}
+    for ours, (hf, shape) in out.items():
+        owner, _, what = hf.rpartition(".")
+        renamed[ours] = (f"{GPT2_NAMES.get(owner, owner)}.{what}", shape)
+    return renamed
+
+
+def top_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[ModelConfig], tuple[int, ...]]]]:
+    """The tensors outside the blocks: ours -> (name under the decoder's prefix, shape); the untied
+    LM head lies beside the decoder (lm_head.weight)."""
+    e, table = (lambda c: (c.hidden_size,)), (lambda c: (c.vocab_size, c.hidden_size))
+    gpt2 = cfg.layout == "gpt2"
+    out = {"embed_tokens": ("wte.weight" if gpt2 else "embed_tokens.weight", table),
+           "norm": ("ln_f.weight" if gpt2 else "norm.weight", e)}
+    if cfg.layer_norm:
+        out["norm_bias"] = ("ln_f.bias" if gpt2 else "norm.bias", e)
+    if cfg.learned_positions:
+        out["embed_positions"] = ("wpe.weight", lambda c: (c.max_position_embeddings, c.hidden_size))
     return out
+
+
+def layers_name(cfg: ModelConfig) -> str:
+    """Where block i's tensors live under the decoder's prefix."""
+    return "h." if cfg.layout == "gpt2" else "layers."
 
 
 def _experts(cfg: ModelConfig) -> dict:
     m = cfg.moe
     block, (gate, up, down) = m.hf_block, m.hf_experts
-    out = {"router": (f"{block}.gate.weight", lambda c: (m.num_experts, c.hidden_size))}
+    out = {"router": (f"{block}.{m.hf_router}.weight", lambda c: (m.num_experts, c.hidden_size))}
     for j in range(m.num_experts):
         out.update({f"experts.{j}.gate_proj": (f"{block}.experts.{j}.{gate}.weight",
                                                lambda c: (m.intermediate_size, c.hidden_size)),
@@ -62,4 +107,7 @@ def matrix_groups(cfg: ModelConfig, layer: int) -> list[tuple[str, tuple[str, ..
     mlp = [(f"experts.{j}.", names) for j in range(cfg.moe.num_experts) for names in
            (("gate_proj", "up_proj"), ("down_proj",))] if cfg.is_sparse(layer) else \
         [("", ("gate_proj", "up_proj")), ("", ("down_proj",))]
-    return [("", ("q_proj", "k_proj", "v_proj")), ("", ("o_proj",))] + mlp
+    if not cfg.gated_mlp:
+        mlp = [("", ("up_proj",)), ("", ("down_proj",))]
+    qkv = ("qkv_proj",) if cfg.layout == "gpt2" else ("q_proj", "k_proj", "v_proj")
+    return [("", qkv), ("", ("o_proj",))] + mlp

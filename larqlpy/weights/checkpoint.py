@@ -16,10 +16,12 @@ from safetensors import safe_open
 from larqlpy.errors import LarqlError
 from larqlpy.model.config import ModelConfig
 from larqlpy.model.families import read_raw_config
-from larqlpy.model.tensors import block_weights
+from larqlpy.model.tensors import block_weights, layers_name, top_weights
 
-# Where the text decoder lives: text-only checkpoints, the original multimodal one, transformers >= 4.52's.
+# Where the text decoder lives: text-only checkpoints, the original multimodal one, transformers >= 4.52's;
+# GPT-2's, saved by transformers or as OpenAI's checkpoints name them (no prefix).
 PREFIXES = ("model.", "language_model.model.", "model.language_model.")
+GPT2_PREFIXES = ("transformer.", "")
 
 Wanted = dict[str, tuple[str, tuple[int, ...]]]  # ours -> (HF name, shape)
 
@@ -50,39 +52,95 @@ def weight_files(path: Path) -> dict[str, Path]:
     raise LarqlError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def wanted_tensors(path: Path, cfg: ModelConfig, files: dict[str, Path]) -> Wanted:
-    """The tensors the decoder takes, by our names; refuses a checkpoint that lacks one."""
-    prefix = next((p for p in PREFIXES if p + "embed_tokens.weight" in files), None)
+def wanted_tensors(path: Path, cfg: ModelConfig, files: dict[str, Path], views: bool = False) -> Wanted:
+    """The tensors the decoder takes, by our names; refuses a checkpoint that lacks one. views: name
+    each as a safetensors file holds it, a view of a stored tensor where the family's files fuse or
+    transpose it (`stored_as`)."""
+    top = top_weights(cfg)
+    prefixes = GPT2_PREFIXES if cfg.layout == "gpt2" else PREFIXES
+    embed = top["embed_tokens"][0]
+    prefix = next((p for p in prefixes if p + embed in files), None)
     if prefix is None:
-        raise LarqlError(f"{path}: missing tensor embed_tokens.weight (looked under {', '.join(PREFIXES)})")
-    wanted: Wanted = {
-        "embed_tokens": (prefix + "embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size)),
-        "norm": (prefix + "norm.weight", (cfg.hidden_size,)),
-    }
+        raise LarqlError(f"{path}: missing tensor {embed} (looked under {', '.join(repr(p) for p in prefixes)})")
+    wanted: Wanted = {ours: (prefix + name, shape(cfg)) for ours, (name, shape) in top.items()}
     if not cfg.tie_word_embeddings:  # the head sits beside the decoder: lm_head.weight
-        wanted["lm_head"] = (prefix.removesuffix("model.") + "lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+        wanted["lm_head"] = (prefix.removesuffix("model.").removesuffix("transformer.") + "lm_head.weight",
+                             (cfg.vocab_size, cfg.hidden_size))
     for i in range(cfg.num_hidden_layers):
         for ours, (hf, shape) in block_weights(cfg, i).items():
-            wanted[f"layers.{i}.{ours}"] = (f"{prefix}layers.{i}.{hf}", shape(cfg))
-    missing = [hf for hf, _ in wanted.values() if hf not in files]
+            wanted[f"layers.{i}.{ours}"] = (f"{prefix}{layers_name(cfg)}{i}.{hf}", shape(cfg))
+    if views:
+        wanted = {ours: (stored_as(cfg, hf), shape) for ours, (hf, shape) in wanted.items()}
+    missing = [base for base in (view_of(hf)[0] for hf, _ in wanted.values()) if base not in files]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise LarqlError(f"{path}: missing tensor {missing[0]}{more}")
     return wanted
 
 
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def stored_as(cfg: ModelConfig, hf: str) -> str:
+    """A tensor's name as a safetensors file holds it: `hf`, or a view of a stored tensor, `BASE@SPEC`
+    (view_of): GPT-2's Conv1D matrices transposed, Granite-MoE's experts as rows of its fused 3-D tensors."""
+    if cfg.layout == "gpt2" and hf.endswith(CONV1D):
+        return hf + "@T"
+    fused = cfg.moe.hf_fused if cfg.moe is not None else None
+    if fused is None or ".experts." not in hf:
+        return hf
+    block, rest = hf.split(".experts.")
+    j, which, _ = rest.split(".")
+    n = cfg.moe.intermediate_size
+    rows = {"gate": f",r0:{n}", "up": f",r{n}:{2 * n}", "down": ""}[which]
+    return f"{block}.{fused[1] if which == 'down' else fused[0]}.weight@e{j}{rows}"
+
+
+def view_of(name: str) -> tuple[str, int | None, bool, tuple[int, int] | None]:
+    """`BASE@SPEC` -> (BASE, expert index or None, transposed, (rows lo, hi) or None); SPEC lists, in
+    the order applied, eJ (the outermost index J), T (transposed), rLO:HI (rows LO to HI)."""
+    base, _, spec = name.partition("@")
+    expert, transposed, rows = None, False, None
+    for part in filter(None, spec.split(",")):
+        if part == "T":
+            transposed = True
+        elif part[0] == "e":
+            expert = int(part[1:])
+        else:
+            lo, hi = part[1:].split(":")
+            rows = (int(lo), int(hi))
+    return base, expert, transposed, rows
+
+
+def view_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    _, expert, transposed, rows = view_of(name)
+    shape = shape[1:] if expert is not None else shape
+    shape = shape[::-1] if transposed else shape
+    return (rows[1] - rows[0], *shape[1:]) if rows else tuple(shape)
+
+
+def view_array(name: str, a):
+    """The view `name` of its base tensor `a` (numpy or torch): zero-copy unless transposed."""
+    _, expert, transposed, rows = view_of(name)
+    a = a[expert] if expert is not None else a
+    a = a.T if transposed else a
+    return a[rows[0]:rows[1]] if rows else a
+
+
 SAMPLE = 1 << 20  # bytes the fingerprint reads from each end of each weight file
 IGNORED = (".rotary_emb.inv_freq",)  # buffers some checkpoints saved beside the weights: nothing to load
+GPT2_IGNORED = (".attn.bias", ".attn.masked_bias")  # GPT-2's causal mask buffers, in OpenAI's files
 
 
 def unused_tensors(files: dict[str, Path], wanted: Wanted, cfg: ModelConfig) -> list[str]:
     """The tensors of the decoder's part of the files (under its prefix, and its head) that the
     family does not take: weights of another family, or more layers than config.json says. Other
     parts of a multimodal checkpoint (a vision tower) lie outside the prefix."""
-    used = {hf for hf, _ in wanted.values()}
-    prefix = wanted["embed_tokens"][0].removesuffix("embed_tokens.weight")
-    head = prefix.removesuffix("model.") + "lm_head.weight"
-    extra = [n for n in files if (n.startswith(prefix) or n == head) and n not in used and not n.endswith(IGNORED)]
+    used = {view_of(hf)[0] for hf, _ in wanted.values()}
+    prefix = wanted["embed_tokens"][0].removesuffix(top_weights(cfg)["embed_tokens"][0])
+    head = prefix.removesuffix("model.").removesuffix("transformer.") + "lm_head.weight"
+    ignored = IGNORED + (GPT2_IGNORED if cfg.layout == "gpt2" else ())
+    extra = [n for n in files if (n.startswith(prefix) or n == head) and n not in used and not n.endswith(ignored)]
     return sorted(n for n in extra if not (n == head and cfg.tie_word_embeddings))  # a tied head's own copy
 
 
@@ -94,8 +152,9 @@ class Checkpoint:
     def __init__(self, path: Path, cfg: ModelConfig, allow_unused_tensors: bool = False):
         self.path, self.cfg = path, cfg
         self.files = weight_files(path)
-        self.wanted = wanted_tensors(path, cfg, self.files)
+        self.wanted = wanted_tensors(path, cfg, self.files, views=True)
         self.unused = unused_tensors(self.files, self.wanted, cfg)
+        self.files.update({hf: self.files[view_of(hf)[0]] for hf, _ in self.wanted.values()})
         if self.unused and not allow_unused_tensors:
             names = ", ".join(self.unused[:3]) + (", ..." if len(self.unused) > 3 else "")
             raise LarqlError(f"{path}: {len(self.unused):,} tensors of its weight files are not used by its family "
@@ -105,8 +164,8 @@ class Checkpoint:
         hasher = hashlib.sha256(json.dumps(read_raw_config(path), sort_keys=True).encode())
         self.dtypes: dict[str, str] = {}
         for ours, (hf, shape) in self.wanted.items():
-            info = self.handles[self.files[hf]].get_slice(hf)
-            got = tuple(info.get_shape())
+            info = self.handles[self.files[hf]].get_slice(view_of(hf)[0])
+            got = view_shape(hf, tuple(info.get_shape()))
             if got != shape:
                 raise LarqlError(f"{path}: tensor {hf} has shape {list(got)}, expected {list(shape)}")
             self.dtypes[ours] = info.get_dtype()
@@ -127,7 +186,9 @@ class Checkpoint:
         f = self.files[hf]
         if f not in self._maps:
             self._maps[f] = MappedSafetensors(f)
-        return self._maps[f].array(hf)
+        base = view_of(hf)[0]
+        a = self._maps[f].array(base)
+        return a if base == hf else np.ascontiguousarray(view_array(hf, a))  # a transposed view copied
 
 
 DTYPES = {"F32": np.float32, "F16": np.float16, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8}

@@ -15,6 +15,7 @@ the metadata, its tensor names, and the conventions llama.cpp's converter applie
   read as one 2-D view an expert, `NAME[j]` (expert_views). qwen3moe's layers without a router run
   the dense MLP (ffn_gate, ffn_up, ffn_down); qwen3moe's top k weights are renormalized
   (norm_topk_prob), as llama.cpp always does.
+- granite, granitemoe, starcoder2, gpt2: gguf_more_archs.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Callable
 
 import numpy as np
 
-from larqlpy.model.families import mixtral, qwen3_moe
+from larqlpy.model.families import granitemoe, mixtral, qwen3_moe
+from larqlpy.weights import gguf_more_archs as more
 
 
 LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -37,6 +39,8 @@ EXPERTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # index in
 ROUTER = "ffn_gate_inp"
 LLAMA_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+       "output.weight": "lm_head.weight"}
 
 
 @dataclass(frozen=True)
@@ -48,24 +52,27 @@ class Arch:
     config: Callable[["Meta"], dict]
     in_config: tuple[str, ...] = ()  # tensors read into config.json, not weights
     moe_names: tuple[str, tuple[str, str, str]] | None = None  # HF's router block and expert names (families)
+    moe_router: str = "gate"  # the router's HF name under its block
+    top: dict[str, str] | None = None  # top-level tensors, GGUF -> HF, beyond (or in place of) TOP's
+    linears: dict[str, str] | None = None  # a block's linears, GGUF kind -> HF under the block (None: LINEARS)
+    layers: str = "model.layers."  # where blocks live in HF names
+    norm_bias: bool = False  # norms with biases (LayerNorm)
 
     def hf_name(self, gguf_name: str) -> tuple[str, bool] | None:
         """HF tensor name for a GGUF one, and whether it is a norm stored as 1 + w. None: not ours."""
         if self.moe_names is not None and (moe := self._moe_name(gguf_name)) is not None:
             return moe, False
-        if gguf_name == "token_embd.weight":
-            return "model.embed_tokens.weight", False
-        if gguf_name == "output_norm.weight":
-            return "model.norm.weight", self.norm_plus_one
-        if gguf_name == "output.weight":
-            return "lm_head.weight", False
+        top = {**TOP, **(self.top or {})}
+        if gguf_name in top:
+            return top[gguf_name], self.norm_plus_one and gguf_name == "output_norm.weight"
         parts = gguf_name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[3] in ("weight", "bias"):
             layer, kind, what = parts[1], parts[2], parts[3]
-            if kind in self.norms and what == "weight":
-                return f"model.layers.{layer}.{self.norms[kind]}.weight", self.norm_plus_one
-            if kind in LINEARS:
-                return f"model.layers.{layer}.{LINEARS[kind]}.{what}", False
+            if kind in self.norms and (what == "weight" or self.norm_bias):
+                return f"{self.layers}{layer}.{self.norms[kind]}.{what}", self.norm_plus_one
+            linears = self.linears or LINEARS
+            if kind in linears:
+                return f"{self.layers}{layer}.{linears[kind]}.{what}", False
         return None
 
     def _moe_name(self, gguf_name: str) -> str | None:
@@ -76,7 +83,7 @@ class Arch:
             return None
         block, names = self.moe_names
         if parts[2] == ROUTER and not expert:
-            return f"model.layers.{parts[1]}.{block}.gate.weight"
+            return f"model.layers.{parts[1]}.{block}.{self.moe_router}.weight"
         if parts[2] in EXPERTS and expert[:-1].isdigit() and expert.endswith("]"):
             return f"model.layers.{parts[1]}.{block}.experts.{int(expert[:-1])}.{names[EXPERTS[parts[2]]]}.weight"
         return None
@@ -267,4 +274,11 @@ ARCHS = {a.name: a for a in (
     Arch("qwen3", LLAMA_NORMS, norm_plus_one=False, permuted_qk=False, config=qwen3_config),
     Arch("qwen3moe", LLAMA_NORMS, norm_plus_one=False, permuted_qk=False, config=qwen3moe_config,
          moe_names=qwen3_moe.HF_NAMES),
+    Arch("granite", LLAMA_NORMS, norm_plus_one=False, permuted_qk=True, config=more.granite_config),
+    Arch("granitemoe", LLAMA_NORMS, norm_plus_one=False, permuted_qk=True, config=more.granitemoe_config,
+         moe_names=granitemoe.HF_NAMES, moe_router=granitemoe.HF_ROUTER),
+    Arch("starcoder2", LLAMA_NORMS, norm_plus_one=False, permuted_qk=False, config=more.starcoder2_config,
+         top=more.LAYER_NORM_TOP, linears={**LINEARS, **more.PLAIN_MLP}, norm_bias=True),
+    Arch("gpt2", more.GPT2_NORMS, norm_plus_one=False, permuted_qk=False, config=more.gpt2_config,
+         top=more.GPT2_TOP, linears=more.GPT2_LINEARS, layers="transformer.h.", norm_bias=True),
 )}

@@ -28,7 +28,9 @@ MAX_CONTEXT = 1 << 24
 MAX_VOCAB = 1 << 21
 MAX_HEAD_DIM = 1 << 12
 MAX_EXPERTS = 1 << 12  # published MoEs have up to a few hundred
-EXTRA_SIZES = {"gemma3": ("attention.sliding_window",)}  # what an architecture's config reads beyond the common ones
+# what an architecture's config reads beyond the common ones (gpt2's context: its position table's rows)
+EXTRA_SIZES = {"gemma3": ("attention.sliding_window",), "gpt2": ("context_length",)}
+ALWAYS_EXPERTS = ("qwen3moe", "granitemoe")
 INTEGERS = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
             GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
 
@@ -116,9 +118,10 @@ def _sizes(src: Path, m: Meta) -> None:
 
 
 def _experts(src: Path, m: Meta) -> None:
-    """A mixture of experts' sizes: qwen3moe always has them, llama where expert_count says (Mixtral)."""
+    """A mixture of experts' sizes: qwen3moe and granitemoe always have them, llama where expert_count
+    says (Mixtral)."""
     a = m.arch + "."
-    if m.arch != "qwen3moe" and not m.get(a + "expert_count"):
+    if m.arch not in ALWAYS_EXPERTS and not m.get(a + "expert_count"):
         return
     count = _int(src, m, a + "expert_count", 1, MAX_EXPERTS)
     _int(src, m, a + "expert_used_count", 1, count, f" (at most {a}expert_count)")
@@ -141,6 +144,9 @@ def _rope(src: Path, m: Meta) -> None:
     a = m.arch + "."
     _number(src, m, a + "rope.freq_base")
     _number(src, m, a + "attention.layer_norm_rms_epsilon", below=1.0)
+    _number(src, m, a + "attention.layer_norm_epsilon", below=1.0)  # LayerNorm's (starcoder2, gpt2)
+    for key in ("embedding_scale", "residual_scale", "attention.scale", "logit_scale"):  # Granite's multipliers
+        _number(src, m, a + key, below=1e6)
     factor = _number(src, m, a + "rope.scaling.factor", zero=True)  # 0: no scaling
     kind = m.get(a + "rope.scaling.type")
     if kind not in (None, "none", "linear") and factor:

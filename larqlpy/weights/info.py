@@ -70,6 +70,8 @@ def _rope_text(cfg: ModelConfig) -> str:
     def one(r) -> str:
         return f"{r.theta:g}" + ("" if r.rope_type == "default" else f" ({r.rope_type} x{r.factor:g})")
 
+    if cfg.learned_positions:
+        return "none (learned positions)"
     if cfg.rope_local == cfg.rope_global or not any(cfg.windows):
         return one(cfg.rope_global)
     return f"global {one(cfg.rope_global)}, local {one(cfg.rope_local)}"

@@ -21,11 +21,11 @@ from larqlpy.kernels.weights.qweight import PackedPart, PackedWeight, check_form
 from larqlpy.model.config import ModelConfig
 from larqlpy.model.decoder import Decoder
 from larqlpy.model.families import read_config
-from larqlpy.model.tensors import block_weights, matrix_groups
+from larqlpy.model.tensors import block_weights, matrix_groups, top_weights
 from larqlpy.text.tokenizer import Tokenizer
 from larqlpy.text.tokenizer_process import TokenizerProcess
 from larqlpy.weights import calibration_file, native_file, packed_cache
-from larqlpy.weights.checkpoint import Checkpoint
+from larqlpy.weights.checkpoint import Checkpoint, view_array, view_of
 from larqlpy.weights.gguf_checkpoint import GGUFCheckpoint, GGUFCodes, default_weights
 from larqlpy.weights.gguf_file import open_gguf
 from larqlpy.weights.known_files import KnownFiles
@@ -53,8 +53,9 @@ class LoadedModel:
         """Every weight as the model holds it: float tensors, packed matrices (not nn.Parameters), and
         the stacked matrix behind packed q|k|v and gate|up once."""
         m = self.model
-        held = [m.embed_tokens, m.norm, m.head] + [reduce(getattr, n.split("."), b) for i, b in enumerate(m.layers)
-                                                   for n in block_weights(m.cfg, i)]  # experts.{j}.gate_proj
+        held = [getattr(m, n) for n in top_weights(m.cfg)] + [m.head] + \
+            [reduce(getattr, n.split("."), b) for i, b in enumerate(m.layers)
+             for n in block_weights(m.cfg, i)]  # experts.{j}.gate_proj
         return list({id(w): w for w in (w.whole if isinstance(w, PackedPart) else w for w in held)}.values())
 
     @property
@@ -173,7 +174,9 @@ def _read_tensor(handles: dict, file: Path, hf: str) -> torch.Tensor:
     try:
         if file not in handles:
             handles[file] = safe_open(str(file), framework="pt")
-        return handles[file].get_tensor(hf)
+        base = view_of(hf)[0]
+        t = handles[file].get_tensor(base)
+        return t if base == hf else view_array(hf, t).contiguous()
     except Exception as e:
         raise LarqlError(f"{file}: cannot read tensor {hf} ({str(e).splitlines()[0]})") from None
 
