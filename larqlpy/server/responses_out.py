@@ -32,6 +32,10 @@ def reasoning_item(text: str, status: str = "completed") -> dict:
             "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
 
 
+def called(items: list[dict]) -> bool:
+    return any(i["type"] == "function_call" for i in items)
+
+
 def output(seq: Sequence) -> list[dict]:
     thought, content = split(seq.text, seq.request.reasoning)
     reply = read_reply(content, seq.request.tools)
@@ -71,7 +75,7 @@ def usage(seq: Sequence) -> dict:
 def response(rid: str, model: str, echo: dict, created: float, items: list[dict], seq: Sequence | None) -> dict:
     """The response object; `seq` None: still in progress."""
     done = seq is not None
-    incomplete = done and seq.finish_reason != "stop" and not any(i["type"] == "function_call" for i in items)
+    incomplete = done and seq.finish_reason != "stop" and not called(items)
     return {"id": rid, "object": "response", "created_at": int(created), "model": model,
             "status": ("incomplete" if incomplete else "completed") if done else "in_progress",
             "completed_at": int(time.time()) if done and not incomplete else None, "error": None,
@@ -110,7 +114,7 @@ class Events:
         """The last events and the whole response object."""
         out = self._split(self.split.close()) + self._thought_done()
         out += self._parts(self.calls.close()) if self.calls is not None else []
-        if self.held and not any(i["type"] == "function_call" for i in self.items) or not self.items:
+        if self.held and not called(self.items) or not self.items:
             held, self.held = self.held, ""
             out += self._text(held, force=True)
         out += self._close()
@@ -163,7 +167,7 @@ class Events:
         for p in parts:
             if isinstance(p, str):
                 out += self._text(p)
-            elif self.parallel or not any(i["type"] == "function_call" for i in self.items):
+            elif self.parallel or not called(self.items):
                 out += self._close() + self._call(call_item(p))
         return out
 
