@@ -170,7 +170,7 @@ def larqlpy_logits(loaded, ids: list[int]) -> torch.Tensor:
     return prefill(loaded.model, state, ids, 512, all_logits=True)
 
 
-@pytest.mark.parametrize("ftype,types", [("Q2_K", {"Q3_K", "IQ4_NL"}),
+@pytest.mark.parametrize("ftype,types", [("Q2_K", {"Q3_K", "IQ4_NL"}), ("F16", {"F16"}),
                                          pytest.param("IQ4_XS", {"IQ4_XS", "IQ4_NL"}, marks=pytest.mark.heavy)])
 def test_requantized_smollm2_follows_llama_cpp(requantized, ftype, types):
     """llama.cpp's greedy 24 ids on the same file, fed to larqlpy: at 20 of 24 positions or more our
@@ -200,12 +200,14 @@ def test_requantized_smollm2_follows_llama_cpp(requantized, ftype, types):
 
 
 def test_a_type_without_codes_is_reported_with_its_cost(requantized, cli):
-    """SmolLM2 at F16 (a type `native` has no codes for: read as float32): info and run --stats say
-    which matrices and what they cost a token against the file's bytes."""
-    path = requantized("F16")
-    f16 = sum(q == "F16" and len(shape) == 2 for q, shape, _, _ in GGUFFile(path).tensors.values())
+    """SmolLM2 at IQ3_S (its 30 ffn_down matrices; the 576-wide rest falls back to IQ4_NL; IQ3_S has
+    no codes here: read as float32): info and run --stats say which matrices and what they cost a
+    token against the file's bytes (32 bits a weight against 3.4375)."""
+    path = requantized("IQ3_S")
+    iq3 = sum(q == "IQ3_S" and len(shape) == 2 for q, shape, _, _ in GGUFFile(path).tensors.values())
     code, out, _ = cli("info", path, "--json")
     fb = json.loads(out)["float_fallback"]
-    assert code == 0 and fb["types"] == {"F16": f16} and fb["f32_bytes_per_token"] == 2 * fb["file_bytes_per_token"]
+    assert code == 0 and iq3 and fb["types"] == {"IQ3_S": iq3}
+    assert fb["f32_bytes_per_token"] * 3.4375 == 32 * fb["file_bytes_per_token"]
     code, _, err = cli("run", path, "Hello", "-n", "2", "--stats")
-    assert code == 0 and f"{f16} matrices (F16 x{f16}) read as float32" in err
+    assert code == 0 and f"{iq3} matrices (IQ3_S x{iq3}) read as float32" in err

@@ -25,6 +25,7 @@ from larqlpy.weights.gguf_check import refuse_unused, unused_tensors
 from larqlpy.weights.gguf_file import GGUFFile
 
 CHUNK_BYTES = 16 << 20  # of a matrix's blocks unpacked at a time (GGUFCodes._chunks)
+FLOAT16 = {"F16": "f16", "BF16": "bf16"}  # 16-bit float matrices: run on their own bits (PackedWeight kinds)
 
 
 class GGUFCheckpoint:
@@ -87,7 +88,7 @@ class GGUFCheckpoint:
         for ours, (hf, shape) in self.wanted.items():
             name, plus_one = self.names[hf]
             qtype, _, _, nbytes = self.file.tensors[name]
-            if len(shape) != 2 or plus_one or qtype == "F32" or qtype in LAYOUTS:
+            if len(shape) != 2 or plus_one or qtype == "F32" or qtype in LAYOUTS or qtype in FLOAT16:
                 continue
             types[qtype] = types.get(qtype, 0) + 1
             count += 1
@@ -122,7 +123,7 @@ class GGUFCodes:
     def __init__(self, ckpt: GGUFCheckpoint, gather: bool = True):
         self.ckpt, self.gather = ckpt, gather
         self.matrices = {hf for hf, (name, plus_one) in ckpt.names.items()
-                         if not plus_one and ckpt.file.tensors[name][0] in LAYOUTS
+                         if not plus_one and ckpt.file.tensors[name][0] in (*LAYOUTS, *FLOAT16)
                          and len(ckpt.file.tensors[name][1]) == 2}
 
     def _chunks(self, name: str, rows: np.ndarray) -> list[tuple[int, int]]:
@@ -139,6 +140,8 @@ class GGUFCodes:
         """What must match for matrices to share one packed whole: (zero, bits, group, affine, whether
         the scales are two-level), at the width they are packed at."""
         qtype = self.ckpt.file.tensors[self.ckpt.names[hf][0]][0]
+        if qtype in FLOAT16:
+            return (qtype,)
         _, _, _, group, zero, affine = LAYOUTS[qtype]
         bits, base = packed_width(qtype)
         return zero - base, bits, group, affine, qtype in TWO_LEVEL
@@ -150,7 +153,7 @@ class GGUFCodes:
             return self.pack([hf])
         name = self.ckpt.names[hf][0]
         qtype, shape, _, _ = self.ckpt.file.tensors[name]
-        return BlockRows(self.ckpt.raw(name), qtype, shape)
+        return self.pack([hf]) if qtype in FLOAT16 else BlockRows(self.ckpt.raw(name), qtype, shape)
 
     def pack(self, hfs: list[str]) -> PackedWeight:
         """Matrices of one kind stacked in this order as one PackedWeight, each unpacked from its
@@ -158,6 +161,8 @@ class GGUFCodes:
         file, config = self.ckpt.file, self.ckpt.raw_config
         names = [self.ckpt.names[hf][0] for hf in hfs]
         qtype, (_, k), _, _ = file.tensors[names[0]]
+        if qtype in FLOAT16:
+            return self._pack_16bit(names, FLOAT16[qtype])
         _, _, _, _, zero, affine = LAYOUTS[qtype]
         bits, base = packed_width(qtype)  # one kind stacks: every part's width is the first's
         zero -= base
@@ -181,6 +186,16 @@ class GGUFCodes:
             raise LarqlError(f"{self.ckpt.path}: {' / '.join(names)} hold non-finite scales (NaN or infinity)")
         return PackedWeight.from_tiled(codes, (n, k), scale, minimum if affine else None, zero, bits,
                                        int(seen[:, 0].min()), int(seen[:, 1].max()), halves=halves, outer=outer)
+
+    def _pack_16bit(self, names: list[str], kind: str) -> PackedWeight:
+        """float16 / bfloat16 matrices stacked as their bits, rows un-permuted (llama's q and k)."""
+        parts = []
+        for name in names:
+            _, shape, _, _ = self.ckpt.file.tensors[name]
+            rows = self.ckpt.file.arch.restore(name, np.arange(shape[0]), self.ckpt.raw_config)
+            parts.append(self.ckpt.raw(name).view(np.uint16).reshape(shape)[rows])
+            self.ckpt.release(name, shape[0])
+        return PackedWeight.from_16bit(np.concatenate(parts) if len(parts) > 1 else parts[0], kind)
 
 
 def checkpoint(path: Path, cfg: ModelConfig, allow_unused_tensors: bool = False) -> Checkpoint | GGUFCheckpoint:

@@ -1,5 +1,6 @@
 """A packed matrix's rows as float32 (qweight.py): rows of integer codes or bf16 dequantized for the
-embedding, a slab of tiles at a time for prefill's GEMM, and the bf16 GEMV of a few rows. No
+embedding, a slab of tiles at a time for prefill's GEMM, and the 16-bit float GEMV of a few rows (bf16,
+and float16 as a GGUF holds it). No
 fastmath where codes are dequantized: scale * (u - zero) + minimum must round as two operations,
 as torch and gguf-py compute it."""
 
@@ -8,10 +9,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from larqlpy.kernels import jitcache
+from larqlpy.kernels import jitcache, scalars
 from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.weights import qdot, simd
 from larqlpy.kernels.weights.qdot import code_at, group_value
+from larqlpy.kernels.scalars import from_half
 from larqlpy.kernels.weights.simd import ROWS as TILE
 
 
@@ -37,9 +39,21 @@ def slab_int(codes, scale, minimum, outer, zero, bits, t0, t1, out):  # pragma: 
                 out[j, c + r] = v + group_value(minimum, outer, t, g, r, 1) if affine else v
 
 
+@njit(inline="always", cache=True, error_model="numpy")
+def widen(w, t, j, half, bits, vals):  # pragma: no cover - jitted
+    """Row tile t's input j as float32 (exact either way): float16 bits, or bfloat16's as a float32's top half."""
+    if half:
+        for r in range(bits.shape[0]):
+            vals[r] = from_half(np.uint16(w[t, j, r]))
+    else:
+        for r in range(bits.shape[0]):
+            bits[r] = np.uint32(np.uint16(w[t, j, r])) << np.uint32(16)
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def gemv_bf16(w, x, out, ahead):  # pragma: no cover - jitted
-    """ahead: bytes past each input's 64 values to prefetch (0: none; kernels/weights/prefetch.py)."""
+def gemv_16(w, x, out, ahead, half):  # pragma: no cover - jitted
+    """A 16-bit float matrix (half: float16, else bfloat16) times x. ahead: bytes past each input's 64
+    values to prefetch (0: none; kernels/weights/prefetch.py)."""
     nt, k, tn = w.shape
     for t in prange(nt):
         acc = np.zeros(tn, np.float32)
@@ -51,32 +65,39 @@ def gemv_bf16(w, x, out, ahead):  # pragma: no cover - jitted
                 simd.prefetch(w, at)
                 simd.prefetch(w, at + 64)
             xj = x[j]
-            for r in range(tn):
-                bits[r] = np.uint32(w[t, j, r]) << np.uint32(16)
+            widen(w, t, j, half, bits, vals)
             for r in range(tn):
                 acc[r] += vals[r] * xj
         out[t * tn:(t + 1) * tn] = acc
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def rows_bf16(w, idx, out):  # pragma: no cover - jitted
+def rows_16(w, idx, out, half):  # pragma: no cover - jitted
     tn = w.shape[2]
     bits = out.view(np.uint32)
     for n in prange(idx.shape[0]):
         t, r = idx[n] // tn, idx[n] % tn
         for j in range(w.shape[1]):
-            bits[n, j] = np.uint32(w[t, j, r]) << np.uint32(16)
+            if half:
+                out[n, j] = from_half(np.uint16(w[t, j, r]))
+            else:
+                bits[n, j] = np.uint32(np.uint16(w[t, j, r])) << np.uint32(16)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def slab_bf16(w, t0, t1, out):  # pragma: no cover - jitted
+def slab_16(w, t0, t1, out, half):  # pragma: no cover - jitted
     tn = w.shape[2]
     bits = out.view(np.uint32)
     for t in prange(t0, t1):
         c = (t - t0) * tn
         for j in range(w.shape[1]):
-            for r in range(tn):
-                bits[j, c + r] = np.uint32(np.uint16(w[t, j, r])) << np.uint32(16)
+            if half:
+                for r in range(tn):
+                    out[j, c + r] = from_half(np.uint16(w[t, j, r]))
+            else:
+                for r in range(tn):
+                    bits[j, c + r] = np.uint32(np.uint16(w[t, j, r])) << np.uint32(16)
 
 
-jitcache.tie(globals(), qdot, simd, jitcache)  # they inline qdot.py's group_value; FASTMATH lives in jitcache
+# they inline qdot.py's group_value and scalars' from_half; FASTMATH lives in jitcache
+jitcache.tie(globals(), qdot, simd, scalars, jitcache)

@@ -26,10 +26,12 @@ STREAMED_BYTES = 256 << 20  # weights of at least this size are measured as stre
 
 def choose(weights: Sequence) -> dict[str, int]:
     """Measure (or recall) the best distance on this machine for these matrices and give it to each
-    of them: integer codes and bf16 rows (`dequant.gemv_bf16`) apart. Returns {"codes" | "bf16 rows": it}.
+    of them: integer codes and bf16 and f16 rows (`dequant.gemv_16`) apart. Returns {"codes" | "bf16 rows" | "f16
+    rows": it}.
     Matrices off the CPU, of another kind, or on the float path with float codes keep theirs."""
     ws = [w for w in weights if isinstance(w, PackedWeight) and w.arrays]
-    kinds = {"codes": [w for w in ws if w.path != "float"], "bf16 rows": [w for w in ws if w.kind == "bf16"]}
+    kinds = {"codes": [w for w in ws if w.path != "float"], "bf16 rows": [w for w in ws if w.kind == "bf16"],
+             "f16 rows": [w for w in ws if w.kind == "f16"]}
     return {kind: _measure(kind, group) for kind, group in kinds.items() if group}
 
 

@@ -84,7 +84,8 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 class PackedWeight:
     """An (out, in) weight matrix held as bf16 or integer codes in the tiled layout above.
 
-    kind: "bf16", "u8", "u6", "u5" or "u4"; zero, group: the code's zero point and the inputs per scale;
+    kind: "bf16", "f16" (a GGUF's float16 matrix as it is), "u8", "u6", "u5" or "u4"; zero, group: the
+    code's zero point and the inputs per scale;
     lowest, highest: the range of codes present (which kernel paths may take it); outer: a K-quant's
     blocks' float16 d and -dmin (tiles, blocks, 2, TILE), beside int8 scale and minimum holding the
     file's sub-block integers (qdot.group_value)."""
@@ -96,10 +97,11 @@ class PackedWeight:
         self.codes, self.scale, self.minimum, self.outer = codes, scale, minimum, outer
         self.lowest, self.highest = int(lowest), int(highest)
         self.bits = {"u8": 8, "u6": 6, "u5": 5, "u4": 4}.get(kind, 16)
-        self.path = "float" if kind == "bf16" else cpu.int_path(self.bits, self.lowest, self.highest)
+        self.half = kind == "f16"  # float16 as a GGUF holds it; bf16 otherwise where bits == 16
+        self.path = "float" if self.bits == 16 else cpu.int_path(self.bits, self.lowest, self.highest)
         self.ahead = 0  # bytes the CPU kernels prefetch ahead of the codes or rows (prefetch.py sets it)
         # numpy views for the numba kernels, made once: decode calls them for every matrix of every token
-        self.arrays = () if codes.device.type != "cpu" else (codes.numpy(),) if kind == "bf16" else \
+        self.arrays = () if codes.device.type != "cpu" else (codes.numpy(),) if self.bits == 16 else \
             (codes.numpy(), _numpy(scale), NO_MINIMUM if minimum is None else _numpy(minimum),
              NO_OUTER if outer is None else _numpy(outer))
 
@@ -132,6 +134,16 @@ class PackedWeight:
                               else _halves_if_exact(scale, minimum))
         return cls(f"u{bits}", shape, torch.from_numpy(codes), _tensor(scale), _tensor(minimum), zero,
                    shape[1] // scale.shape[1], lowest, highest, _tensor(outer))
+
+    @classmethod
+    def from_16bit(cls, bits: np.ndarray, kind: str) -> "PackedWeight":
+        """A row-major (out, in) matrix of float16 or bfloat16 bits (kind "f16" / "bf16"), tiled as they
+        are: the file's own values, no rounding; padding rows zero."""
+        n, k = bits.shape
+        nt = -(-n // TILE)
+        tiles = np.zeros((nt * TILE, k), np.int16)
+        tiles[:n] = bits.view(np.int16)
+        return cls(kind, (n, k), torch.from_numpy(np.ascontiguousarray(tiles.reshape(nt, TILE, k).transpose(0, 2, 1))))
 
     @classmethod
     def quantize(cls, w: torch.Tensor, fmt: str, name: str = "weight") -> "PackedWeight":
@@ -196,8 +208,8 @@ class PackedWeight:
             return self._rows_torch(flat).view(*idx.shape, self.shape[1])
         out = np.empty((flat.numel(), self.shape[1]), np.float32)
         ids = flat.to(torch.int64).contiguous().numpy()
-        if self.kind == "bf16":
-            dequant.rows_bf16(self.arrays[0], ids, out)
+        if self.bits == 16:
+            dequant.rows_16(self.arrays[0], ids, out, self.half)
         else:
             dequant.rows_int(*self.arrays, self.zero, self.bits, ids, out)
         return torch.from_numpy(out).view(*idx.shape, self.shape[1])
@@ -205,7 +217,9 @@ class PackedWeight:
     def _rows_torch(self, idx: torch.Tensor) -> torch.Tensor:
         """The same float32 rows through torch ops (CUDA, and the CPU twin the tests compare)."""
         t, r = idx // TILE, idx % TILE
-        codes = self.codes[t, :, r]  # (n, k/4 or k/8, 4) or bf16 (n, k)
+        codes = self.codes[t, :, r]  # (n, k/4 or k/8, 4) or 16-bit floats (n, k)
+        if self.half:
+            return codes.view(torch.float16).float()
         if self.kind == "bf16":
             return (codes.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
         if self.bits != 8:
@@ -237,8 +251,8 @@ class PackedWeight:
     def _slab(self, t0: int, t1: int) -> torch.Tensor:
         """Tiles [t0, t1) dequantized input-major, (in, rows): the GEMM reads it transposed, no copy."""
         slab = torch.empty(self.shape[1], (t1 - t0) * TILE)
-        if self.kind == "bf16":
-            dequant.slab_bf16(self.arrays[0], t0, t1, slab.numpy())
+        if self.bits == 16:
+            dequant.slab_16(self.arrays[0], t0, t1, slab.numpy(), self.half)
         else:
             dequant.slab_int(*self.arrays, self.zero, self.bits, t0, t1, slab.numpy())
         return slab
@@ -254,9 +268,9 @@ class PackedWeight:
             f32 = x.dtype == torch.float32
             xs = (x if f32 and x.is_contiguous() else x.float().contiguous()).numpy()
             out = np.empty((rows, self.codes.shape[0] * TILE), np.float32)
-            if self.kind == "bf16":
+            if self.bits == 16:
                 for i in range(rows):
-                    dequant.gemv_bf16(self.arrays[0], xs[i], out[i], self.ahead)
+                    dequant.gemv_16(self.arrays[0], xs[i], out[i], self.ahead, self.half)
             else:
                 qdot.gemm(*self.arrays, self.zero, self.bits, xs, path, out, self.ahead)
             y = torch.from_numpy(out if out.shape[1] == self.shape[0] else out[:, :self.shape[0]])
