@@ -9,8 +9,9 @@ import json
 
 from larqlpy.decode.sequence import Sequence
 from larqlpy.server.openai import cached, extra
-from larqlpy.text.reasoning import CONTENT, Splitter, split
-from larqlpy.text.tools import CallStream, read_reply
+from larqlpy.text.reasoning import split
+from larqlpy.text.reply_stream import CONTENT, REASONING, ReplyStream
+from larqlpy.text.tools import read_reply
 
 
 def message(mid: str, model: str, seq: Sequence) -> dict:
@@ -66,11 +67,9 @@ class Events:
     a call it is not content."""
 
     def __init__(self, mid: str, model: str, seq: Sequence):
-        use = seq.request.tools
-        self.calls = CallStream(use) if use is not None and use.choice != "none" else None
-        self.parallel = use is None or use.parallel
-        self.split, self.thinking = Splitter(seq.request.reasoning), None  # thinking: the open block's digest
-        self.index, self.open, self.held, self.called = 0, False, "", False
+        self.reply = ReplyStream(seq.request.tools, seq.request.reasoning)
+        self.thinking = None  # the open thinking block's digest
+        self.index, self.open, self.called = 0, False, False
         self.head = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
                      "stop_reason": None, "stop_sequence": None,
                      # what a kept state holds is known once the sequence starts: message_delta says it
@@ -81,15 +80,10 @@ class Events:
         return [("message_start", {"type": "message_start", "message": self.head}), ("ping", {"type": "ping"})]
 
     def feed(self, text: str) -> list[tuple[str, dict]]:
-        return self._parts(self.split.feed(text))
+        return self._events(self.reply.feed(text))
 
     def finish(self, seq: Sequence) -> list[tuple[str, dict]]:
-        out = self._parts(self.split.close()) + self._thought()
-        out += self._events(self.calls.close()) if self.calls is not None else []
-        if self.held and not self.called:  # blank text that no call followed: the answer's text
-            held, self.held = self.held, ""
-            out += self._text(held, force=True)
-        out += self._close()
+        out = self._events(self.reply.close()) + self._thought() + self._close()
         reason = stop_reason(seq, self.called)
         delta = {"stop_reason": reason, "stop_sequence": seq.out.stop_string if reason == "stop_sequence" else None}
         return out + [("message_delta", {"type": "message_delta", "delta": delta, "usage": usage(seq)}),
@@ -99,21 +93,34 @@ class Events:
         """Ended before its answer was whole (the server shut down): the open block closed."""
         return self._thought() + self._close()
 
-    def _parts(self, parts: list) -> list[tuple[str, dict]]:
+    def _events(self, pieces: list) -> list[tuple[str, dict]]:
         out = []
-        for kind, text in parts:
-            if kind == CONTENT:
-                out += self._thought() + self._events(self.calls.feed(text) if self.calls is not None else [text])
-                continue
-            if self.thinking is None:
-                self.thinking = hashlib.sha256()
-                out.append(("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                    "content_block": {"type": "thinking", "thinking": "",
-                                                                      "signature": ""}}))
-            self.thinking.update(text.encode())
-            out.append(("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                                "delta": {"type": "thinking_delta", "thinking": text}}))
+        for kind, value in pieces:
+            if kind == REASONING:
+                out += self._thinking(value)
+            elif kind == CONTENT:
+                out += self._thought() + self._text(value)
+            else:
+                block = tool_use(value)
+                out += self._thought() + self._close() + [
+                    ("content_block_start", {"type": "content_block_start", "index": self.index,
+                                             "content_block": {**block, "input": {}}}),
+                    ("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
+                        "type": "input_json_delta", "partial_json": value["function"]["arguments"]}}),
+                    ("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+                self.index, self.called = self.index + 1, True
         return out
+
+    def _thinking(self, text: str) -> list[tuple[str, dict]]:
+        out = []
+        if self.thinking is None:
+            self.thinking = hashlib.sha256()
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+            out.append(("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                "content_block": block}))
+        self.thinking.update(text.encode())
+        return out + [("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                               "delta": {"type": "thinking_delta", "thinking": text}})]
 
     def _thought(self) -> list[tuple[str, dict]]:
         """The thinking block closed, with its signature."""
@@ -124,33 +131,14 @@ class Events:
                                          "delta": {"type": "signature_delta", "signature": sig}}),
                 ("content_block_stop", {"type": "content_block_stop", "index": self.index - 1})]
 
-    def _events(self, parts: list) -> list[tuple[str, dict]]:
-        out = []
-        for p in parts:
-            if isinstance(p, str):
-                out += self._text(p)
-            elif self.parallel or not self.called:
-                block = tool_use(p)
-                out += self._close() + [
-                    ("content_block_start", {"type": "content_block_start", "index": self.index,
-                                             "content_block": {**block, "input": {}}}),
-                    ("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
-                        "type": "input_json_delta", "partial_json": p["function"]["arguments"]}}),
-                    ("content_block_stop", {"type": "content_block_stop", "index": self.index})]
-                self.index, self.called = self.index + 1, True
-        return out
-
-    def _text(self, text: str, force: bool = False) -> list[tuple[str, dict]]:
+    def _text(self, text: str) -> list[tuple[str, dict]]:
         out = []
         if not self.open:
-            self.held += text
-            if not force and not self.held.strip():
-                return []
-            text, self.held, self.open = self.held, "", True
+            self.open = True
             out.append(("content_block_start", {"type": "content_block_start", "index": self.index,
                                                 "content_block": {"type": "text", "text": ""}}))
         return out + [("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                               "delta": {"type": "text_delta", "text": text}})] if text else out
+                                               "delta": {"type": "text_delta", "text": text}})]
 
     def _close(self) -> list[tuple[str, dict]]:
         if not self.open:

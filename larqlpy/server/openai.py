@@ -17,8 +17,9 @@ from larqlpy.files import utf8
 from larqlpy.pipeline.request import (SHAPING, Request, chat_settings, choices, generation, integer, messages_of,
                                       number, stops, token_ids, tools_of)
 from larqlpy.server.protocol import ApiError, extension
-from larqlpy.text.reasoning import REASONING, Reasoning, Splitter, split
-from larqlpy.text.tools import CallStream, ToolUse, read_reply
+from larqlpy.text.reasoning import Reasoning, split
+from larqlpy.text.reply_stream import CONTENT, REASONING, ReplyStream
+from larqlpy.text.tools import ToolUse, read_reply
 
 # OpenAI fields that would change what is generated and that larqlpy does not implement: refused,
 # not ignored. Anything else unknown (user, metadata, ...) is ignored, as OpenAI ignores it.
@@ -195,33 +196,24 @@ class ChatDeltas:
     its id and name first, then its arguments, in OpenAI's shape."""
 
     def __init__(self, use: ToolUse | None, reasoning: Reasoning | None = None):
-        self.use, self.split = use, Splitter(reasoning)
-        self.calls = CallStream(use) if use is not None and use.choice != "none" else None
-        self.n = 0  # calls sent
+        self.reply, self.n = ReplyStream(use, reasoning, hold_blank=False), 0  # n: calls sent
 
     def feed(self, text: str) -> list[dict]:
-        return self._parts(self.split.feed(text))
+        return self._deltas(self.reply.feed(text))
 
     def close(self) -> list[dict]:
-        return self._parts(self.split.close()) + (self._deltas(self.calls.close()) if self.calls is not None else [])
+        return self._deltas(self.reply.close())
 
-    def _parts(self, parts: list) -> list[dict]:
+    def _deltas(self, pieces: list) -> list[dict]:
         out = []
-        for kind, text in parts:
+        for kind, value in pieces:
             if kind == REASONING:
-                out.append({"reasoning_content": text})
+                out.append({"reasoning_content": value})
+            elif kind == CONTENT:
+                out.append({"content": value})
             else:
-                out += self._deltas(self.calls.feed(text) if self.calls is not None else [text])
-        return out
-
-    def _deltas(self, parts: list) -> list[dict]:
-        out = []
-        for p in parts:
-            if isinstance(p, str):
-                out += [{"content": p}] if p else []
-            elif self.use.parallel or not self.n:
-                fn = p["function"]
-                out += [{"tool_calls": [{"index": self.n, "id": p["id"], "type": "function",
+                fn = value["function"]
+                out += [{"tool_calls": [{"index": self.n, "id": value["id"], "type": "function",
                                          "function": {"name": fn["name"], "arguments": ""}}]},
                         {"tool_calls": [{"index": self.n, "function": {"arguments": fn["arguments"]}}]}]
                 self.n += 1

@@ -11,8 +11,9 @@ import time
 
 from larqlpy.decode.sequence import Sequence
 from larqlpy.server.openai import cached, extra
-from larqlpy.text.reasoning import REASONING, Splitter, split
-from larqlpy.text.tools import CallStream, read_reply
+from larqlpy.text.reasoning import split
+from larqlpy.text.reply_stream import CONTENT, REASONING, ReplyStream
+from larqlpy.text.tools import read_reply
 
 
 def message_item(text: str, status: str = "completed") -> dict:
@@ -96,27 +97,22 @@ class Events:
     something follows it: before a call it is not content."""
 
     def __init__(self, rid: str, model: str, echo: dict, seq: Sequence):
-        use = seq.request.tools
-        self.calls = CallStream(use) if use is not None and use.choice != "none" else None
-        self.split, self.thought, self.thinking = Splitter(seq.request.reasoning), None, ""  # an open reasoning item
-        self.parallel = use is None or use.parallel
+        self.reply = ReplyStream(seq.request.tools, seq.request.reasoning)
+        self.thought, self.thinking = None, ""  # an open reasoning item
         self.rid, self.model, self.echo, self.created = rid, model, echo, time.time()
-        self.n, self.items, self.text, self.held, self.open = 0, [], "", "", None
+        self.n, self.items, self.text, self.open = 0, [], "", None
 
     def start(self) -> list[dict]:
         head = response(self.rid, self.model, self.echo, self.created, [], None)
         return [self._e("response.created", response=head), self._e("response.in_progress", response=head)]
 
     def feed(self, text: str) -> list[dict]:
-        return self._split(self.split.feed(text))
+        return self._pieces(self.reply.feed(text))
 
     def finish(self, seq: Sequence) -> tuple[list[dict], dict]:
-        """The last events and the whole response object."""
-        out = self._split(self.split.close()) + self._thought_done()
-        out += self._parts(self.calls.close()) if self.calls is not None else []
-        if self.held and not called(self.items) or not self.items:
-            held, self.held = self.held, ""
-            out += self._text(held, force=True)
+        """The last events and the whole response object (an empty message where nothing else came)."""
+        out = self._pieces(self.reply.close()) + self._thought_done()
+        out += self._text("") if not self.items and self.open is None else []
         out += self._close()
         whole = response(self.rid, self.model, self.echo, self.created, self.items, seq)
         return out + [self._e(f"response.{whole['status']}", response=whole)], whole
@@ -132,15 +128,15 @@ class Events:
         self.n += 1
         return {"type": kind, "sequence_number": self.n - 1, **fields}
 
-    def _split(self, parts: list) -> list[dict]:
-        """The splitter's parts: reasoning into the reasoning item, the rest as content."""
+    def _pieces(self, pieces: list) -> list[dict]:
         out = []
-        for kind, text in parts:
+        for kind, value in pieces:
             if kind == REASONING:
-                out += self._thought(text)
+                out += self._thought(value)
+            elif kind == CONTENT:
+                out += self._thought_done() + self._text(value)
             else:
-                out += self._thought_done()
-                out += self._parts(self.calls.feed(text) if self.calls is not None else [text])
+                out += self._thought_done() + self._close() + self._call(call_item(value))
         return out
 
     def _thought(self, text: str) -> list[dict]:
@@ -162,15 +158,6 @@ class Events:
         return [self._e("response.reasoning_text.done", item_id=item["id"], output_index=at, content_index=0,
                         text=text), self._e("response.output_item.done", output_index=at, item=item)]
 
-    def _parts(self, parts: list) -> list[dict]:
-        out = []
-        for p in parts:
-            if isinstance(p, str):
-                out += self._text(p)
-            elif self.parallel or not called(self.items):
-                out += self._close() + self._call(call_item(p))
-        return out
-
     def _call(self, item: dict) -> list[dict]:
         at = len(self.items)
         self.items.append(item)
@@ -182,13 +169,9 @@ class Events:
                         arguments=item["arguments"]),
                 self._e("response.output_item.done", output_index=at, item=item)]
 
-    def _text(self, text: str, force: bool = False) -> list[dict]:
+    def _text(self, text: str) -> list[dict]:
         out = []
         if self.open is None:
-            self.held += text
-            if not force and not self.held.strip():
-                return []
-            text, self.held = self.held, ""
             self.open, self.text = message_item("", "in_progress"), ""
             at = len(self.items)
             out += [self._e("response.output_item.added", output_index=at, item=self.open),
