@@ -218,6 +218,8 @@ def test_a_claude_code_shaped_tool_round_trip_streamed(server, client):
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
 BAD = [  # (what, path, body, headers, status, error type, text in the message)
     ("no max_tokens", "", {"messages": ASK}, {}, 400, "invalid_request_error", "'max_tokens' is required"),
+    ("stream not boolean", "", {"max_tokens": 4, "messages": ASK, "stream": "yes"}, {}, 400, "invalid_request_error",
+     "'stream' must be a boolean"),
     ("a system message", "", {"max_tokens": 4, "messages": [{"role": "system", "content": "Be brief."}, *ASK]}, {},
      400, "invalid_request_error", "top-level 'system'"),
     ("a bad role", "", {"max_tokens": 4, "messages": [{"role": "tool", "content": "hi"}]}, {}, 400,

@@ -145,6 +145,7 @@ BAD = [  # (what, body, status, text in the message)
      400, "no function_call before it"),
     ("background", {"input": "hi", "background": True}, 400, "'background' is not supported"),
     ("a bad format", {"input": "hi", "text": {"format": {"type": "xml"}}}, 400, "'text'.format must be"),
+    ("stream not boolean", {"input": "hi", "stream": 0}, 400, "'stream' must be a boolean"),
 ]
 
 

@@ -64,13 +64,6 @@ def read_request(body: dict, max_tokens_limit: int | None = None, default: Reque
     return req
 
 
-def streaming(body: dict) -> bool:
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", param="stream")
-    return bool(stream)
-
-
 def _max_tokens(body: dict, limit: int | None) -> int:
     n = integer(body, "max_tokens")
     if n is None:

@@ -33,7 +33,7 @@ from larqlpy.server import anthropic, anthropic_events, embeddings, openai, resp
 from larqlpy.server.engine import Handle
 from larqlpy.server.flow import CUT, Served, body_of, events, prepared, served, submit, whole
 from larqlpy.server.guard import Guard, error_response
-from larqlpy.server.protocol import ApiError
+from larqlpy.server.protocol import ApiError, boolean
 
 
 async def health(request: HttpRequest):
@@ -74,7 +74,7 @@ async def messages(request: HttpRequest):
     """Anthropic's Messages API, through the same pipeline as chat completions."""
     s = served(request)
     body = await body_of(request, chat=True)
-    stream = anthropic.streaming(body)
+    stream = boolean(body, "stream")
     handles = submit(s, await prepared(s, lambda: anthropic.read_request(body, s.cfg.max_tokens_limit, s.default)))
     mid = "msg_" + secrets.token_hex(12)
     if stream:

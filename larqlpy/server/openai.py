@@ -16,7 +16,7 @@ from larqlpy.errors import LarqlError
 from larqlpy.files import utf8
 from larqlpy.pipeline.request import (SHAPING, Request, chat_settings, choices, generation, integer, messages_of,
                                       number, stops, token_ids, tools_of)
-from larqlpy.server.protocol import ApiError, extension
+from larqlpy.server.protocol import ApiError, boolean, extension
 from larqlpy.text.reasoning import Reasoning, split
 from larqlpy.text.reply_stream import CONTENT, REASONING, ReplyStream
 from larqlpy.text.tools import ToolUse, read_reply
@@ -100,11 +100,7 @@ def _completion_prompt(req: Request, prompt: Any) -> Request:
 
 def streaming(body: dict) -> tuple[bool, bool]:
     """(stream, include_usage)."""
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    stream = boolean(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         raise ApiError(400, "'stream_options' must be an object, and only with 'stream': true", param="stream_options")

@@ -58,6 +58,14 @@ def parse_body(raw: bytes, limit: int) -> dict:
     return body
 
 
+def boolean(body: dict, key: str) -> bool:
+    """An optional boolean field (`stream`): absent or null is false; anything else but a boolean a 400."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"'{key}' must be a boolean", param=key)
+    return bool(value)
+
+
 def check_model(body: dict, name: str) -> None:
     model = body.get("model")
     if not isinstance(model, str):

@@ -19,7 +19,7 @@ from larqlpy.errors import LarqlError
 from larqlpy.server import protocol, responses, responses_out
 from larqlpy.server.engine import Handle
 from larqlpy.server.flow import CUT, Served, body_of, events, prepared, served, submit, whole
-from larqlpy.server.protocol import ApiError
+from larqlpy.server.protocol import ApiError, boolean
 from larqlpy.server.response_store import Stored, new_id
 from larqlpy.server.responses import Chain
 
@@ -27,9 +27,7 @@ from larqlpy.server.responses import Chain
 async def create(request: HttpRequest):
     s = served(request)
     body = await body_of(request, chat=True)
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    stream = boolean(body, "stream")
     chain = await _read(s, body)
     handles = submit(s, await prepared(s, lambda: chain.req))
     rid = new_id()
