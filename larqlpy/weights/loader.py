@@ -16,6 +16,7 @@ from safetensors import safe_open
 from larqlpy.engines.geometry import check_kv_dtype, default_kv_dtype
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
+from larqlpy.kernels import ahead
 from larqlpy.kernels.weights import prefetch
 from larqlpy.kernels.weights.qweight import PackedPart, PackedWeight, check_format, stack
 from larqlpy.model.config import ModelConfig
@@ -112,6 +113,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     reads = [*ckpt.handles, *([path / native_file.FILE] if weights == "native" and not direct else [])]
     sources = {f.name: checks.digest(f) for f in reads if f.is_file()}  # from the record while unchanged
     if weights == "native" and direct:  # unpacked from the file's blocks: nothing kept on disk
+        _compile_ahead(ckpt, dev)
         matrices = _install_packed(model, _pack_native(ckpt, ckpt.native(gather=dev.type == "cpu"), cfg), dev)
         packed_from = "file"
     elif weights != "f32":
@@ -221,6 +223,14 @@ def _pack_native(ckpt: Checkpoint | GGUFCheckpoint, native: NativeFile | GGUFCod
             prefix = f"layers.{i}.{owner}"
             out.update(_stacks(native, [(n, hf(prefix + n)) for n in names], prefix))
     return out
+
+
+def _compile_ahead(ckpt: GGUFCheckpoint, dev: torch.device) -> None:
+    """On a cold kernel cache, a second process compiles what this load and run will need
+    (kernels/ahead.py)."""
+    if dev.type == "cpu":
+        gathered = ckpt.dtypes.get("embed_tokens") if "lm_head" in ckpt.wanted else None
+        ahead.start(ahead.plan(ckpt.dtypes.values(), gathered))
 
 
 def _stacks(native: NativeFile | GGUFCodes, parts: list[tuple[str, str | None]], prefix: str) -> dict:
