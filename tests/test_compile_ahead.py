@@ -68,3 +68,32 @@ def test_the_jobs_compile_the_signatures_the_run_calls():
     tiled = "larqlpy.kernels.weights.gguf_blocks._tiled"  # the run repacks its first type's scales itself
     assert [k for phase, k in calls if phase == "run" and k == tiled] == [tiled]
     assert not (by_jobs - {tiled}) & by_run, f"the run compiled again: {sorted(by_jobs & by_run)}"
+
+
+def test_a_helper_started_is_said_at_once(monkeypatch):
+    """A cold cache: the progress line comes as the helper starts, before this process compiles."""
+    import io
+
+    from rich.console import Console
+
+    from larqlpy.cli.compiling import compile_progress
+
+    monkeypatch.setenv("LARQLPY_COMPILE_PROGRESS", "1")
+    started = []
+    monkeypatch.setattr(ahead, "cold", lambda: True)
+    monkeypatch.setattr(ahead.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or _Done())
+    buf = io.StringIO()
+    with compile_progress(Console(file=buf, force_terminal=False, width=200), live=False):
+        assert ahead.start(["attend", "norms"]) is not None
+    assert started and started[0][-2:] == ["attend", "norms"]
+    assert buf.getvalue().splitlines()[0] == \
+        "larqlpy: compiling kernels for this CPU (once: later runs load them from numba's cache)"
+    monkeypatch.setenv(ahead.ENV, "0")
+    assert ahead.start(["attend"]) is None
+
+
+class _Done:
+    """A helper process that has ended."""
+
+    def poll(self):
+        return 0

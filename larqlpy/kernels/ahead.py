@@ -32,6 +32,7 @@ from larqlpy.kernels.weights.gguf_blocks import HALF_SCALES, LAYOUTS, TWO_LEVEL,
 from larqlpy.kernels.weights.qweight import PackedWeight
 from larqlpy.kernels.weights.simd import ROWS as TILE
 
+_helpers: list[subprocess.Popen] = []
 ENV = "LARQLPY_COMPILE_AHEAD"  # "0": no helper process (the tests' fixtures, a process that must stay alone)
 K, HEADS, KV, D = 256, 2, 1, 64  # tiny shapes: a kernel's signature holds dtypes and layouts, not sizes
 
@@ -123,7 +124,15 @@ def start(names: list[str]) -> subprocess.Popen | None:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               env={**os.environ, ENV: "0"})
     atexit.register(_end, helper)
+    _helpers.append(helper)
+    compiles.announce(f"{len(names)} groups of kernels ahead, in a second process")
     return helper
+
+
+def busy() -> bool:
+    """Whether a helper this process started is still compiling (on the other core: a measurement
+    now would time it too)."""
+    return any(h.poll() is None for h in _helpers)
 
 
 def _end(helper: subprocess.Popen) -> None:

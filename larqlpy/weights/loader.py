@@ -249,7 +249,8 @@ def _stacks(native: NativeFile | GGUFCodes, parts: list[tuple[str, str | None]],
 
 def _install_packed(model: Decoder, packed: dict[str, PackedWeight], dev: torch.device) -> set[str]:
     """Put packed matrices in place of the float ones; returns the names (ours) they replace. Their
-    prefetch distance is this machine's for their size (kernels/weights/prefetch.py)."""
+    prefetch distance is this machine's for their size (kernels/weights/prefetch.py), measured by a later run
+    while a helper process compiles (kernels/ahead.py)."""
     done, installed = set(), []
     for key, w in packed.items():
         owner, _, attr = key.rpartition(".")
@@ -263,7 +264,8 @@ def _install_packed(model: Decoder, packed: dict[str, PackedWeight], dev: torch.
             lo += rows
             done.add(f"{owner}.{n}" if owner else n)
         installed.append(whole)
-    prefetch.choose(installed)
+    if not ahead.busy():  # else measured by the next run, on a machine not compiling: prefetching changes no number
+        prefetch.choose(installed)
     return done
 
 
