@@ -37,9 +37,9 @@ print(json.dumps(calls))
 """
 
 
-def test_plan_takes_the_other_repacker_and_the_last_kernels_first():
+def test_plan_takes_the_last_kernels_first():
     types = ["Q8_0", "Q5_0", "Q8_0", "Q6_K", "Q4_K", "F32"]
-    assert ahead.plan(types, "Q6_K") == ["tiled Q6_K", "attend", "norms", "qkv", "rows Q6_K", "product Q4_K",
+    assert ahead.plan(types, "Q6_K") == ["attend", "norms", "qkv", "rows Q6_K", "product Q4_K",
                                          "product Q6_K", "product Q5_0", "product Q8_0"]
     assert ahead.plan(["Q4_K", "Q6_K"]) == ["attend", "norms", "qkv", "product Q6_K", "product Q4_K"]
     assert ahead.plan(["F32", "BF16"]) == []
@@ -52,8 +52,7 @@ def test_every_job_name_is_a_job():
 
 def test_the_jobs_compile_the_signatures_the_run_calls():
     """Every kernel a job compiles is one the run calls, with the same signature: the run calls none
-    of them again with another (it would compile it anew: the helper's work wasted), but the repacker
-    of the other kind of scales than the jobs'."""
+    of them again with another (it would compile it anew: the helper's work wasted)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), ahead.ENV: "0"}
     names = ahead.plan(["Q8_0", "Q5_0", "Q6_K", "Q4_K"], "Q6_K")
     done = subprocess.run([sys.executable, "-c", RECORD, str(GGUF), json.dumps(names)], capture_output=True,
@@ -63,11 +62,9 @@ def test_the_jobs_compile_the_signatures_the_run_calls():
     by_jobs = {k for phase, k in calls if phase == "jobs"}
     by_run = {k for phase, k in calls if phase == "run"}
     assert {"larqlpy.kernels.attention.decode._attend_chunk", "larqlpy.kernels.weights.matvec._qkv_rope",
-            "larqlpy.kernels.weights.gguf_blocks._tiled", "larqlpy.kernels.weights.gguf_blocks._rows"} <= by_jobs
+            "larqlpy.kernels.weights.gguf_blocks._rows"} <= by_jobs
     assert sum(".qdot._int" in k for k in by_jobs) == 4  # the file's four code widths, on this CPU's path
-    tiled = "larqlpy.kernels.weights.gguf_blocks._tiled"  # the run repacks its first type's scales itself
-    assert [k for phase, k in calls if phase == "run" and k == tiled] == [tiled]
-    assert not (by_jobs - {tiled}) & by_run, f"the run compiled again: {sorted(by_jobs & by_run)}"
+    assert not by_jobs & by_run, f"the run compiled again: {sorted(by_jobs & by_run)}"
 
 
 def test_a_helper_started_is_said_at_once(monkeypatch):

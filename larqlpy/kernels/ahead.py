@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
@@ -27,23 +26,14 @@ import torch
 
 from larqlpy.kernels import compiles
 from larqlpy.kernels.attention import decode
-from larqlpy.kernels.weights import gguf_blocks, matvec, qdot
-from larqlpy.kernels.weights.gguf_blocks import HALF_SCALES, LAYOUTS, TWO_LEVEL, packed_width, tiled_arrays
+from larqlpy.kernels.weights import gguf_blocks, matvec
+from larqlpy.kernels.weights.gguf_blocks import HALF_SCALES, LAYOUTS, packed_width, tiled_arrays
 from larqlpy.kernels.weights.qweight import PackedWeight
 from larqlpy.kernels.weights.simd import ROWS as TILE
 
 _helpers: list[subprocess.Popen] = []
 ENV = "LARQLPY_COMPILE_AHEAD"  # "0": no helper process (the tests' fixtures, a process that must stay alone)
 K, HEADS, KV, D = 256, 2, 1, 64  # tiny shapes: a kernel's signature holds dtypes and layouts, not sizes
-
-
-def _tiled(qtype: str) -> None:
-    """The block repacker at load for this type's scales (float32, or a K-quant's int8)."""
-    size, per, *_ = LAYOUTS[qtype]
-    codes, scale, minimum, outer, seen = tiled_arrays(qtype, TILE, K)
-    raw = np.zeros((TILE, K // per * size), np.uint8)
-    gguf_blocks.unpack_tiled(raw, qtype, (TILE, K), np.arange(TILE), 0, codes, scale, minimum, seen,
-                             packed_width(qtype), outer)
 
 
 def _product(qtype: str) -> None:
@@ -84,10 +74,9 @@ def _attend() -> None:
 
 
 def jobs() -> dict[str, Callable[[], None]]:
-    """Every job by name: `tiled Q4_K`, `product Q8_0`, `rows Q6_K`, `norms`, `qkv`, `attend`."""
+    """Every job by name: `product Q8_0`, `rows Q6_K`, `norms`, `qkv`, `attend`."""
     out: dict[str, Callable[[], None]] = {"attend": _attend, "norms": _norms, "qkv": _qkv}
     for qtype in LAYOUTS:
-        out[f"tiled {qtype}"] = lambda q=qtype: _tiled(q)
         out[f"product {qtype}"] = lambda q=qtype: _product(q)
         out[f"rows {qtype}"] = lambda q=qtype: _rows(q)
     return out
@@ -96,22 +85,20 @@ def jobs() -> dict[str, Callable[[], None]]:
 def plan(qtypes: Iterable[str], gathered: str | None = None) -> list[str]:
     """The helper's jobs for a GGUF whose quantized matrices have these types in load order
     (`gathered`: its embedding's type, when its rows are gathered from the blocks): the kernels the
-    run reaches last first. The run repacks the first type's blocks first; the helper takes the
-    other kind of scales' repacker at once."""
+    run reaches last first. Not the block repackers: the run needs them within seconds of starting,
+    before the helper could have one ready (it would compile the same one beside the run)."""
     types = list(dict.fromkeys(q for q in qtypes if q in LAYOUTS))
     if not types:
         return []
-    first = types[0] in TWO_LEVEL
-    other = [f"tiled {q}" for q in types if (q in TWO_LEVEL) != first][:1]
-    return [*other, "attend", "norms", "qkv", *([f"rows {gathered}"] if gathered in LAYOUTS else []),
+    return ["attend", "norms", "qkv", *([f"rows {gathered}"] if gathered in LAYOUTS else []),
             *(f"product {q}" for q in reversed(types))]
 
 
 def cold() -> bool:
-    """Whether numba's cache lacks the kernels a decode step runs (a fresh machine or cache)."""
-    kernels = [decode._attend_chunk, *(k for k in qdot.INT.values())]
+    """Whether numba's cache holds no decode attention kernel, which every run on the CPU compiles: a
+    fresh machine or cache. (Its index file alone says nothing: jitcache.tie writes it empty.)"""
     try:
-        return not any(Path(k._cache._cache_file._index_path).exists() for k in kernels)
+        return not decode._attend_chunk._cache._cache_file._load_index()
     except AttributeError:  # another numba's insides: no helper, as before
         return False
 
@@ -150,7 +137,7 @@ def run(names: list[str]) -> list[tuple[str, float]]:
         t0, before = time.perf_counter(), compiles.count()
         table[name]()
         done.append((name, time.perf_counter() - t0))
-        if compiles.count() == before and not name.startswith("tiled"):
+        if compiles.count() == before:
             break
     return done
 
