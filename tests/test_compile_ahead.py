@@ -39,8 +39,8 @@ print(json.dumps(calls))
 
 def test_plan_takes_the_last_kernels_first():
     types = ["Q8_0", "Q5_0", "Q8_0", "Q6_K", "Q4_K", "F32"]
-    assert ahead.plan(types, "Q6_K") == ["attend", "norms", "qkv", "rows Q6_K", "product Q4_K",
-                                         "product Q6_K", "product Q5_0", "product Q8_0"]
+    assert ahead.plan(types, "Q6_K") == ["attend", "norms", "qkv", "product Q4_K", "product Q6_K", "product Q5_0",
+                                         "product Q8_0", "rows Q6_K"]
     assert ahead.plan(["Q4_K", "Q6_K"]) == ["attend", "norms", "qkv", "product Q6_K", "product Q4_K"]
     assert ahead.plan(["F32", "BF16"]) == []
 

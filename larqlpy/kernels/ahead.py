@@ -90,8 +90,8 @@ def plan(qtypes: Iterable[str], gathered: str | None = None) -> list[str]:
     types = list(dict.fromkeys(q for q in qtypes if q in LAYOUTS))
     if not types:
         return []
-    return ["attend", "norms", "qkv", *([f"rows {gathered}"] if gathered in LAYOUTS else []),
-            *(f"product {q}" for q in reversed(types))]
+    return ["attend", "norms", "qkv", *(f"product {q}" for q in reversed(types)),
+            *([f"rows {gathered}"] if gathered in LAYOUTS else [])]  # the prompt's embedding: the run's first need
 
 
 def cold() -> bool:
