@@ -116,6 +116,11 @@ def start(names: list[str]) -> subprocess.Popen | None:
     return helper
 
 
+def started() -> bool:
+    """Whether this process has started a helper."""
+    return bool(_helpers)
+
+
 def busy() -> bool:
     """Whether a helper this process started is still compiling (on the other core: a measurement
     now would time it too)."""
