@@ -49,8 +49,10 @@ model: setup
 	$(BIN)/larqlpy calibrate $(SMOL_DIR) --device cpu --if-needed
 	$(BIN)/larqlpy calibrate $(QWEN_DIR) --device cpu --if-needed
 
-# the GGUF itself, as a user runs one: no conversion (the float32 directories are `make model`'s, for the tests)
-run: setup
+# the GGUF itself, as a user runs one: no conversion (the float32 directories are `make model`'s, for the
+# tests), and no warmup first: the run compiles only the kernels it uses (a second process compiling
+# beside it, kernels/ahead.py); `make setup` compiles and measures the rest
+run: $(VENV)/.installed
 	$(BIN)/larqlpy run "$(GEMMA_GGUF)" "$(PROMPT)" -n 16 --stats
 
 test: model

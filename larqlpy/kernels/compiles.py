@@ -130,6 +130,12 @@ def once(name: str) -> Iterator[None]:
         _tell(Progress(name, took, count, total))
 
 
+def announce(what: str) -> None:
+    """Compiling begins elsewhere (a helper process): heard as a start, so a listener can say so
+    before this process compiles anything itself."""
+    _tell(Progress(what, None, *_snapshot()))
+
+
 @contextmanager
 def on_progress(callback: Callable[[Progress], None]) -> Iterator[None]:
     """`callback` hears each outermost compile start and finish while the block runs (on whichever

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from larqlpy.engines.geometry import check_kv_dtype, default_kv_dtype
 from larqlpy.engines.stores.calibration import KeyCalibration
 from larqlpy.errors import LarqlError
+from larqlpy.kernels import ahead
 from larqlpy.kernels.weights import prefetch
 from larqlpy.kernels.weights.qweight import PackedPart, PackedWeight, check_format, stack
 from larqlpy.model.config import ModelConfig
@@ -112,6 +113,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     reads = [*ckpt.handles, *([path / native_file.FILE] if weights == "native" and not direct else [])]
     sources = {f.name: checks.digest(f) for f in reads if f.is_file()}  # from the record while unchanged
     if weights == "native" and direct:  # unpacked from the file's blocks: nothing kept on disk
+        _compile_ahead(ckpt, dev)
         matrices = _install_packed(model, _pack_native(ckpt, ckpt.native(gather=dev.type == "cpu"), cfg), dev)
         packed_from = "file"
     elif weights != "f32":
@@ -223,6 +225,14 @@ def _pack_native(ckpt: Checkpoint | GGUFCheckpoint, native: NativeFile | GGUFCod
     return out
 
 
+def _compile_ahead(ckpt: GGUFCheckpoint, dev: torch.device) -> None:
+    """On a cold kernel cache, a second process compiles what this load and run will need
+    (kernels/ahead.py)."""
+    if dev.type == "cpu":
+        gathered = ckpt.dtypes.get("embed_tokens") if "lm_head" in ckpt.wanted else None
+        ahead.start(ahead.plan(ckpt.dtypes.values(), gathered))
+
+
 def _stacks(native: NativeFile | GGUFCodes, parts: list[tuple[str, str | None]], prefix: str) -> dict:
     """Matrices reading one input, packed as runs of neighbours that share a kind (each at its file's
     own width: a Q8_0 v_proj beside Q5_0 q_proj and k_proj stacks q|k and packs v alone); a matrix
@@ -239,7 +249,8 @@ def _stacks(native: NativeFile | GGUFCodes, parts: list[tuple[str, str | None]],
 
 def _install_packed(model: Decoder, packed: dict[str, PackedWeight], dev: torch.device) -> set[str]:
     """Put packed matrices in place of the float ones; returns the names (ours) they replace. Their
-    prefetch distance is this machine's for their size (kernels/weights/prefetch.py)."""
+    prefetch distance is this machine's for their size (kernels/weights/prefetch.py), measured by a later run
+    while a helper process compiles (kernels/ahead.py)."""
     done, installed = set(), []
     for key, w in packed.items():
         owner, _, attr = key.rpartition(".")
@@ -253,7 +264,8 @@ def _install_packed(model: Decoder, packed: dict[str, PackedWeight], dev: torch.
             lo += rows
             done.add(f"{owner}.{n}" if owner else n)
         installed.append(whole)
-    prefetch.choose(installed)
+    if not ahead.busy():  # else measured by the next run, on a machine not compiling: prefetching changes no number
+        prefetch.choose(installed)
     return done
 
 

@@ -1,0 +1,152 @@
+"""Kernels a run of a GGUF file will need, compiled ahead in a second process while the run works.
+
+numba compiles a kernel on its first call and, in one process, one kernel at a time (its compiler
+lock, under the GIL), so a run on a cold cache compiled a dozen kernels one after another on one core
+while the other waited. A run that finds the cache cold (`cold`) starts this module as a helper
+process (`start`): it calls each kernel the run will reach last, first (`plan`), once, on tiny arrays
+of the types the run passes, so numba compiles it with the run's own signature into the same cache
+(NUMBA_CACHE_DIR, else beside the sources). When the run reaches a kernel the helper has saved, numba
+loads it from the cache instead of compiling it; the two meet about halfway. The helper compiles the
+same source as the run would, so the run computes the same bits either way: nothing switches
+mid-run. It stops at the first kernel it finds cached (the run has been there), and the run ends it
+when it exits (numba writes a cache entry whole, by renaming, so none is left half-written).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from larqlpy.kernels import compiles
+from larqlpy.kernels.attention import decode
+from larqlpy.kernels.weights import gguf_blocks, matvec
+from larqlpy.kernels.weights.gguf_blocks import HALF_SCALES, LAYOUTS, packed_width, tiled_arrays
+from larqlpy.kernels.weights.qweight import PackedWeight
+from larqlpy.kernels.weights.simd import ROWS as TILE
+
+_helpers: list[subprocess.Popen] = []
+ENV = "LARQLPY_COMPILE_AHEAD"  # "0": no helper process (the tests' fixtures, a process that must stay alone)
+K, HEADS, KV, D = 256, 2, 1, 64  # tiny shapes: a kernel's signature holds dtypes and layouts, not sizes
+
+
+def _product(qtype: str) -> None:
+    """The integer product this type's codes run, on this CPU's path, as the loader packs them."""
+    _, _, _, _, zero, affine = LAYOUTS[qtype]
+    bits, base = packed_width(qtype)
+    codes, scale, minimum, outer, _ = tiled_arrays(qtype, TILE, K)
+    w = PackedWeight.from_tiled(codes, (TILE, K), scale, minimum if affine else None, zero - base, bits, 0,
+                                (1 << bits) - 1, halves=qtype in HALF_SCALES, outer=outer)
+    w.matmul(torch.zeros(1, K))
+
+
+def _rows(qtype: str) -> None:
+    """A GGUF embedding's rows gathered from its blocks (one a token)."""
+    size, per, *_ = LAYOUTS[qtype]
+    gguf_blocks.BlockRows(np.zeros((2, K // per * size), np.uint8), qtype, (2, K)).rows(torch.tensor([0]))
+
+
+def _norms() -> None:
+    x, w = torch.zeros(1, K), torch.ones(K)
+    matvec.rms_norm(x, w, 1e-6, 0.0)
+    matvec.residual_norm(x, x, None, w, 1e-6, 0.0)
+    matvec.gated(torch.zeros(1, 2 * K), "silu")
+
+
+def _qkv() -> None:
+    cos = torch.ones(1, D)
+    matvec.qkv_rope(torch.zeros(1, (HEADS + 2 * KV) * D), torch.zeros((HEADS + 2 * KV) * D), HEADS, KV, None, None,
+                    1e-6, 0.0, cos, cos)
+
+
+def _attend() -> None:
+    """A decode step's attention over one short chunk, the step's own row written by the kernel."""
+    k, v = torch.zeros(KV, 4, D), torch.zeros(KV, 4, D)
+    new = torch.zeros(KV, 1, D)
+    decode.attend_rows(torch.zeros(1, HEADS, D), [decode.Span(k, v, 0, 1, write=True)], 0.125, new=(new, new),
+                       cols=[0])
+
+
+def jobs() -> dict[str, Callable[[], None]]:
+    """Every job by name: `product Q8_0`, `rows Q6_K`, `norms`, `qkv`, `attend`."""
+    out: dict[str, Callable[[], None]] = {"attend": _attend, "norms": _norms, "qkv": _qkv}
+    for qtype in LAYOUTS:
+        out[f"product {qtype}"] = lambda q=qtype: _product(q)
+        out[f"rows {qtype}"] = lambda q=qtype: _rows(q)
+    return out
+
+
+def plan(qtypes: Iterable[str], gathered: str | None = None) -> list[str]:
+    """The helper's jobs for a GGUF whose quantized matrices have these types in load order
+    (`gathered`: its embedding's type, when its rows are gathered from the blocks): the kernels the
+    run reaches last first. Not the block repackers: the run needs them within seconds of starting,
+    before the helper could have one ready (it would compile the same one beside the run)."""
+    types = list(dict.fromkeys(q for q in qtypes if q in LAYOUTS))
+    if not types:
+        return []
+    return ["attend", "norms", "qkv", *(f"product {q}" for q in reversed(types)),
+            *([f"rows {gathered}"] if gathered in LAYOUTS else [])]  # the prompt's embedding: the run's first need
+
+
+def cold() -> bool:
+    """Whether numba's cache holds no decode attention kernel, which every run on the CPU compiles: a
+    fresh machine or cache. (Its index file alone says nothing: jitcache.tie writes it empty.)"""
+    try:
+        return not decode._attend_chunk._cache._cache_file._load_index()
+    except AttributeError:  # another numba's insides: no helper, as before
+        return False
+
+
+def start(names: list[str]) -> subprocess.Popen | None:
+    """Start the helper on `names` when the cache is cold; ended when this process exits."""
+    if not names or os.environ.get(ENV) == "0" or not cold():
+        return None
+    helper = subprocess.Popen([sys.executable, "-m", __name__, *names], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, ENV: "0"})
+    atexit.register(_end, helper)
+    _helpers.append(helper)
+    compiles.announce(f"{len(names)} groups of kernels ahead, in a second process")
+    return helper
+
+
+def started() -> bool:
+    """Whether this process has started a helper."""
+    return bool(_helpers)
+
+
+def busy() -> bool:
+    """Whether a helper this process started is still compiling (on the other core: a measurement
+    now would time it too)."""
+    return any(h.poll() is None for h in _helpers)
+
+
+def _end(helper: subprocess.Popen) -> None:
+    if helper.poll() is None:
+        helper.terminate()
+        helper.wait()
+
+
+def run(names: list[str]) -> list[tuple[str, float]]:
+    """Compile `names` in order, each's seconds; stops at the first that compiled nothing (the run
+    got there first: the rest it has passed too)."""
+    compiles.watch()
+    table, done = jobs(), []
+    for name in names:
+        t0, before = time.perf_counter(), compiles.count()
+        table[name]()
+        done.append((name, time.perf_counter() - t0))
+        if compiles.count() == before:
+            break
+    return done
+
+
+if __name__ == "__main__":
+    for job, took in run(sys.argv[1:]):
+        print(f"{job}: {took:.1f} s")

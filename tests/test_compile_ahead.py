@@ -1,0 +1,96 @@
+"""The helper process that compiles a cold run's kernels ahead (kernels/ahead.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from larqlpy.kernels import ahead
+
+ROOT = Path(__file__).resolve().parent.parent
+GGUF = ROOT / "models" / "gguf" / "qwen2.5-coder-0.5b-instruct.gguf"
+
+# In a fresh process: the planned jobs first, then a real load and two tokens; each kernel's first
+# call with a new signature (numba's `_compile_for_args`: compiled, or loaded from the cache) is
+# recorded, so whatever the run needs beyond the jobs' signatures shows up as the run's own.
+RECORD = """
+import json, sys
+from numba.core import dispatcher
+import larqlpy
+from larqlpy.kernels import ahead
+calls, phase = [], ["jobs"]
+original = dispatcher._DispatcherBase._compile_for_args
+def record(self, *args, **kw):
+    calls.append((phase[0], self.py_func.__module__ + "." + self.py_func.__name__))
+    return original(self, *args, **kw)
+dispatcher._DispatcherBase._compile_for_args = record
+names = json.loads(sys.argv[2])
+for name in names:
+    ahead.jobs()[name]()
+phase[0] = "run"
+m = larqlpy.load(sys.argv[1])
+list(m.generate("Write a haiku about rust.", max_tokens=2))
+print(json.dumps(calls))
+"""
+
+
+def test_plan_takes_the_last_kernels_first():
+    types = ["Q8_0", "Q5_0", "Q8_0", "Q6_K", "Q4_K", "F32"]
+    assert ahead.plan(types, "Q6_K") == ["attend", "norms", "qkv", "product Q4_K", "product Q6_K", "product Q5_0",
+                                         "product Q8_0", "rows Q6_K"]
+    assert ahead.plan(["Q4_K", "Q6_K"]) == ["attend", "norms", "qkv", "product Q6_K", "product Q4_K"]
+    assert ahead.plan(["F32", "BF16"]) == []
+
+
+def test_every_job_name_is_a_job():
+    names = ahead.plan(list(ahead.LAYOUTS), "Q8_0")
+    assert set(names) <= set(ahead.jobs())
+
+
+def test_the_jobs_compile_the_signatures_the_run_calls():
+    """Every kernel a job compiles is one the run calls, with the same signature: the run calls none
+    of them again with another (it would compile it anew: the helper's work wasted)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), ahead.ENV: "0"}
+    names = ahead.plan(["Q8_0", "Q5_0", "Q6_K", "Q4_K"], "Q6_K")
+    done = subprocess.run([sys.executable, "-c", RECORD, str(GGUF), json.dumps(names)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    calls = json.loads(done.stdout.strip().splitlines()[-1])
+    by_jobs = {k for phase, k in calls if phase == "jobs"}
+    by_run = {k for phase, k in calls if phase == "run"}
+    assert {"larqlpy.kernels.attention.decode._attend_chunk", "larqlpy.kernels.weights.matvec._qkv_rope",
+            "larqlpy.kernels.weights.gguf_blocks._rows"} <= by_jobs
+    assert sum(".qdot._int" in k for k in by_jobs) == 4  # the file's four code widths, on this CPU's path
+    assert not by_jobs & by_run, f"the run compiled again: {sorted(by_jobs & by_run)}"
+
+
+def test_a_helper_started_is_said_at_once(monkeypatch):
+    """A cold cache: the progress line comes as the helper starts, before this process compiles."""
+    import io
+
+    from rich.console import Console
+
+    from larqlpy.cli.compiling import compile_progress
+
+    monkeypatch.setenv("LARQLPY_COMPILE_PROGRESS", "1")
+    started = []
+    monkeypatch.setattr(ahead, "cold", lambda: True)
+    monkeypatch.setattr(ahead.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or _Done())
+    buf = io.StringIO()
+    with compile_progress(Console(file=buf, force_terminal=False, width=200), live=False):
+        assert ahead.start(["attend", "norms"]) is not None
+    assert started and started[0][-2:] == ["attend", "norms"]
+    assert buf.getvalue().splitlines()[0] == \
+        "larqlpy: compiling kernels for this CPU (once: later runs load them from numba's cache)"
+    monkeypatch.setenv(ahead.ENV, "0")
+    assert ahead.start(["attend"]) is None
+
+
+class _Done:
+    """A helper process that has ended."""
+
+    def poll(self):
+        return 0
