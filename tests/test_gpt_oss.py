@@ -167,3 +167,27 @@ def test_decode_kernel_and_codes_take_the_sinks(n):
     assert (a - b).abs().max() < 1e-4
     keys, values = plain.read(0, torch.float32)
     assert (b - reference(q[0].unsqueeze(1), keys, values, p)).abs().max() < 1e-4
+
+
+def test_codec_branches_take_the_sinks_in_their_family_call(tiny, monkeypatch):
+    """Two branches of one prompt on codec/v1 decode in one family call per full layer
+    (tq_attend.attend_family, sinks and all) the bits of two sequences that never forked."""
+    from larqlpy.kernels.kvcodec import tq_attend
+
+    name, _, ours = tiny
+    calls, real = [], tq_attend.attend_family
+    monkeypatch.setattr(tq_attend, "attend_family", lambda *a: calls.append(a[-2].shape) or real(*a))
+    model, spec = ours.model, parse_engine_spec(continuation="codec/v1", options=["bits=4", "calib=off"])
+    ids = [10 + i % 37 for i in range(150)]
+    parent, plain = new_state(spec, model.geometries(), CPU), [new_state(spec, model.geometries(), CPU) for _ in "ab"]
+    children = [new_state(spec, model.geometries(), CPU) for _ in "ab"]
+    for state in (parent, *plain):
+        prefill(model, state, ids, 64)
+    for child in children:
+        child.fork_from(parent)
+    for t in range(4):
+        tokens = [torch.tensor([40 + t * (i + 1)]) for i in range(2)]
+        got = model.forward_many([(tok, s, "last") for tok, s in zip(tokens, children)])
+        want = model.forward_many([(tok, s, "last") for tok, s in zip(tokens, plain)])
+        assert all(torch.equal(x, y) for x, y in zip(got, want)), (name, t)
+    assert calls and all(shape == (model.cfg.num_attention_heads,) for shape in calls), name
