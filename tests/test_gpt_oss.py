@@ -16,6 +16,7 @@ from larqlpy.engines.stores.base import AttentionParams, attention
 from larqlpy.engines.stores.codec import CodecStore
 from larqlpy.engines.stores.kvcodec import KVCodec
 from larqlpy.engines.stores.state import Scratch
+from larqlpy.errors import LarqlError
 from larqlpy.kernels.attention.decode import Span, attend_rows
 from larqlpy.kernels.kvcodec.rowcodec import TurboQuantCodec
 from larqlpy.model.decoder import inv_freq, prefill
@@ -78,6 +79,12 @@ def test_config_reads_the_family():
     assert cfg.windows == (128, None, 128, None) and cfg.attention_sinks and cfg.qkv_bias and cfg.o_bias
     assert cfg.rope_global.rope_type == "yarn" and cfg.rope_global.theta == 150000.0
     assert cfg.moe.softmax_after_topk and cfg.moe.swiglu_limit == 7.0 and cfg.moe.swiglu_alpha == 1.702
+    for bad, says in (({"swiglu_limit": "7"}, "swiglu_limit"), ({"num_local_experts": 0}, "num_local_experts"),
+                      ({"rope_parameters": {"rope_type": "yarn"}}, "yarn rope scaling needs"),
+                      ({"rope_parameters": {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 8,
+                                            "mscale": 1.0}}, "mscale")):
+        with pytest.raises(LarqlError, match=says):
+            config_from_dict({**raw, **bad})
 
 
 def test_yarn_frequencies_match_transformers():
