@@ -33,7 +33,7 @@ for n, d, g, bits in [(40, 32, 2, 2), (300, 64, 4, 4)]:
     tq_attend.attend(q, cal, tq.signs(d), (a, b, c, bits, a, b, c, bits),
                      (tier, (norms, codes, 0, 0), c, bits, tier, (norms, codes, 0, 0), c, bits),
                      (np.zeros((2, 0, d), np.float32), sink, sink), (n, n, n + 6), np.float32(0.125),
-                     np.float32(30.0), out)
+                     np.float32(30.0), np.zeros(0, np.float32), out)
     hashes[f"tq_attend {n}x{d} {bits}"] = hashlib.sha256(out.tobytes()).hexdigest()
     rows = [np.zeros((4, 1) + shape, t) for _ in "kv" for shape, t in (((), np.float32), ((d * bits // 8,), np.uint8))]
     k, v = rng.standard_normal((2, 2, 2, d), dtype=np.float32)  # two branches' step rows, written as codes

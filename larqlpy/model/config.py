@@ -6,6 +6,7 @@ read a config.json into it; `families.read_config` picks the family. Plain Pytho
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,11 +19,16 @@ GLOBAL = "full_attention"
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"  # default | linear | llama3 | none (learned positions: GPT-2)
-    factor: float = 1.0  # linear: positions divided by this; llama3: the low-frequency divisor
+    rope_type: str = "default"  # default | linear | llama3 | yarn | none (learned positions: GPT-2)
+    factor: float = 1.0  # linear: positions divided by this; llama3, yarn: the low-frequency divisor
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: the ramp's bounds in rotations (model/yarn.py), and cos and sin times attention_factor
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,17 @@ class MoeConfig:
     # (experts, 2 * intermediate, hidden) and down (experts, hidden, intermediate): (their names), read
     # as one view a matrix (weights/checkpoint.py); None: a tensor an expert matrix
     hf_fused: tuple[str, str] | None = None
+    # GPT-OSS: the router's linear has a bias; the top k of its raw logits are picked, then a softmax
+    # over those k (`softmax_after_topk`); every expert's gate, up and down have biases; the gate is
+    # a clamped SwiGLU, (min(up, l) clamped to [-l, l] + 1) * g * sigmoid(alpha g), g = min(gate, l)
+    router_bias: bool = False
+    softmax_after_topk: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # GPT-OSS's files hold a layer's experts as (experts, inputs, outputs) tensors under
+    # hf_block.experts: gate_up_proj with gate and up interleaved in columns, down_proj, and biases
+    hf_interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,6 +100,7 @@ class ModelConfig:
     gated_mlp: bool = True  # act(gate) * up; False: act(up) then down, c_fc / c_proj (StarCoder2, GPT-2)
     mlp_bias: bool = False  # biases on a non-gated MLP's c_fc and c_proj
     learned_positions: bool = False  # a position embedding added to the tokens' (GPT-2's wpe), no RoPE
+    attention_sinks: bool = False  # a learned logit per query head in every softmax (GPT-OSS's self_attn.sinks)
     layout: str = "llama"  # the files' tensor names: llama (layers.{i}.self_attn...) | gpt2 (h.{i}.attn.c_attn...)
 
     @property
@@ -137,7 +155,7 @@ def windows_from_types(raw: dict[str, Any], n: int, window: int | None, default_
     return tuple(window if t == SLIDING else None for t in types)
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_from(spec: dict[str, Any] | None, theta: float) -> RopeConfig:
@@ -152,12 +170,30 @@ def rope_from(spec: dict[str, Any] | None, theta: float) -> RopeConfig:
     factor = float(spec.get("factor", 1.0))
     if rope_type == "linear":
         return RopeConfig(theta, "linear", factor)
+    if rope_type == "yarn":
+        return yarn_rope(spec, theta)
     try:
         return RopeConfig(theta, "llama3", factor, float(spec["low_freq_factor"]), float(spec["high_freq_factor"]),
                           int(spec["original_max_position_embeddings"]))
     except (KeyError, TypeError, ValueError):
         raise LarqlError("config.json: llama3 rope scaling needs factor, low_freq_factor, high_freq_factor and "
                          "original_max_position_embeddings") from None
+
+
+def yarn_rope(spec: dict[str, Any], theta: float) -> RopeConfig:
+    """YaRN as transformers reads it: attention_factor, when not given, 0.1 ln(factor) + 1 (mscale and
+    mscale_all_dim are DeepSeek's and refused here)."""
+    try:
+        factor, original = float(spec["factor"]), int(spec["original_max_position_embeddings"])
+        fast, slow = float(spec.get("beta_fast") or 32.0), float(spec.get("beta_slow") or 1.0)
+    except (KeyError, TypeError, ValueError):
+        raise LarqlError("config.json: yarn rope scaling needs factor and original_max_position_embeddings") from None
+    if spec.get("mscale") or spec.get("mscale_all_dim"):
+        raise LarqlError("config.json: yarn rope scaling with mscale is not supported")
+    given = spec.get("attention_factor")
+    attention = float(given) if given is not None else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return RopeConfig(theta, "yarn", factor, original_max_position_embeddings=original, beta_fast=fast,
+                      beta_slow=slow, truncate=bool(spec.get("truncate", True)), attention_factor=attention)
 
 
 def single_rope(raw: dict[str, Any], default_theta: float) -> RopeConfig:

@@ -27,6 +27,7 @@ from larqlpy.kernels.weights.matvec import embedding, gated, linear, qkv_rope, r
 from larqlpy.model.config import ModelConfig, RopeConfig
 from larqlpy.model.moe import experts_of
 from larqlpy.model.tensors import block_weights
+from larqlpy.model.yarn import yarn_inv_freq
 
 
 def inv_freq(cfg: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -36,6 +37,8 @@ def inv_freq(cfg: RopeConfig, head_dim: int) -> torch.Tensor:
         return torch.zeros_like(freq)
     if cfg.rope_type == "linear":
         return freq / cfg.factor  # linear scaling stretches positions
+    if cfg.rope_type == "yarn":
+        return yarn_inv_freq(cfg, head_dim)
     if cfg.rope_type == "llama3":  # long wavelengths divided by factor, short ones kept, a ramp between
         low_wavelen = cfg.original_max_position_embeddings / cfg.low_freq_factor
         high_wavelen = cfg.original_max_position_embeddings / cfg.high_freq_factor
@@ -54,6 +57,7 @@ class Rope:
 
     def __init__(self, cfg: RopeConfig, head_dim: int, device: torch.device):
         self.inv_freq = inv_freq(cfg, head_dim).to(device)
+        self.factor = cfg.attention_factor  # YaRN: cos and sin scaled by it (1 elsewhere)
         self.cos = self.sin = torch.empty(0, head_dim, device=device)
 
     def tables(self, start: int, t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +66,8 @@ class Rope:
             freqs = torch.arange(n, device=self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             self.cos, self.sin = emb.cos(), emb.sin()
+            if self.factor != 1.0:
+                self.cos, self.sin = self.cos * self.factor, self.sin * self.factor
         return self.cos[start:start + t].to(dtype), self.sin[start:start + t].to(dtype)
 
 
@@ -99,6 +105,8 @@ class Block(nn.Module):
                 torch.cat((w.q_proj_bias, w.k_proj_bias, w.v_proj_bias)) if c.qkv_bias else None
             w.q_norm, w.k_norm = (w.q_norm, w.k_norm) if c.qk_norm else (None, None)
             w.o_bias = w.o_proj_bias if c.o_bias else None
+            if c.attention_sinks:  # GPT-OSS: each query head's sink joins every softmax (AttentionParams)
+                self.attn = AttentionParams(self.attn.scale, self.attn.softcap, w.sinks.detach().float().cpu())
             w.up_bias, w.down_bias = (w.up_proj_bias, w.down_proj_bias) if c.mlp_bias else (None, None)
             # Gemma: normed after attention, then before and after the MLP; Llama: post_attention_layernorm
             # is the MLP's pre-norm

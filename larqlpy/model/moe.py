@@ -24,9 +24,14 @@ from larqlpy.model.config import MoeConfig
 class Experts:
     """A sparse layer's router and experts, called on a block's normed rows h (T, E) -> (T, E)."""
 
-    def __init__(self, router, experts: list[tuple], moe: MoeConfig, activation: str):
+    def __init__(self, router, experts: list[tuple], moe: MoeConfig, activation: str, router_bias=None,
+                 biases: list[tuple] | None = None):
         self.router, self.experts = router, experts  # experts: (gate, up, down) matrices per expert
         self.top_k, self.norm, self.activation = moe.top_k, moe.norm_topk_prob, activation
+        # GPT-OSS: the router's bias, softmax over the chosen k, each expert's (gate|up, down) biases
+        # and the clamped SwiGLU (model/config.py, MoeConfig)
+        self.router_bias, self.after_topk, self.biases = router_bias, moe.softmax_after_topk, biases
+        self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's k weights (float32) and experts (T, k), in torch.topk's order. On the CPU in
@@ -35,15 +40,27 @@ class Experts:
         router = self.router
         invariant = h.is_cpu and h.dtype is torch.float32 and isinstance(router, torch.Tensor) and \
             router.dtype is torch.float32
-        probs = torch.softmax((gemm_few_f32(h, router, "numba") if invariant else linear(h, router)).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        scores = (gemm_few_f32(h, router, "numba") if invariant else linear(h, router)).float()
+        if self.router_bias is not None:
+            scores = scores + self.router_bias
+        if self.after_topk:  # the top k of the raw scores, their softmax the weights
+            top, chosen = torch.topk(scores, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), chosen
+        weights, chosen = torch.topk(torch.softmax(scores, dim=-1), self.top_k, dim=-1)
         if self.norm:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, chosen
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = self.experts[e]
-        return linear(gated(stacked(x, gate, up), self.activation), down)
+        if self.biases is None and self.limit is None:
+            return linear(gated(stacked(x, gate, up), self.activation), down)
+        y = stacked(x, gate, up)
+        if self.biases is not None:
+            y = y + self.biases[e][0]
+        act = clamped_swiglu(y, self.limit, self.alpha) if self.limit is not None else gated(y, self.activation)
+        y = linear(act, down)
+        return y if self.biases is None else y + self.biases[e][1]
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(h)
@@ -71,6 +88,18 @@ class Experts:
         return out
 
 
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """GPT-OSS's gate on a stacked gate|up product (T, 2I) -> (T, I), as transformers' GptOssExperts:
+    the gate clamped above at limit, up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+    n = gate_up.shape[1] // 2
+    gate, up = gate_up[:, :n].clamp(max=limit), gate_up[:, n:].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def experts_of(block, moe: MoeConfig, activation: str) -> Experts:
-    """A block's router and experts (its `router`, `experts[j].gate_proj` ...) as one Experts."""
-    return Experts(block.router, [(e.gate_proj, e.up_proj, e.down_proj) for e in block.experts], moe, activation)
+    """A block's router and experts (its `router`, `experts[j].gate_proj` ..., and their biases where
+    the family has them) as one Experts."""
+    biases = [(torch.cat((e.gate_proj_bias, e.up_proj_bias)), e.down_proj_bias) for e in block.experts] \
+        if moe.expert_bias else None
+    return Experts(block.router, [(e.gate_proj, e.up_proj, e.down_proj) for e in block.experts], moe, activation,
+                   block.router_bias.float() if moe.router_bias else None, biases)

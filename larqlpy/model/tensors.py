@@ -42,6 +42,8 @@ def block_weights(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, Callable
                    v_proj_bias=("self_attn.v_proj.bias", lambda c: (c.kv_dim,)))
     if cfg.o_bias:
         out["o_proj_bias"] = ("self_attn.o_proj.bias", e)
+    if cfg.attention_sinks:
+        out["sinks"] = ("self_attn.sinks", lambda c: (c.num_attention_heads,))
     if cfg.qk_norm:
         out.update(q_norm=("self_attn.q_norm.weight", f), k_norm=("self_attn.k_norm.weight", f))
     if cfg.sandwich_norms:
@@ -97,6 +99,12 @@ def _experts(cfg: ModelConfig) -> dict:
                                              lambda c: (m.intermediate_size, c.hidden_size)),
                     f"experts.{j}.down_proj": (f"{block}.experts.{j}.{down}.weight",
                                                lambda c: (c.hidden_size, m.intermediate_size))})
+        if m.expert_bias:
+            size = lambda c: (m.intermediate_size,)  # noqa: E731
+            out.update({f"experts.{j}.{n}_bias": (f"{block}.experts.{j}.{hf}.bias", shape) for n, hf, shape in (
+                ("gate_proj", gate, size), ("up_proj", up, size), ("down_proj", down, lambda c: (c.hidden_size,)))})
+    if m.router_bias:
+        out["router_bias"] = (f"{block}.{m.hf_router}.bias", lambda c: (m.num_experts,))
     return out
 
 

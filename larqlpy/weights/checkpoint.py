@@ -87,6 +87,8 @@ def stored_as(cfg: ModelConfig, hf: str) -> str:
     if cfg.layout == "gpt2" and hf.endswith(CONV1D):
         return hf + "@T"
     fused = cfg.moe.hf_fused if cfg.moe is not None else None
+    if ".experts." in hf and cfg.moe.hf_interleaved:
+        return _interleaved(hf)
     if fused is None or ".experts." not in hf:
         return hf
     block, rest = hf.split(".experts.")
@@ -96,9 +98,21 @@ def stored_as(cfg: ModelConfig, hf: str) -> str:
     return f"{block}.{fused[1] if which == 'down' else fused[0]}.weight@e{j}{rows}"
 
 
-def view_of(name: str) -> tuple[str, int | None, bool, tuple[int, int] | None]:
-    """`BASE@SPEC` -> (BASE, expert index or None, transposed, (rows lo, hi) or None); SPEC lists, in
-    the order applied, eJ (the outermost index J), T (transposed), rLO:HI (rows LO to HI)."""
+def _interleaved(hf: str) -> str:
+    """GPT-OSS: an expert's gate, up or down (weight or bias) as a view of its layer's fused tensors,
+    (experts, inputs, outputs) with gate and up interleaved: gate the even outputs, up the odd."""
+    block, rest = hf.split(".experts.")
+    j, which, kind = rest.split(".")
+    fused = "down_proj" if which == "down_proj" else "gate_up_proj"
+    suffix = "_bias" if kind == "bias" else ""
+    spec = f"e{j}" + ("" if suffix else ",T") + {"gate_proj": ",r0::2", "up_proj": ",r1::2", "down_proj": ""}[which]
+    return f"{block}.experts.{fused}{suffix}@{spec}"
+
+
+def view_of(name: str) -> tuple[str, int | None, bool, tuple[int, int, int] | None]:
+    """`BASE@SPEC` -> (BASE, expert index or None, transposed, (rows lo, hi, step) or None); SPEC lists,
+    in the order applied, eJ (the outermost index J), T (transposed), rLO:HI (rows LO to HI) or
+    rLO::STEP (every STEP-th row from LO)."""
     base, _, spec = name.partition("@")
     expert, transposed, rows = None, False, None
     for part in filter(None, spec.split(",")):
@@ -106,9 +120,12 @@ def view_of(name: str) -> tuple[str, int | None, bool, tuple[int, int] | None]:
             transposed = True
         elif part[0] == "e":
             expert = int(part[1:])
+        elif "::" in part:
+            lo, step = part[1:].split("::")
+            rows = (int(lo), None, int(step))
         else:
             lo, hi = part[1:].split(":")
-            rows = (int(lo), int(hi))
+            rows = (int(lo), int(hi), 1)
     return base, expert, transposed, rows
 
 
@@ -116,15 +133,15 @@ def view_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     _, expert, transposed, rows = view_of(name)
     shape = shape[1:] if expert is not None else shape
     shape = shape[::-1] if transposed else shape
-    return (rows[1] - rows[0], *shape[1:]) if rows else tuple(shape)
+    return (len(range(shape[0])[rows[0]:rows[1]:rows[2]]), *shape[1:]) if rows else tuple(shape)
 
 
 def view_array(name: str, a):
-    """The view `name` of its base tensor `a` (numpy or torch): zero-copy unless transposed."""
+    """The view `name` of its base tensor `a` (numpy or torch): zero-copy unless transposed or strided."""
     _, expert, transposed, rows = view_of(name)
     a = a[expert] if expert is not None else a
     a = a.T if transposed else a
-    return a[rows[0]:rows[1]] if rows else a
+    return a[rows[0]:rows[1]:rows[2]] if rows else a
 
 
 SAMPLE = 1 << 20  # bytes the fingerprint reads from each end of each weight file

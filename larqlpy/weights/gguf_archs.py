@@ -15,7 +15,8 @@ the metadata, its tensor names, and the conventions llama.cpp's converter applie
   read as one 2-D view an expert, `NAME[j]` (expert_views). qwen3moe's layers without a router run
   the dense MLP (ffn_gate, ffn_up, ffn_down); qwen3moe's top k weights are renormalized
   (norm_topk_prob), as llama.cpp always does.
-- granite, granitemoe, starcoder2, gpt2: gguf_more_archs.py.
+- granite, granitemoe, starcoder2, gpt2: gguf_more_archs.py; gpt-oss: gguf_gpt_oss.py (experts with
+  biases: the router's ffn_gate_inp.bias, each expert's row of the 2-D ffn_*_exps.bias).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Callable
 
 import numpy as np
 
-from larqlpy.model.families import granitemoe, mixtral, qwen3_moe
+from larqlpy.model.families import gpt_oss, granitemoe, mixtral, qwen3_moe
+from larqlpy.weights import gguf_gpt_oss as oss
 from larqlpy.weights import gguf_more_archs as more
 
 
@@ -57,6 +59,7 @@ class Arch:
     linears: dict[str, str] | None = None  # a block's linears, GGUF kind -> HF under the block (None: LINEARS)
     layers: str = "model.layers."  # where blocks live in HF names
     norm_bias: bool = False  # norms with biases (LayerNorm)
+    plain: dict[str, str] | None = None  # a block's KIND.weight -> its HF name as it is (GPT-OSS's sinks)
 
     def hf_name(self, gguf_name: str) -> tuple[str, bool] | None:
         """HF tensor name for a GGUF one, and whether it is a norm stored as 1 + w. None: not ours."""
@@ -68,6 +71,8 @@ class Arch:
         parts = gguf_name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[3] in ("weight", "bias"):
             layer, kind, what = parts[1], parts[2], parts[3]
+            if self.plain and kind in self.plain and what == "weight":
+                return f"{self.layers}{layer}.{self.plain[kind]}", False
             if kind in self.norms and (what == "weight" or self.norm_bias):
                 return f"{self.layers}{layer}.{self.norms[kind]}.{what}", self.norm_plus_one
             linears = self.linears or LINEARS
@@ -76,16 +81,17 @@ class Arch:
         return None
 
     def _moe_name(self, gguf_name: str) -> str | None:
-        """A router's HF name, or an expert's (a view `blk.N.ffn_gate_exps.weight[j]`)."""
+        """A router's HF name, or an expert's (a view `blk.N.ffn_gate_exps.weight[j]`); their biases
+        alike (`.bias`, GPT-OSS)."""
         base, _, expert = gguf_name.partition("[")
         parts = base.split(".")
-        if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight":
+        if len(parts) != 4 or parts[0] != "blk" or parts[3] not in ("weight", "bias"):
             return None
-        block, names = self.moe_names
+        (block, names), what = self.moe_names, parts[3]
         if parts[2] == ROUTER and not expert:
-            return f"model.layers.{parts[1]}.{block}.{self.moe_router}.weight"
+            return f"model.layers.{parts[1]}.{block}.{self.moe_router}.{what}"
         if parts[2] in EXPERTS and expert[:-1].isdigit() and expert.endswith("]"):
-            return f"model.layers.{parts[1]}.{block}.experts.{int(expert[:-1])}.{names[EXPERTS[parts[2]]]}.weight"
+            return f"model.layers.{parts[1]}.{block}.experts.{int(expert[:-1])}.{names[EXPERTS[parts[2]]]}.{what}"
         return None
 
     def restore(self, gguf_name: str, w: np.ndarray, config: dict) -> np.ndarray:
@@ -251,10 +257,12 @@ def qwen3moe_config(m: Meta) -> dict:
 def expert_views(tensors: dict[str, tuple]) -> dict[str, tuple]:
     """A tensor table (name -> type, shape, offset, bytes) with each 3-D tensor (a layer's experts,
     outermost) in place as one 2-D view an expert, `NAME[j]`: an expert's rows lie whole and
-    together, so each is read, checked and packed as any matrix is."""
+    together, so each is read, checked and packed as any matrix is; the experts' 2-D biases
+    (ffn_*_exps.bias) as one row an expert alike."""
     out = {}
     for name, (qtype, shape, offset, nbytes) in tensors.items():
-        if len(shape) != 3 or shape[0] < 1 or nbytes % shape[0]:
+        biases = len(shape) == 2 and name.endswith("_exps.bias")
+        if not (len(shape) == 3 or biases) or shape[0] < 1 or nbytes % shape[0]:
             out[name] = (qtype, shape, offset, nbytes)
             continue
         per = nbytes // shape[0]
@@ -279,6 +287,8 @@ ARCHS = {a.name: a for a in (
          moe_names=granitemoe.HF_NAMES, moe_router=granitemoe.HF_ROUTER),
     Arch("starcoder2", LLAMA_NORMS, norm_plus_one=False, permuted_qk=False, config=more.starcoder2_config,
          top=more.LAYER_NORM_TOP, linears={**LINEARS, **more.PLAIN_MLP}, norm_bias=True),
+    Arch("gpt-oss", oss.NORMS, norm_plus_one=False, permuted_qk=False, config=oss.gpt_oss_config,
+         moe_names=gpt_oss.HF_NAMES, moe_router=oss.ROUTER, plain=oss.PLAIN),
     Arch("gpt2", more.GPT2_NORMS, norm_plus_one=False, permuted_qk=False, config=more.gpt2_config,
          top=more.GPT2_TOP, linears=more.GPT2_LINEARS, layers="transformer.h.", norm_bias=True),
 )}

@@ -29,8 +29,10 @@ MAX_VOCAB = 1 << 21
 MAX_HEAD_DIM = 1 << 12
 MAX_EXPERTS = 1 << 12  # published MoEs have up to a few hundred
 # what an architecture's config reads beyond the common ones (gpt2's context: its position table's rows)
-EXTRA_SIZES = {"gemma3": ("attention.sliding_window",), "gpt2": ("context_length",)}
-ALWAYS_EXPERTS = ("qwen3moe", "granitemoe")
+EXTRA_SIZES = {"gemma3": ("attention.sliding_window",), "gpt2": ("context_length",),
+               "gpt-oss": ("attention.sliding_window", "expert_feed_forward_length")}
+ALWAYS_EXPERTS = ("qwen3moe", "granitemoe", "gpt-oss")
+YARN = ("gpt-oss",)  # the architectures whose rope.scaling.type is yarn (read by their config)
 INTEGERS = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
             GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
 
@@ -149,7 +151,7 @@ def _rope(src: Path, m: Meta) -> None:
         _number(src, m, a + key, below=1e6)
     factor = _number(src, m, a + "rope.scaling.factor", zero=True)  # 0: no scaling
     kind = m.get(a + "rope.scaling.type")
-    if kind not in (None, "none", "linear") and factor:
+    if kind not in (None, "none", "linear") and factor and not (kind == "yarn" and m.arch in YARN):
         raise LarqlError(f"{src}: {a}rope.scaling.type is {_show(kind)}: not supported (linear is)")
     tensor = m.tensor(ROPE_FREQS)
     if tensor is not None and m.arch == "llama":

@@ -12,9 +12,10 @@ logical range [base, end) it retains; where those rows live is its own business.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -22,12 +23,21 @@ from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.kernels.attention.decode import Span, attend_one, takes
 
 QUERY_TILE = 256  # prefill queries attended per tile
+NO_SINKS = np.zeros(0, np.float32)
 
 
 @dataclass(frozen=True)
 class AttentionParams:
     scale: float  # the queries' scale (query_pre_attn_scalar ** -0.5 on Gemma, head_dim ** -0.5 elsewhere)
     softcap: float | None = None  # Gemma 2: scores -> tanh(scores / cap) * cap before the softmax
+    # GPT-OSS: a learned logit per query head (H,) float32 joined to every softmax: it takes probability
+    # mass and has no value row. Every attention path takes it (the kernels as `sink_logits`).
+    sinks: torch.Tensor | None = field(default=None, compare=False)
+
+    @property
+    def sink_logits(self) -> np.ndarray:
+        """The sinks as the numba kernels take them: (H,) float32, or (0,) for none."""
+        return NO_SINKS if self.sinks is None else self.sinks.numpy()
 
     def logits(self, scores: torch.Tensor) -> torch.Tensor:
         """Raw q.k scores -> what the softmax takes."""
@@ -44,8 +54,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k
     n_heads, t, d = q.shape
     n_kv, n = k.shape[0], k.shape[1]
     if t == 1 and k_start + n - 1 == q_start and takes(q):
-        return attend_one(q, k, v, p.scale, p.softcap or 0.0)  # a decode step over exactly its visible rows
-    if t > 1 and window is None and p.softcap is None and q.device.type == "cpu" and k_start + n == q_start + t:
+        return attend_one(q, k, v, p.scale, p.softcap or 0.0, p.sink_logits)  # a step over exactly its rows
+    plain = p.softcap is None and p.sinks is None
+    if t > 1 and window is None and plain and q.device.type == "cpu" and k_start + n == q_start + t:
         return causal_parts(q, k, v, q_start - k_start, p.scale)
     group = n_heads // n_kv
     qg = q.reshape(1, n_kv, group * t, d)  # one matmul per KV head; 4-D lets torch pick its flash kernel
@@ -59,11 +70,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k
             allowed &= rel < window
         mask = torch.zeros(t, n, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
         mask = mask.repeat(group, 1)  # (G*T, N)
-    if p.softcap is not None:  # SDPA has no softcapping: the scores in full
+    if not plain:  # SDPA has no softcapping and no sinks: the scores in full
         s = p.logits(qg[0] @ k.transpose(1, 2))  # (Hkv, G*T, N)
         if mask is not None:
             s = s + mask
-        out = torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+        if p.sinks is not None:  # one more column per query head, dropped after the softmax
+            sink = p.sinks.to(s).reshape(n_kv, group, 1).expand(n_kv, group, t).reshape(n_kv, group * t, 1)
+            s = torch.cat((s, sink), dim=-1)
+        w = torch.softmax(s.float(), dim=-1)
+        out = (w[..., :n] if p.sinks is not None else w).to(q.dtype) @ v
         return out.reshape(n_heads, t, d)
     out = F.scaled_dot_product_attention(qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=p.scale)
     return out.reshape(n_heads, t, d)

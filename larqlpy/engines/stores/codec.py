@@ -159,7 +159,8 @@ class CodecStore(RowStore):
         out = np.empty((hkv, n_heads // hkv, d), np.float32)
         tq_attend.attend(q[:, 0].float().contiguous().view(out.shape).numpy(), self._calibration(start, n),
                          self.codec.k.signs, main, tier, (self._exact_keys(lo), *self._sink_arrays(start)),
-                         (lo - start, mid - start, n), np.float32(p.scale), np.float32(p.softcap or 0.0), out)
+                         (lo - start, mid - start, n), np.float32(p.scale), np.float32(p.softcap or 0.0), p.sink_logits,
+                         out)
         self.release()
         return torch.from_numpy(out).view(n_heads, 1, d).to(q.dtype)
 
@@ -203,7 +204,7 @@ class CodecStore(RowStore):
                                 self._calibration(0, n), self.codec.k.signs,
                                 (*shared[0], *shared[4], shared[2], shared[3], shared[6], shared[7]),
                                 _as_branches(own), self._tier_args(tier, mid, b), self._sink_arrays(0),
-                                (lo, mid, n), np.float32(p.scale), np.float32(p.softcap or 0.0), out)
+                                (lo, mid, n), np.float32(p.scale), np.float32(p.softcap or 0.0), p.sink_logits, out)
         for s in stores:
             s.release()
         return torch.from_numpy(out).view(b, n_heads, d).transpose(0, 1).to(q.dtype)

@@ -53,7 +53,7 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: Sequ
     if steps:
         qs = q if len(steps) == len(outs) else q[:, [s[1] for s in steps]]  # (H, steps, D)
         got = attend_rows(qs.transpose(0, 1), [s[3] for s in steps], p.scale, p.softcap or 0.0,
-                          (k, v), [s[1] for s in steps]).transpose(0, 1)
+                          (k, v), [s[1] for s in steps], p.sink_logits).transpose(0, 1)
         for _, _, store, _ in steps:
             store.release()
         if len(steps) == len(outs):
@@ -107,7 +107,8 @@ def _stepwise(q, k, v, stores, sizes, p, stepped) -> torch.Tensor:
     if together:
         cols = [r for i in together for r in range(bounds[i], bounds[i + 1])]
         qs = q if len(cols) == q.shape[1] else q[:, cols]
-        got = attend_rows(qs.transpose(0, 1), spans, p.scale, p.softcap or 0.0, (k, v), cols).transpose(0, 1)
+        got = attend_rows(qs.transpose(0, 1), spans, p.scale, p.softcap or 0.0, (k, v), cols,
+                          p.sink_logits).transpose(0, 1)
         at = 0
         for i in together:
             stores[i].release()

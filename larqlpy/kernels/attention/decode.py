@@ -37,6 +37,7 @@ from larqlpy.kernels.scalars import f32_at, to_bf16, to_half, u16_at
 CHUNK = 128  # rows per work item: enough to pay for its set-up, few enough to spread a long sequence
 SERIAL_ROWS = 2 * CHUNK  # a call reading no more rows in all runs on one thread: waking the pool costs more
 KINDS = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
+NO_SINKS = np.zeros(0, np.float32)  # no attention sinks (every family but GPT-OSS)
 
 
 @njit(inline="always", cache=True, error_model="numpy")
@@ -68,16 +69,21 @@ def _write_new(knew, vnew, where):  # pragma: no cover - jitted
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _merge(m, total, acc, a, b, out):  # pragma: no cover - jitted
-    """Chunks [a, b) of one sequence -> its (H, D) output."""
+def _merge(m, total, acc, a, b, out, sinks):  # pragma: no cover - jitted
+    """Chunks [a, b) of one sequence -> its (H, D) output; sinks (H,) or (0,): a logit per head joined
+    to the softmax's sum (GPT-OSS), with no value row."""
     h, d = acc.shape[1], acc.shape[2]
     for hh in range(h):
         top = m[a, hh]
         for c in range(a + 1, b):
             top = max(top, m[c, hh])
+        if sinks.shape[0]:
+            top = max(top, sinks[hh])
         norm = np.float32(0.0)
         for c in range(a, b):
             norm += total[c, hh] * np.exp(m[c, hh] - top)
+        if sinks.shape[0]:
+            norm += np.exp(sinks[hh] - top)
         for j in range(d):
             out[hh, j] = 0.0
         for c in range(a, b):
@@ -125,7 +131,7 @@ def _start(q, knew, vnew, where):  # pragma: no cover - jitted
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def _attend_rows(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover - jitted
+def _attend_rows(q, knew, vnew, where, scale, softcap, sinks, out):  # pragma: no cover - jitted
     """q (S, H, D) -> out (S, H, D); where (P, 10) int64 per piece of rows (a sequence's own rows, or
     a prompt's rows its branches share): K and V buffer addresses (row 0 of KV head 0), readable rows
     N, the elements between KV heads, KV heads, the buffer row of the first readable one, the ring's
@@ -136,22 +142,22 @@ def _attend_rows(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover
     for w in prange(m.shape[0] * where[0, 4]):
         _item(q, where, first, owner, w, scale, softcap, m, total, acc)
     for s in range(q.shape[0]):  # a few (H, D) sums: not worth waking the threads a second time
-        _merge(m, total, acc, by_query[s], by_query[s + 1], out[s])
+        _merge(m, total, acc, by_query[s], by_query[s + 1], out[s], sinks)
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _attend_serial(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover - jitted
+def _attend_serial(q, knew, vnew, where, scale, softcap, sinks, out):  # pragma: no cover - jitted
     """`_attend_rows` on the calling thread: the same work items and merge, so the
     same bits, for a call too small to pay for waking the thread pool."""
     first, owner, by_query, m, total, acc = _start(q, knew, vnew, where)
     for w in range(m.shape[0] * where[0, 4]):
         _item(q, where, first, owner, w, scale, softcap, m, total, acc)
     for s in range(q.shape[0]):
-        _merge(m, total, acc, by_query[s], by_query[s + 1], out[s])
+        _merge(m, total, acc, by_query[s], by_query[s + 1], out[s], sinks)
 
 
 @njit(fastmath=FASTMATH, cache=True, error_model="numpy")
-def _attend_chunk(q, knew, vnew, where, scale, softcap, out):  # pragma: no cover - jitted
+def _attend_chunk(q, knew, vnew, where, scale, softcap, sinks, out):  # pragma: no cover - jitted
     """A single chunk in all (one sequence, <= CHUNK rows): the same arithmetic, bit for bit, without
     waking the thread pool (which costs more than such a chunk takes)."""
     _write_new(knew, vnew, where)
@@ -160,7 +166,7 @@ def _attend_chunk(q, knew, vnew, where, scale, softcap, out):  # pragma: no cove
     m, total, acc = np.empty((1, h), np.float32), np.empty((1, h), np.float32), np.zeros((1, h, d), np.float32)
     for w in range(where[0, 4]):
         _item(q, where, first, owner, w, scale, softcap, m, total, acc)
-    _merge(m, total, acc, 0, 1, out[0])
+    _merge(m, total, acc, 0, 1, out[0], sinks)
 
 
 def takes(q: torch.Tensor) -> bool:
@@ -185,11 +191,13 @@ class Span(NamedTuple):
 
 
 def attend_rows(q: torch.Tensor, spans: list[Span | tuple[Span, ...]], scale: float, softcap: float = 0.0,
-                new: tuple[torch.Tensor, torch.Tensor] | None = None, cols: list[int] | None = None) -> torch.Tensor:
+                new: tuple[torch.Tensor, torch.Tensor] | None = None, cols: list[int] | None = None,
+                sinks: np.ndarray = NO_SINKS) -> torch.Tensor:
     """One decode query per sequence, q (S, H, D), each over its own rows (`spans`: a Span, or
     several read in order), all float32 on the CPU -> (S, H, D); softcap > 0 caps the scaled scores
     as tanh(s / cap) * cap. `new`: the step's K, V block (Hkv, T, D) and `cols` each sequence's
-    column in it, for spans with `write`."""
+    column in it, for spans with `write`. `sinks`: a logit per query head (H,) float32 the softmax
+    also takes (GPT-OSS), or (0,)."""
     n_seq, _, d = q.shape
     rows, held = [], []  # held: tensors copied here, alive until the kernel returns
     for i, (pieces, col) in enumerate(zip(spans, cols or [-1] * n_seq)):
@@ -211,16 +219,17 @@ def attend_rows(q: torch.Tensor, spans: list[Span | tuple[Span, ...]], scale: fl
     total = int(where[:, 2].sum())
     kernel = _attend_chunk if len(rows) == 1 and total <= CHUNK else _attend_serial if total <= SERIAL_ROWS \
         else _attend_rows
-    kernel(q.contiguous().numpy(), knew, vnew, where, np.float32(scale), np.float32(softcap), out)
+    kernel(q.contiguous().numpy(), knew, vnew, where, np.float32(scale), np.float32(softcap), sinks, out)
     return torch.from_numpy(out)
 
 
 _NONE = np.zeros((0, 0, 0), np.float32)  # no new rows to write
 
 
-def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float = 0.0) -> torch.Tensor:
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float = 0.0,
+               sinks: np.ndarray = NO_SINKS) -> torch.Tensor:
     """q (H, 1, D) over every row of k, v (Hkv, N, D): `attend_rows` for one sequence -> (H, 1, D)."""
-    return attend_rows(q.transpose(0, 1), [Span(k, v, 0, k.shape[1])], scale, softcap).transpose(0, 1)
+    return attend_rows(q.transpose(0, 1), [Span(k, v, 0, k.shape[1])], scale, softcap, sinks=sinks).transpose(0, 1)
 
 
 # inlines chunk.py's work item, their helpers and intrinsics; compiled with its FASTMATH

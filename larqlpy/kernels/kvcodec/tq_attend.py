@@ -33,14 +33,15 @@ from larqlpy.kernels.scalars import dot
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def attend(q, cal, sgn, main, tier, exact, bounds, scale, softcap, out):  # pragma: no cover - jitted
+def attend(q, cal, sgn, main, tier, exact, bounds, scale, softcap, logits, out):  # pragma: no cover - jitted
     """q (Hkv, G, D) queries grouped by KV head -> out (Hkv, G, D). cal: the key calibration's 1 / scale,
     mean, turning mean (Hkv, D) and the [cos | sin] rows (N, D) of the rows' positions, each (0, 0)
     when absent (the last two when no head turns): coded keys are scored with q / scale, plus
     q . mean and the turning part. main, tier: (K piece a, K piece b, K centroids, K bits, V a, V b,
     V centroids, V bits), a piece (norms (Hkv, cap), codes (Hkv, cap, bytes), first buffer row,
     rows) (`coded_row`); the tier's pieces have 0 rows when there is none. exact: (exact keys
-    (Hkv, N - klo, D), sink K, sink V (Hkv, ns, D)) float32. bounds: (klo, mid, N)."""
+    (Hkv, N - klo, D), sink K, sink V (Hkv, ns, D)) float32. bounds: (klo, mid, N). logits: a learned
+    sink logit per query head (Hkv * G,) the softmax also takes (GPT-OSS), or (0,)."""
     hkv, group, d = q.shape
     n, keys, sinks, sink_v, cs = bounds[2], exact[0], exact[1], exact[2], cal[3]
     ka, kb, va, vb, tka, tkb, tva, tvb = main[0], main[1], main[4], main[5], tier[0], tier[1], tier[4], tier[5]
@@ -58,7 +59,7 @@ def attend(q, cal, sgn, main, tier, exact, bounds, scale, softcap, out):  # prag
         score_rows(h, c * step, min(n, (c + 1) * step), q, qr, bias, coef, cs, ka, kb, tka, tkb, keys, sinks,
                     codebooks, bounds, scale, softcap, pos, scratch(d), s)
     for head in prange(hkv * group):
-        softmax(s, head)
+        softmax(s, head, logits)
     part = np.zeros((hkv, CHUNKS, group, d), np.float32)
     for job in prange(hkv * CHUNKS):
         h, c = job // CHUNKS, job % CHUNKS
@@ -68,7 +69,8 @@ def attend(q, cal, sgn, main, tier, exact, bounds, scale, softcap, out):  # prag
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap, out):  # pragma: no cover - jitted
+def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap, logits,
+                  out):  # pragma: no cover - jitted
     """`attend` for B branches of one prompt at one position, in one call: q (B, Hkv, G, D) -> out (B,
     Hkv, G, D). shared: the prompt's K and V code pieces every branch reads (norms, codes, first row,
     rows as arrays and ints: K's four, then V's) and the four codebooks (K centroids, K bits, V, V
@@ -109,7 +111,7 @@ def attend_family(q, cal, sgn, shared, own, tier, sinks, bounds, scale, softcap,
                 if b >= 0:
                     score_block(s[b], h, r, m, qr[b], bias[b], coef[b], cs, pos, work, scale, softcap)
     for job in prange(nb * hkv * group):
-        softmax(s[job // (hkv * group)], job % (hkv * group))
+        softmax(s[job // (hkv * group)], job % (hkv * group), logits)
     part = np.zeros((nb, hkv, CHUNKS, group, d), np.float32)
     for job in prange(hkv * CHUNKS):
         h, c = job // CHUNKS, job % CHUNKS

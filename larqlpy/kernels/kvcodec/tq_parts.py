@@ -181,12 +181,16 @@ def score_rows(h, lo, hi, q, qr, bias, coef, cs, ka, kb, tka, tkb, keys, sinks, 
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def softmax(s, head):  # pragma: no cover - jitted
+def softmax(s, head, logits):  # pragma: no cover - jitted
+    """Row `head` of the scores -> its weights; logits (heads,) or (0,): a learned sink per head
+    (GPT-OSS) joined to the sum, with no value row."""
     n = s.shape[1]
     top = s[head, 0]
     for r in range(1, n):
         top = max(top, s[head, r])
-    total = np.float32(0.0)
+    if logits.shape[0]:
+        top = max(top, logits[head])
+    total = np.float32(0.0) if not logits.shape[0] else exp(logits[head] - top)
     for r in range(n):
         e = exp(s[head, r] - top)
         s[head, r] = e
