@@ -18,7 +18,7 @@ from typing import List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from ray.util.metrics import Counter
 
-from larqlpy.server import affinity
+from larqlpy.server import affinity, balance
 from larqlpy.server.affinity import Keys
 
 
@@ -29,6 +29,10 @@ def keys_of_request(pending: Optional[PendingRequest]) -> Keys:
     return getattr(pending.args[0], "keys", None) or Keys()
 
 
+def request_id(pending: Optional[PendingRequest]) -> str | None:
+    return getattr(getattr(pending, "metadata", None), "internal_request_id", None)
+
+
 class StateRouter(RequestRouter):
     def initialize_state(self, **kwargs):
         self.turns = Counter("larqlpy_router_turns", "requests by where they landed: hit (the replica holding "
@@ -36,15 +40,22 @@ class StateRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
-        """Ranks: the replica holding the request's state first, then every other one (the least
-        loaded of a rank is taken)."""
+        """Ranks, one replica each: the replica holding the request's state first, then the others,
+        the least busy first (Ray Serve takes the first with room in its queue)."""
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        to = getattr(pending_request.args[0], "to", None) if pending_request and pending_request.args else None
+        if to in by_id:  # a front's channel to this replica
+            return [[by_id[to]]]
         held = affinity.SHARED.lookup(keys_of_request(pending_request), by_id)
-        if held is None:
-            return [list(candidate_replicas)]
-        return [[by_id[held]], [r for r in candidate_replicas if r.replica_id.unique_id != held]]
+        return [[by_id[i]] for i in balance.SHARED.ranked(list(by_id), request_id(pending_request), held)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        balance.SHARED.placed(request_id(pending_request), replica_id.unique_id)
         landed = affinity.SHARED.count(keys_of_request(pending_request), replica_id.unique_id)
         if landed is not None:
             self.turns.inc(1, tags={"result": landed})
+
+    def decrement_queue_len_cache(self, replica_id: ReplicaID) -> None:
+        """A request the replica accepted finished (answered, failed or cancelled)."""
+        super().decrement_queue_len_cache(replica_id)
+        balance.SHARED.done(replica_id.unique_id)
