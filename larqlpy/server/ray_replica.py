@@ -34,7 +34,7 @@ DIED = (RayActorError, ActorUnavailableError, WorkerCrashedError, grpc.aio.AioRp
 
 @dataclass(frozen=True)
 class Call:
-    """One HTTP request as the ingress hands it to a replica, with its routing keys."""
+    """One HTTP request as the front hands it to a replica, with its routing keys."""
 
     method: str
     path: str

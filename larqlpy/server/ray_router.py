@@ -1,9 +1,10 @@
 """Ray Serve's request router for larqlpy's replicas: a request goes to the replica that holds its
-conversation's state (server/affinity.py: its keys, recorded by the ingress as answers come back),
-otherwise, or when that replica's queue is full, to the least loaded one (the replicas' queue
-lengths, as Ray Serve's own router measures them).
+conversation's state (server/affinity.py: its keys, recorded by the front as answers come back),
+otherwise, or when that replica's queue is full, to the least busy one (server/balance.py: the
+requests sent it and not finished, counted as they are ranked, so a burst spreads evenly). A front's
+channel call (server/ray_replica.py) goes to the replica it names.
 
-The router runs in the process that calls the replicas -- the ingress (server/ray_serve.py) -- and
+The router runs in the process that calls the replicas -- the front (server/ray_front.py) -- and
 shares that process's one map with it (`affinity.SHARED`: Ray ships this module by value, so
 it holds no state of its own). A replica that goes leaves its keys behind; they are
 skipped until a request of theirs lands elsewhere and records its new replica, so the map follows
@@ -23,7 +24,7 @@ from larqlpy.server.affinity import Keys
 
 
 def keys_of_request(pending: Optional[PendingRequest]) -> Keys:
-    """The keys the ingress passed with the call (its first argument's `keys`)."""
+    """The keys the front passed with the call (its first argument's `keys`)."""
     if pending is None or not pending.args:
         return Keys()
     return getattr(pending.args[0], "keys", None) or Keys()
