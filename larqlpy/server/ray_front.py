@@ -104,19 +104,24 @@ class Front:
 
     async def _channel(self, replica: str) -> None:
         stream = self.replicas.channel.remote(Call("", "", b"", (), b"", Keys(), front=self.name, to=replica))
+        opened = False  # not if it reached another replica: `replica` is gone
         try:
-            async for batch in stream:  # none if it reached another replica: `replica` is gone
+            async for batch in stream:
+                opened = True
                 for rid, data in batch:
                     if rid in self.waiting:
                         self.waiting[rid][1].put_nowait(data)
         except DIED:
-            pass  # the replica died: its streams end where they were cut
+            opened = False  # the replica died: its streams end where they were cut
         finally:
             stream.cancel()
             self.channels.pop(replica, None)
-            for rid, (where, later) in list(self.waiting.items()):
-                if where == replica:
-                    later.put_nowait(None)
+        ours = [later for where, later in self.waiting.values() if where == replica]
+        if not opened:
+            for later in ours:
+                later.put_nowait(None)
+        elif ours:  # it closed while idle (so a replica scaled down can go) as a stream began
+            self._listen(replica)
 
     async def _rest(self, stream, rid: str, first: bytes | None):
         """An SSE answer: its first event, then what its replica's channel brings, to its end."""

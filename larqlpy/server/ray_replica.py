@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 
 import grpc
@@ -28,6 +29,7 @@ from larqlpy.server.main import ready
 from larqlpy.server.ray_metrics import Mirror
 
 GATHER_S = 0.005
+IDLE_S = 2.0
 # a replica gone: as Ray says it, or as the gRPC call to it breaks (Ray Serve maps only UNAVAILABLE)
 DIED = (RayActorError, ActorUnavailableError, WorkerCrashedError, grpc.aio.AioRpcError)
 
@@ -105,6 +107,7 @@ class Replica:
         self.app = build_app(self.served)
         self.mirror = Mirror(self.served.metrics.registry, self.name).start()
         self.outboxes: dict[str, asyncio.Queue] = {}  # a front's name -> (request, bytes | None) for its channel
+        self.streaming: Counter = Counter()  # a front's name -> its SSE answers under way here
 
     async def run(self, call: Call):
         """("start", replica, status, headers), the first ("body", bytes); an SSE answer's later
@@ -117,6 +120,7 @@ class Replica:
                 if item[0] == "start":  # the replica's name goes with the status: the front records where the state is
                     sse = b"text/event-stream" in dict(item[2]).get(b"content-type", b"")
                     item = (item[0], self.name, *item[1:])
+                    self.streaming[call.front] += sse
                 if sse and sent == 2:
                     out.put_nowait((call.rid, item[1]))
                 else:
@@ -125,6 +129,7 @@ class Replica:
         finally:
             if sse and sent == 2:
                 out.put_nowait((call.rid, None))  # its end
+            self.streaming[call.front] -= sse
 
     async def channel(self, call: Call):
         """The events of every SSE answer this replica streams to `call.front`, as they queued: one
@@ -132,15 +137,18 @@ class Replica:
         if call.to != self.name:
             return  # the replica it was for is gone: the router sent it here
         out = self.outboxes.setdefault(call.front, asyncio.Queue())
-        try:
-            while True:
-                batch = [await out.get()]
-                await asyncio.sleep(GATHER_S)  # the step's other sequences' events, on their way
-                while not out.empty():
-                    batch.append(out.get_nowait())
-                yield batch
-        finally:
-            self.outboxes.pop(call.front, None)
+        yield []  # opened: the front knows it reached its replica
+        while True:
+            try:
+                batch = [await asyncio.wait_for(out.get(), IDLE_S)]
+            except asyncio.TimeoutError:
+                if not self.streaming[call.front]:
+                    return  # closed while idle, so a replica scaled down is not held by it
+                continue
+            await asyncio.sleep(GATHER_S)  # the step's other sequences' events, on their way
+            while not out.empty():
+                batch.append(out.get_nowait())
+            yield batch
 
     def __del__(self):
         """Ray Serve's shutdown: the requests in flight were waited for; the kept states are on disk."""
