@@ -10,7 +10,8 @@ Runs, each on a fresh server:
 - kill: `--ray local --replicas 2`, not streamed, one replica killed (`ray.kill`) once the first
   turns are in; every answer compared with the ray 2 run's.
 
-For each: generated tokens/s (wall), time to first token p50, follow-up turns whose
+Each server first answers 4 other conversations' first turns (its kernels loaded), unmeasured. For
+each: generated tokens/s (wall), time to first token p50, follow-up turns whose
 `cached_tokens` hold all the earlier turns' tokens, the router's hits (GET /router), failed
 requests, and whether every answer equals the single server's.
 
@@ -81,6 +82,8 @@ def main() -> None:
         server = on([], ONE_THREAD) if what == "single" else \
             on(ray + ["--replicas", "1" if what == "ray1" else "2"])
         try:
+            # warm: each replica's first requests load its compiled kernels (seconds), not measured
+            asyncio.run(converse(server, name, range(300, 304), 1, 8, True))
             stream = what != "kill"
             results[what] = asyncio.run(run(server, name, range(n), a.turns, a.max_tokens, stream,
                                             kill_after=n + 2 if what == "kill" else None))

@@ -19,6 +19,7 @@ from larqlpy.decode.scheduler import Scheduler
 from larqlpy.pipeline.prepare import prepare
 from larqlpy.pipeline.request import Request
 from larqlpy.server.affinity import Affinity, Keys, keys_of
+from larqlpy.server.balance import Load
 from larqlpy.state.prefix_cache import REPLICAS, PrefixCache
 from larqlpy.weights.loader import load
 from tiny import make_tiny
@@ -55,6 +56,22 @@ def test_the_map_finds_the_longest_known_prefix_on_a_live_replica_and_counts_whe
     assert m.count(Keys(), "r1") is None  # /health: no conversation
     m.record(Keys(("d",)), "r1")  # past `most`: the least recently recorded key goes
     assert m.known(Keys(("a",))) is None and m.stats()["hit_rate"] == 0.5
+
+
+def test_a_burst_of_new_conversations_spreads_before_any_lands_and_a_held_state_comes_first():
+    load = Load()
+    picks = [load.ranked(["b", "a"], request=f"r{i}")[0] for i in range(6)]
+    assert sorted(picks) == ["a"] * 3 + ["b"] * 3  # ranked before any was accepted: the plans count
+    for i, r in enumerate(picks):
+        load.placed(f"r{i}", r)
+    for r in ["a"] * 3 + ["b"] * 3:
+        load.done(r)
+    assert load.ranked(["a", "b"], request="x", first="a")[0] == "a"  # the replica holding its state
+    assert load.ranked(["a", "b"], request="y")[0] == "b"  # a has x planned (ties go to a)
+    load.placed("x", "a")
+    load.placed("y", "b")
+    load.done("a")
+    assert load.ranked(["b", "a"]) == ["a", "b"]
 
 
 @pytest.fixture(scope="module")

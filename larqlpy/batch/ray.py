@@ -78,7 +78,10 @@ def connect(address: str, cpus: int):
     except ImportError:
         raise LarqlError("`ray_address`: running on Ray needs Ray: pip install 'larqlpy[ray]'") from None
     if not ray.is_initialized():
-        kw = {"num_cpus": cpus} if address == "local" else {"address": address}
+        # a local cluster's workers at the driver's priority: Ray's default (nice 15) gives the model's
+        # processes a thirtieth of a core's share beside any other busy process, the client's included
+        kw = {"num_cpus": cpus, "_system_config": {"worker_niceness": 0}} if address == "local" else \
+            {"address": address}
         try:
             ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=False, **kw)
         except (ConnectionError, ValueError, RuntimeError) as e:

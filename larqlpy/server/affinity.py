@@ -129,7 +129,7 @@ class Affinity:
         return {**counts, "keys": len(self.where), "hit_rate": counts["hit"] / followed if followed else None}
 
 
-# The process's one map: the ingress records into it, the router in the same process reads it. Ray
-# ships a router class by value (its module's globals copied), so the router reaches this through
-# the module, which is imported, not copied.
+# The process's one map: the front (server/ray_front.py) records into it, the router in the same
+# process reads it. Ray ships a router class by value (its module's globals copied), so the router
+# reaches this through the module, which is imported, not copied.
 SHARED = Affinity()
