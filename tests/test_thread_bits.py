@@ -18,9 +18,9 @@ from larqlpy.decode.scheduler import Scheduler
 from larqlpy.decode.sequence import Sequence
 from larqlpy.engines import EngineSpec, preset_spec
 from larqlpy.engines.presets import RECOMMENDED
-from larqlpy.kernels import cpu
+from larqlpy.kernels import cpu, threads
 from larqlpy.kernels.attention.decode import Span, attend_rows
-from larqlpy.kernels.weights import matvec
+from larqlpy.kernels.weights import choice, matvec
 from larqlpy.kernels.weights.qweight import PackedWeight
 from larqlpy.weights.loader import load
 
@@ -124,3 +124,19 @@ def test_greedy_decode_of_a_batch(path, weights, engine, monkeypatch):
         assert [t for t, _ in one[key]] == [t for t, _ in two[key]], key
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(one[key], two[key])), key
     assert np.isfinite(one[300][0][1].numpy()).all()
+
+
+def test_a_measured_choice_holds_for_every_thread_count(tmp_path, monkeypatch):
+    """The candidates round differently: a 2-thread process must run what a 1-thread one chose."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls: list[str] = []
+    pick = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    chosen = []
+    for n in (1, 2):
+        monkeypatch.setattr(threads, "_planned", n)
+        monkeypatch.setattr(choice, "_memo", {})  # as a new process would
+        torch.set_num_threads(n)
+        chosen.append(choice.choose("a shape", pick))
+        if n == 1:
+            calls.clear()
+    assert chosen[0] == chosen[1] and calls == []
