@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from numba import njit, prange
 
 from larqlpy.config import GenerationConfig
 from larqlpy.decode.scheduler import Scheduler
 from larqlpy.decode.sequence import Sequence
 from larqlpy.engines import EngineSpec, preset_spec
 from larqlpy.engines.presets import RECOMMENDED
-from larqlpy.kernels import cpu, threads
+from larqlpy.kernels import cpu, threads, workshare
 from larqlpy.kernels.attention.decode import Span, attend_rows
 from larqlpy.kernels.weights import choice, matvec
 from larqlpy.kernels.weights.qweight import PackedWeight
@@ -140,3 +141,24 @@ def test_a_measured_choice_holds_for_every_thread_count(tmp_path, monkeypatch):
         if n == 1:
             calls.clear()
     assert chosen[0] == chosen[1] and calls == []
+
+
+@njit(parallel=True)
+def _take_all(chunks, slots, seen):  # pragma: no cover - jitted
+    count = workshare.counter()
+    for s in prange(slots):
+        c = workshare.take(count)
+        while c < chunks:
+            seen[s, c] += 1
+            c = workshare.take(count)
+
+
+def test_each_chunk_is_taken_once():
+    """The counter is shared by the threads (not a copy each): every chunk is taken, by one of them."""
+    for n in (1, 2):
+        numba.set_num_threads(n)
+        seen = np.zeros((workshare.slots(), 20000), np.int64)
+        _take_all(20000, workshare.slots(), seen)
+        assert (seen.sum(0) == 1).all(), n
+    count = workshare.counter()
+    assert [workshare.take(count) for _ in range(3)] == [0, 1, 2]
