@@ -210,7 +210,7 @@ def test_the_kernels_compile_to_the_integer_dot_instructions(path, instruction, 
     kernel = njit(parallel=True, error_model="numpy")(qdot.INT[(path, bits)].py_func)  # fresh: cached code has no asm
     u, scale, minimum, zero, p = rand_codes(bits, lo=1, hi=min(127, 2 ** bits - 1), zero=2 ** (bits - 1))
     x = np.zeros((1, u.shape[1]), np.float32)
-    kernel(*p.arrays, np.int32(zero), x, np.empty((1, p.codes.shape[0] * TILE), np.float32), 4096)
+    kernel(*p.arrays, np.int32(zero), x, np.empty((1, p.codes.shape[0] * TILE), np.float32), 4096, qdot.SLOTS)
     asm = "\n".join(kernel.inspect_asm(sig) for sig in kernel.signatures)
     assert instruction in asm and "prefetcht0" in asm
 

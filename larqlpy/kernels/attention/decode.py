@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from numba import carray, njit, prange
 
-from larqlpy.kernels import jitcache, scalars
+from larqlpy.kernels import jitcache, scalars, workshare
 from larqlpy.kernels.attention import chunk as chunks
 from larqlpy.kernels.attention import rowdots
 from larqlpy.kernels.attention.chunk import chunk, physical
@@ -36,6 +36,7 @@ from larqlpy.kernels.scalars import f32_at, to_bf16, to_half, u16_at
 
 CHUNK = 128  # rows per work item: enough to pay for its set-up, few enough to spread a long sequence
 SERIAL_ROWS = 2 * CHUNK  # a call reading no more rows in all runs on one thread: waking the pool costs more
+SLOTS = workshare.slots()
 KINDS = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 NO_SINKS = np.zeros(0, np.float32)  # no attention sinks (every family but GPT-OSS)
 
@@ -131,16 +132,21 @@ def _start(q, knew, vnew, where):  # pragma: no cover - jitted
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def _attend_rows(q, knew, vnew, where, scale, softcap, sinks, out):  # pragma: no cover - jitted
+def _attend_rows(q, knew, vnew, where, scale, softcap, sinks, out, slots):  # pragma: no cover - jitted
     """q (S, H, D) -> out (S, H, D); where (P, 10) int64 per piece of rows (a sequence's own rows, or
     a prompt's rows its branches share): K and V buffer addresses (row 0 of KV head 0), readable rows
     N, the elements between KV heads, KV heads, the buffer row of the first readable one, the ring's
     rows (0: none), the column of knew, vnew to write as the last readable row first (-1: the store
     wrote it), the rows' element kind (F32, F16, BF16), and the query it serves. Work items are
-    (piece, chunk) pairs, so one long sequence spreads over the threads as well as many short ones."""
+    (piece, chunk) pairs, so one long sequence spreads over the threads as well as many short ones;
+    a free thread takes the next (workshare.py)."""
     first, owner, by_query, m, total, acc = _start(q, knew, vnew, where)
-    for w in prange(m.shape[0] * where[0, 4]):
-        _item(q, where, first, owner, w, scale, softcap, m, total, acc)
+    items, count = m.shape[0] * where[0, 4], workshare.counter()
+    for _ in prange(slots):
+        w = workshare.take(count)
+        while w < items:
+            _item(q, where, first, owner, w, scale, softcap, m, total, acc)
+            w = workshare.take(count)
     for s in range(q.shape[0]):  # a few (H, D) sums: not worth waking the threads a second time
         _merge(m, total, acc, by_query[s], by_query[s + 1], out[s], sinks)
 
@@ -217,9 +223,11 @@ def attend_rows(q: torch.Tensor, spans: list[Span | tuple[Span, ...]], scale: fl
     knew, vnew = (t.numpy() for t in new) if new is not None else (_NONE, _NONE)
     out = np.empty((n_seq, q.shape[1], d), np.float32)
     total = int(where[:, 2].sum())
-    kernel = _attend_chunk if len(rows) == 1 and total <= CHUNK else _attend_serial if total <= SERIAL_ROWS \
-        else _attend_rows
-    kernel(q.contiguous().numpy(), knew, vnew, where, np.float32(scale), np.float32(softcap), sinks, out)
+    args = (q.contiguous().numpy(), knew, vnew, where, np.float32(scale), np.float32(softcap), sinks, out)
+    if total > SERIAL_ROWS:
+        _attend_rows(*args, SLOTS)
+    else:
+        (_attend_chunk if len(rows) == 1 and total <= CHUNK else _attend_serial)(*args)
     return torch.from_numpy(out)
 
 
@@ -233,4 +241,4 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
 
 
 # inlines chunk.py's work item, their helpers and intrinsics; compiled with its FASTMATH
-jitcache.tie(globals(), chunks, scalars, rowdots, jitcache)
+jitcache.tie(globals(), chunks, scalars, rowdots, jitcache, workshare)

@@ -4,7 +4,9 @@ The numba f32 GEMV streamed the 270M's LM head faster than torch's on an AVX2 EP
 Sapphire Rapids Xeon with the same instruction sets (docs/benchmarks.md): which one wins is a
 property of the machine, so
 the first product of each shape times both (a few runs each, alternating) and the winner is stored
-in ~/.cache/larqlpy/kernel-choices.json under this CPU's features and thread count.
+in ~/.cache/larqlpy/kernel-choices.json under this CPU's features. Not under the thread count: the
+candidates round differently, so a choice that followed the count would give a 1-thread and a
+2-thread process (or one whose count follows the load) different numbers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from larqlpy.files import atomic_path
-from larqlpy.kernels import compiles, cpu, threads
+from larqlpy.kernels import compiles, cpu
 
 _memo: dict[str, str] = {}
 
@@ -26,7 +28,7 @@ def _file() -> Path:
 
 
 def _machine() -> str:
-    return f"{cpu.describe()} | {threads.planned()} threads"  # not the load's count of the moment
+    return cpu.describe()
 
 
 def _stored() -> dict:

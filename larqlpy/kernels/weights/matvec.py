@@ -15,26 +15,29 @@ import torch
 import torch.nn.functional as F
 from numba import njit, prange
 
-from larqlpy.kernels import jitcache, scalars
+from larqlpy.kernels import jitcache, scalars, workshare
 from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.scalars import dot, exp
 from larqlpy.kernels.weights.choice import choose
 from larqlpy.kernels.weights.qweight import PackedPart, PackedWeight
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def _gemv_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - jitted
-    for i in prange(w.shape[0]):
-        out[i] = dot(w[i], x)
+CHUNK = 64  # weight rows a thread takes at a time (workshare.py)
+SLOTS = workshare.slots()
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def _gemm_few_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - jitted
-    """A few rows x (M, k): each weight row streamed from memory once for all of them (torch's GEMM
-    reads them once per few rows: docs/weights.md), each product the same loop `_gemv_f32` runs."""
-    for i in prange(w.shape[0]):
-        for m in range(x.shape[0]):
-            out[m, i] = dot(w[i], x[m])
+def _gemm_few_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray, slots: int) -> None:  # pragma: no cover - jitted
+    """x (M, k) times w: each weight row streamed from memory once for all M rows (torch's GEMM
+    reads them once per few rows: docs/weights.md), each product one `dot`, whatever thread takes it."""
+    count, chunks = workshare.counter(), (w.shape[0] + CHUNK - 1) // CHUNK
+    for _ in prange(slots):
+        c = workshare.take(count)
+        while c < chunks:
+            for i in range(c * CHUNK, min(w.shape[0], (c + 1) * CHUNK)):
+                for m in range(x.shape[0]):
+                    out[m, i] = dot(w[i], x[m])
+            c = workshare.take(count)
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -246,7 +249,7 @@ def gemv_f32(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> torch
     if path == "torch":
         return F.linear(x, w)
     out = torch.empty(1, w.shape[0], dtype=torch.float32)
-    _gemv_f32(w.numpy(), x.reshape(-1).contiguous().numpy(), out.numpy()[0])
+    _gemm_few_f32(w.numpy(), x.reshape(1, -1).contiguous().numpy(), out.numpy(), SLOTS)
     return out
 
 
@@ -261,7 +264,7 @@ def gemm_few_f32(x: torch.Tensor, w: torch.Tensor, path: str | None = None) -> t
     if path == "torch":
         return F.linear(x, w)
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    _gemm_few_f32(w.numpy(), x.contiguous().numpy(), out.numpy())
+    _gemm_few_f32(w.numpy(), x.contiguous().numpy(), out.numpy(), SLOTS)
     return out
 
 
@@ -299,4 +302,4 @@ def embedding(ids: torch.Tensor, w) -> torch.Tensor:
     return F.embedding(ids, w)
 
 
-jitcache.tie(globals(), scalars, jitcache)  # inlines scalars' exp; compiled with its FASTMATH
+jitcache.tie(globals(), scalars, jitcache, workshare)  # inlines scalars' exp; compiled with its FASTMATH

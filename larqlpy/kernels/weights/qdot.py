@@ -21,7 +21,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from larqlpy.kernels import jitcache
+from larqlpy.kernels import jitcache, workshare
 from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.weights import simd
 from larqlpy.kernels.weights.simd import DOTS
@@ -115,7 +115,7 @@ WIDEST = X_PER = FULL = SPAN = 0
 DOT = DOT_HALF = None
 
 
-def _int_template(codes, scale, minimum, outer, zc, x, out, ahead):  # pragma: no cover - jitted
+def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pragma: no cover - jitted
     """The integer kernels' one body (see `_int_kernel`). codes: (tiles, k/4 or k/8, TILE * SPAN / 4, 4) uint8;
     x: (M, k) float32, rounded to int8 per group here first (`quantize_activations`' rounding: one
     call where a product of one row is mostly calls); outer: a K-quant's blocks' d and -dmin
@@ -134,22 +134,25 @@ def _int_template(codes, scale, minimum, outer, zc, x, out, ahead):  # pragma: n
             _quantize_row(x, m, group, xq8, xs, sxq)
     nw, cf, xf, sf, mf, of, xsf, qf = kw // ng, codes.reshape(-1), xq8.view(np.int32).reshape(-1), \
         scale.reshape(-1), minimum.reshape(-1), outer.reshape(-1), xs.reshape(-1), sxq.reshape(-1)
-    affine, per_block = minimum.shape[0] > 0, ng // nb
-    for t in prange(nt):
-        acc = np.zeros(m_rows * TILE, np.float32)
-        for g in range(ng):
-            base, so, m = (t * kw + g * nw) * TILE * SPAN, (t * ng + g) * TILE, 0
-            oo = (t * nb + g // per_block) * 2 * TILE
-            while m < m_rows:
-                n = min(m_rows - m, WIDEST)
-                a = (n, acc, m * TILE, cf, base, xf, X_PER * (m * kw + g * nw), X_PER * kw, sf, so, mf, of, oo, xsf,
-                     qf, m * ng + g, ng, zc, affine, ahead if m == 0 else 0)
-                if nw == FULL:
-                    DOT(*a)
-                else:
-                    DOT_HALF(*a)
-                m += n
-        out[:, t * TILE:(t + 1) * TILE] = acc.reshape(m_rows, TILE)
+    affine, per_block, count = minimum.shape[0] > 0, ng // nb, workshare.counter()
+    for _ in prange(slots):  # each thread takes the next tile while any is left (workshare.py)
+        t = workshare.take(count)
+        while t < nt:
+            acc = np.zeros(m_rows * TILE, np.float32)
+            for g in range(ng):
+                base, so, m = (t * kw + g * nw) * TILE * SPAN, (t * ng + g) * TILE, 0
+                oo = (t * nb + g // per_block) * 2 * TILE
+                while m < m_rows:
+                    n = min(m_rows - m, WIDEST)
+                    a = (n, acc, m * TILE, cf, base, xf, X_PER * (m * kw + g * nw), X_PER * kw, sf, so, mf, of, oo,
+                         xsf, qf, m * ng + g, ng, zc, affine, ahead if m == 0 else 0)
+                    if nw == FULL:
+                        DOT(*a)
+                    else:
+                        DOT_HALF(*a)
+                    m += n
+            out[:, t * TILE:(t + 1) * TILE] = acc.reshape(m_rows, TILE)
+            t = workshare.take(count)
 
 
 def _int_kernel(isa: str, bits: int):
@@ -290,6 +293,7 @@ def _float_planes(codes, scale, minimum, outer, zero, bits, x, xsum, out):  # pr
 INT = {(isa, bits): _int_kernel(isa, bits) for isa in ("vnni512", "avx2") for bits in simd.WIDTHS}
 INT[("avx2-signed", 8)] = _int_kernel("avx2-signed", 8)
 FLOAT = {8: _float8, 4: _float4}
+SLOTS = workshare.slots()
 
 
 def gemm(codes, scale, minimum, outer, zero: int, bits: int, x: np.ndarray, path: str, out: np.ndarray,
@@ -305,7 +309,7 @@ def gemm(codes, scale, minimum, outer, zero: int, bits: int, x: np.ndarray, path
             _float_planes(codes, scale, minimum, outer, zero, bits, x, xsum, out)
         return
     zc = zero - 128 if path == "avx2-signed" else zero  # its sums are of (u - 128) * xq
-    INT[(path, bits)](codes, scale, minimum, outer, zc, x, out, ahead)
+    INT[(path, bits)](codes, scale, minimum, outer, zc, x, out, ahead, SLOTS)
 
 
-jitcache.tie(globals(), simd, jitcache)  # they inline simd.py's intrinsics; FASTMATH lives in jitcache
+jitcache.tie(globals(), simd, jitcache, workshare)  # they inline simd.py's intrinsics and workshare's counter
