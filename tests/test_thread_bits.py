@@ -109,8 +109,8 @@ def _greedy(loaded, spec: EngineSpec) -> dict:
 @pytest.mark.parametrize("path,weights,engine", [
     ("models/smollm2-135m-instruct", "int8", "canonical"),
     ("models/smollm2-135m-instruct", "native", "codec"),
-    ("models/smollm2-135m-instruct", None, "canonical"),
-    ("models/gguf/qwen2.5-coder-0.5b-instruct.gguf", None, "canonical"),
+    pytest.param("models/smollm2-135m-instruct", None, "canonical", marks=pytest.mark.heavy),
+    pytest.param("models/gguf/qwen2.5-coder-0.5b-instruct.gguf", None, "canonical", marks=pytest.mark.heavy),
 ])
 def test_greedy_decode_of_a_batch(path, weights, engine, monkeypatch):
     """Reference models, as the server runs them: the same ids and logits on 1 thread and 2."""
