@@ -19,14 +19,18 @@ import torch
 
 from larqlpy.kernels.weights.matvec import gated, gemm_few_f32, linear, stacked
 from larqlpy.model.config import MoeConfig
+from larqlpy.model.routing import choose
 
 
 class Experts:
     """A sparse layer's router and experts, called on a block's normed rows h (T, E) -> (T, E)."""
 
-    def __init__(self, router, experts: list[tuple], moe: MoeConfig, activation: str):
+    def __init__(self, router, experts: list[tuple], moe: MoeConfig, activation: str, shared: tuple | None = None,
+                 bias: torch.Tensor | None = None):
         self.router, self.experts = router, experts  # experts: (gate, up, down) matrices per expert
         self.top_k, self.norm, self.activation = moe.top_k, moe.norm_topk_prob, activation
+        # DeepSeek: its way of choosing (model/routing.py), the choice-only bias, the shared experts' MLP
+        self.moe, self.bias, self.shared = (moe if moe.topk_method != "topk" else None), bias, shared
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's k weights (float32) and experts (T, k), in torch.topk's order. On the CPU in
@@ -35,7 +39,10 @@ class Experts:
         router = self.router
         invariant = h.is_cpu and h.dtype is torch.float32 and isinstance(router, torch.Tensor) and \
             router.dtype is torch.float32
-        probs = torch.softmax((gemm_few_f32(h, router, "numba") if invariant else linear(h, router)).float(), dim=-1)
+        logits = (gemm_few_f32(h, router, "numba") if invariant else linear(h, router)).float()
+        if self.moe is not None:
+            return choose(logits, self.moe, self.bias)
+        probs = torch.softmax(logits, dim=-1)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -46,6 +53,13 @@ class Experts:
         return linear(gated(stacked(x, gate, up), self.activation), down)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        routed = self.routed(h)
+        if self.shared is None:
+            return routed
+        gate, up, down = self.shared  # added after the routed sum, as transformers adds them
+        return routed + linear(gated(stacked(h, gate, up), self.activation), down)
+
+    def routed(self, h: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(h)
         if h.shape[0] == 1:  # a decode step: its k experts, added in increasing expert order
             out, ids = None, chosen[0].tolist()
@@ -73,4 +87,6 @@ class Experts:
 
 def experts_of(block, moe: MoeConfig, activation: str) -> Experts:
     """A block's router and experts (its `router`, `experts[j].gate_proj` ...) as one Experts."""
-    return Experts(block.router, [(e.gate_proj, e.up_proj, e.down_proj) for e in block.experts], moe, activation)
+    s = block.shared if moe.shared_intermediate else None
+    return Experts(block.router, [(e.gate_proj, e.up_proj, e.down_proj) for e in block.experts], moe, activation,
+                   None if s is None else (s.gate_proj, s.up_proj, s.down_proj), getattr(block, "router_bias", None))
