@@ -12,10 +12,13 @@ import transformers
 from larqlpy.config import GenerationConfig
 from larqlpy.engines import EngineSpec, build_provider, new_state
 from larqlpy.engines.registry import parse_engine_spec
+from larqlpy.errors import LarqlError
+from larqlpy.model.families import config_from_dict
 from larqlpy.model.decoder import prefill
+from larqlpy.tools.residency import residency
 from larqlpy.weights.loader import load
 from hf_compare import hf_generate, hf_logits, logit_gaps
-from test_batched import Job, alone
+from test_batched import Job, alone, batched
 from test_families import canonical_and_window
 from tiny import write_tokenizer
 
@@ -77,9 +80,13 @@ def test_logits_match_transformers_in_prefill_and_decode(model):
 
 
 def test_greedy_ids_match_transformers(model):
+    """Alone, and three sequences decoded side by side (the decode kernel's one call over latent rows)."""
     name, hf, ours = model
     gen = GenerationConfig(max_tokens=10, stop_at_eos=False)
-    assert alone(ours, Job(IDS[:12], gen=gen))[0] == hf_generate(hf, IDS[:12], 10), name
+    want = {n: hf_generate(hf, IDS[:n], 10) for n in (12, 7, 20)}
+    assert alone(ours, Job(IDS[:12], gen=gen))[0] == want[12], name
+    together = batched(ours, [Job(IDS[:n], gen=gen, key=n) for n in want], parallel=3)
+    assert {n: together[n][0] for n in want} == want, name
 
 
 def test_window_is_bit_identical_to_canonical(model):
@@ -102,6 +109,29 @@ def test_engines_hold_one_latent_row_a_position(model):
     for store in state.layers:
         rows = store.rows.read(0, 16)
         assert list(rows) == ["k"] and rows["k"].shape == (1, 16, mla.kv_lora_rank + mla.qk_rope_head_dim)
+    canonical = residency(str(ours.path), 16)["engines"][0]
+    assert canonical["engine"] == "canonical/v1" and canonical["bytes"] == 16 * want * layers
+
+
+def test_named_geometries_account_latent_rows():
+    """DeepSeek-V3: 61 layers of 512 + 64 values a position, nothing per head."""
+    r = residency("deepseek-v3", 4096)
+    assert r["engines"][0]["bytes"] == 4096 * 61 * 576 * 4
+    assert "codec/v1" not in [e["engine"] for e in r["engines"]]  # TurboQuant needs a power-of-two row
+    assert residency("deepseek-v2-lite", 1000)["engines"][0]["bytes"] == 1000 * 27 * 576 * 4
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"kv_lora_rank": 0}, "kv_lora_rank"), ({"qk_rope_head_dim": 7}, "qk_rope_head_dim must be even"),
+    ({"topk_method": "sinkhorn"}, "unsupported topk_method"), ({"n_group": 3}, "do not fit together"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
+])
+def test_bad_configs_are_refused_in_one_line(change, words):
+    raw = {"model_type": "deepseek_v2", "vocab_size": 300, **MODELS["v2"][2], **change}
+    with pytest.raises(LarqlError, match=words) as e:
+        config_from_dict(raw)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("engine", ["codec/v1", "cells/v1"])
