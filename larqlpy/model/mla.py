@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from larqlpy.engines.stores.base import AttentionParams
 from larqlpy.engines.stores.dispatch import attend_block
-from larqlpy.kernels.weights.matvec import gated, linear, residual_norm, rms_norm, stacked
+from larqlpy.kernels.weights.matvec import FEW_ROWS, gated, linear, residual_norm, rms_norm, stacked
 from larqlpy.model.config import ModelConfig
 from larqlpy.model.moe import experts_of
 from larqlpy.model.tensors import block_weights
@@ -43,6 +43,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bo
         x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def per_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Each head's rows times its matrix, x (H, T, a) @ w (H, a, b): a few rows (decode steps, a
+    speculative verification) one at a time, so that a row's numbers are those it gets alone."""
+    if 1 < x.shape[1] <= FEW_ROWS:
+        return torch.cat([torch.matmul(x[:, i:i + 1], w) for i in range(x.shape[1])], dim=1)
+    return torch.matmul(x, w)
 
 
 class MLABlock(nn.Module):
@@ -86,10 +94,10 @@ class MLABlock(nn.Module):
         latent = rms_norm(ckv[:, :r].contiguous(), w.kv_a_norm, LATENT_EPS, 0.0)  # (T, r)
         k_rope = rotate(ckv[:, r:], cos, sin, m.rope_interleave)  # (T, rope): one for every head
         q_rope = rotate(q[..., m.qk_nope_head_dim:], cos, sin, m.rope_interleave)
-        query = torch.cat((torch.matmul(q[..., :m.qk_nope_head_dim], w.uk), q_rope), dim=-1)  # (H, T, r + rope)
+        query = torch.cat((per_row(q[..., :m.qk_nope_head_dim], w.uk), q_rope), dim=-1)  # (H, T, r + rope)
         row = torch.cat((latent, k_rope), dim=-1).unsqueeze(0)  # (1, T, r + rope): what the engines keep
         a = attend_block(query.contiguous(), row, row, stores, sizes, self.attn, stepped)
-        out = torch.matmul(a[..., :r], w.uv_t)  # (H, T, v)
+        out = per_row(a[..., :r], w.uv_t)  # (H, T, v)
         return out.transpose(0, 1).reshape(t, -1)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None, next_norm, cos: torch.Tensor, sin: torch.Tensor,
