@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from larqlpy.calibration import calibrate, ensure
 from larqlpy.config import GenerationConfig
 from larqlpy.engines import EngineSpec, build_provider, new_state
 from larqlpy.engines.registry import parse_engine_spec
@@ -186,3 +187,13 @@ def test_v3_multi_token_prediction_layers_are_left(model, tmp_path):
     else:
         with pytest.raises(LarqlError, match="not used by its family"):
             load(tmp_path, device="cpu")
+
+
+def test_key_calibration_refused_in_one_line_and_left_out_under_auto(model):
+    name, _, ours = model
+    if name != "v3":
+        pytest.skip("one model is enough")
+    with pytest.raises(LarqlError, match="no key calibration for multi-head latent attention"):
+        calibrate(ours)
+    assert ensure(ours, parse_engine_spec(continuation="codec/v1", options=["bits=4"])) is None  # calib=auto
+    assert ours.model.key_calibration is None
