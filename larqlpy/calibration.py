@@ -159,6 +159,9 @@ def _layer(store, queries: _Queries, freq: torch.Tensor) -> tuple[KeyCalibration
 def measure(model, ids: list[int]) -> tuple[list[KeyCalibration], list[float]]:
     """Run `ids` through the model (exact rows) and measure every layer's calibration; also each
     layer's share of key energy in the mean, |m_p|^2 / E|k|^2 (averaged over KV heads)."""
+    if model.cfg.mla is not None:  # its keys are latent rows, RoPE on their tail only: not what this models
+        raise LarqlError(f"{model.cfg.model_type}: no key calibration for multi-head latent attention's rows "
+                         "(use calib=off)")
     if len(ids) < JUDGE_FROM + 64:
         raise LarqlError(f"calibration text too short: {len(ids)} tokens, need at least {JUDGE_FROM + 64}")
     state = new_state(EngineSpec(), model.geometries(), torch.device(model.device))
@@ -195,9 +198,11 @@ def ensure(loaded: LoadedModel, spec: EngineSpec) -> str | None:
     """Give `loaded` its key calibration when `spec`'s engine wants one and the model has none (or a
     stale or damaged one): measured once, saved, and from then on read at load. Returns a note
     saying what it did, or None."""
-    model = loaded.model
-    if model.key_calibration is not None or not build_provider(spec).wants_calibration():
+    model, provider = loaded.model, build_provider(spec)
+    if model.key_calibration is not None or not provider.wants_calibration():
         return None
+    if model.cfg.mla is not None and provider.options.get("calib") != "on":
+        return None  # calib=auto: MLA's latent rows go uncalibrated (`measure` refuses calib=on)
     with _MEASURING:
         if model.key_calibration is not None:
             return None

@@ -66,7 +66,10 @@ class Cells(Provider):
             self.rules.policy = dataclasses.replace(self.rules.policy, bits=int(self.options["bits"]))
 
     def cell_bytes(self, g: LayerGeometry) -> int:
-        return self.rules.cell_size * g.row_bytes
+        return self.rules.cell_size * self.row_bytes(g)
+
+    def row_bytes(self, g: LayerGeometry) -> int:
+        return 2 * g.exact_bytes  # a cell holds K and V apart, MLA's latent rows (values_are_keys) too
 
     def state_bytes(self, geometries, positions, slack=0):
         """Its own budget bounds what it holds (with a cell per layer of slack while a block lands)."""

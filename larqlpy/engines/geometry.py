@@ -35,6 +35,9 @@ class LayerGeometry:
     # why the model has no usable calibration (a stale or damaged file), for the engines that need one
     calibration_problem: str | None = field(default=None, compare=False, repr=False)
     kv_dtype: str = "f32"  # exact rows (canonical/v1, window/v1, sinks, exact keys, ACTIVE cells): KV_DTYPES
+    # one row a position serves as its key and its value (MLA's latent rows: model/mla.py): stores that
+    # keep exact rows keep it once; the attention output's columns past the value's are the model's to drop
+    values_are_keys: bool = False
 
     @property
     def kind(self) -> str:
@@ -47,8 +50,8 @@ class LayerGeometry:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one position's K and V rows, exact."""
-        return 2 * self.exact_bytes
+        """Bytes of one position's K and V rows, exact (one row when the values are the keys)."""
+        return self.exact_bytes if self.values_are_keys else 2 * self.exact_bytes
 
     def read_start(self, q_start: int) -> int:
         """First logical position a block of queries starting at `q_start` may read."""

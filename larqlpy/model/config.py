@@ -24,7 +24,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-    # yarn: the ramp's bounds in rotations (model/yarn.py), and cos and sin times attention_factor
+    # yarn (model/yarn.py): the ramp between interpolated and extrapolated frequencies, and the
+    # factor cos and sin are multiplied by (transformers' attention_scaling)
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
@@ -58,6 +59,30 @@ class MoeConfig:
     # GPT-OSS's files hold a layer's experts as (experts, inputs, outputs) tensors under
     # hf_block.experts: gate_up_proj with gate and up interleaved in columns, down_proj, and biases
     hf_interleaved: bool = False
+    # DeepSeek (families/deepseek.py): scores by softmax or sigmoid; how the top k are picked --
+    # "topk" (torch.topk of the scores), "greedy", "group_limited_greedy" (V2: the best topk_group of
+    # n_group groups by their best score) or "noaux_tc" (V3: groups by their two best scores plus
+    # e_score_correction_bias, the bias only choosing); the weights times routed_scaling; shared
+    # experts, one dense MLP of shared_intermediate (0: none) added to every row
+    scoring: str = "softmax"
+    topk_method: str = "topk"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
+    shared_intermediate: int = 0
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2, V3; model/mla.py): keys and values rebuilt per head
+    from one latent row a position (kv_lora_rank, normed) and one shared RoPE key (qk_rope_head_dim)."""
+
+    q_lora_rank: int | None  # queries through a low-rank bottleneck (q_a, its norm, q_b), or q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the RoPE part rotates interleaved pairs (DeepSeek's layout), else rotate-half
 
 
 @dataclass(frozen=True)
@@ -102,6 +127,10 @@ class ModelConfig:
     learned_positions: bool = False  # a position embedding added to the tokens' (GPT-2's wpe), no RoPE
     attention_sinks: bool = False  # a learned logit per query head in every softmax (GPT-OSS's self_attn.sinks)
     layout: str = "llama"  # the files' tensor names: llama (layers.{i}.self_attn...) | gpt2 (h.{i}.attn.c_attn...)
+    # multi-head latent attention (DeepSeek): the engines' one KV head is the latent row plus the RoPE
+    # key (head_dim = kv_lora_rank + qk_rope_head_dim), its value the same row
+    mla: MlaConfig | None = None
+    ignored: tuple[str, ...] = ()  # tensor names under the prefix the family leaves (DeepSeek-V3's MTP layers)
 
     @property
     def kv_dim(self) -> int:
@@ -110,6 +139,11 @@ class ModelConfig:
     @property
     def q_dim(self) -> int:
         return self.num_attention_heads * self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions RoPE turns: a whole head, or MLA's RoPE part."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
 
     def window(self, layer: int) -> int | None:
         """Rows a query at this layer can see (itself included); None for global layers."""

@@ -25,6 +25,7 @@ from larqlpy.engines.stores.state import EngineState
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.weights.matvec import embedding, gated, linear, qkv_rope, residual_norm, rms_norm, stacked
 from larqlpy.model.config import ModelConfig, RopeConfig
+from larqlpy.model.mla import MLABlock
 from larqlpy.model.moe import experts_of
 from larqlpy.model.tensors import block_weights
 from larqlpy.model.yarn import yarn_inv_freq
@@ -35,6 +36,8 @@ def inv_freq(cfg: RopeConfig, head_dim: int) -> torch.Tensor:
     freq = 1.0 / (cfg.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if cfg.rope_type == "none":  # learned positions: cos 1, sin 0, a rotation that leaves q and k as they are
         return torch.zeros_like(freq)
+    if cfg.rope_type == "yarn":
+        return yarn_inv_freq(cfg, head_dim)
     if cfg.rope_type == "linear":
         return freq / cfg.factor  # linear scaling stretches positions
     if cfg.rope_type == "yarn":
@@ -167,7 +170,7 @@ class Decoder(nn.Module):
         self.calibration_problem: str | None = None  # why it has none, when its file is stale or damaged
         self.kv_dtype = "f32"  # what the engines keep exact K/V rows in (engines.geometry.KV_DTYPES)
         self.embed_tokens = _weight(cfg.vocab_size, cfg.hidden_size)
-        block = LayerNormBlock if cfg.layer_norm else Block
+        block = LayerNormBlock if cfg.layer_norm else MLABlock if cfg.mla is not None else Block
         self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = _weight(cfg.hidden_size)
         if cfg.layer_norm:
@@ -180,7 +183,7 @@ class Decoder(nn.Module):
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size) if cfg.embed_scale else cfg.embedding_multiplier,
                                         dtype=dtype)
         self.scaled_embeddings = cfg.embed_scale or cfg.embedding_multiplier != 1.0
-        tables = {r: Rope(r, cfg.head_dim, self.device) for r in {cfg.rope_global, cfg.rope_local}}
+        tables = {r: Rope(r, cfg.rope_dim, self.device) for r in {cfg.rope_global, cfg.rope_local}}
         self.ropes = {"global": tables[cfg.rope_global], "sliding": tables[cfg.rope_local]}
 
     def stack(self) -> list[tuple[Block, torch.Tensor | None]]:
@@ -222,7 +225,7 @@ class Decoder(nn.Module):
         c = self.cfg
         cal = self.key_calibration or [None] * c.num_hidden_layers
         return [LayerGeometry(i, c.window(i), c.num_key_value_heads, c.head_dim, cal[i], self.calibration_problem,
-                              self.kv_dtype) for i in range(c.num_hidden_layers)]
+                              self.kv_dtype, c.mla is not None) for i in range(c.num_hidden_layers)]
 
     def forward(self, tokens: torch.Tensor, state: EngineState, all_logits: bool = False) -> torch.Tensor:
         """Run a block of token ids (T,) at the state's next positions; returns logits (T or 1, V)."""

@@ -19,19 +19,23 @@ import torch
 
 from larqlpy.kernels.weights.matvec import gated, gemm_few_f32, linear, stacked
 from larqlpy.model.config import MoeConfig
+from larqlpy.model.routing import choose
 
 
 class Experts:
     """A sparse layer's router and experts, called on a block's normed rows h (T, E) -> (T, E)."""
 
     def __init__(self, router, experts: list[tuple], moe: MoeConfig, activation: str, router_bias=None,
-                 biases: list[tuple] | None = None):
+                 biases: list[tuple] | None = None, shared: tuple | None = None,
+                 score_bias: torch.Tensor | None = None):
         self.router, self.experts = router, experts  # experts: (gate, up, down) matrices per expert
         self.top_k, self.norm, self.activation = moe.top_k, moe.norm_topk_prob, activation
         # GPT-OSS: the router's bias, softmax over the chosen k, each expert's (gate|up, down) biases
         # and the clamped SwiGLU (model/config.py, MoeConfig)
         self.router_bias, self.after_topk, self.biases = router_bias, moe.softmax_after_topk, biases
         self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
+        # DeepSeek: its way of choosing (model/routing.py), the choice-only bias, the shared experts' MLP
+        self.moe, self.score_bias, self.shared = (moe if moe.topk_method != "topk" else None), score_bias, shared
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's k weights (float32) and experts (T, k), in torch.topk's order. On the CPU in
@@ -41,6 +45,8 @@ class Experts:
         invariant = h.is_cpu and h.dtype is torch.float32 and isinstance(router, torch.Tensor) and \
             router.dtype is torch.float32
         scores = (gemm_few_f32(h, router, "numba") if invariant else linear(h, router)).float()
+        if self.moe is not None:
+            return choose(scores, self.moe, self.score_bias)
         if self.router_bias is not None:
             scores = scores + self.router_bias
         if self.after_topk:  # the top k of the raw scores, their softmax the weights
@@ -63,6 +69,13 @@ class Experts:
         return y if self.biases is None else y + self.biases[e][1]
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        routed = self.routed(h)
+        if self.shared is None:
+            return routed
+        gate, up, down = self.shared  # added after the routed sum, as transformers adds them
+        return routed + linear(gated(stacked(h, gate, up), self.activation), down)
+
+    def routed(self, h: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(h)
         if h.shape[0] == 1:  # a decode step: its k experts, added in increasing expert order
             out, ids = None, chosen[0].tolist()
@@ -97,9 +110,11 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.T
 
 
 def experts_of(block, moe: MoeConfig, activation: str) -> Experts:
-    """A block's router and experts (its `router`, `experts[j].gate_proj` ..., and their biases where
-    the family has them) as one Experts."""
+    """A block's router and experts (its `router`, `experts[j].gate_proj` ..., their biases and the
+    shared experts where the family has them) as one Experts."""
     biases = [(torch.cat((e.gate_proj_bias, e.up_proj_bias)), e.down_proj_bias) for e in block.experts] \
         if moe.expert_bias else None
+    s = block.shared if moe.shared_intermediate else None
     return Experts(block.router, [(e.gate_proj, e.up_proj, e.down_proj) for e in block.experts], moe, activation,
-                   block.router_bias.float() if moe.router_bias else None, biases)
+                   block.router_bias.float() if moe.router_bias else None, biases,
+                   None if s is None else (s.gate_proj, s.up_proj, s.down_proj), getattr(block, "score_bias", None))

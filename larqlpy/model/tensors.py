@@ -27,6 +27,8 @@ def block_weights(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, Callable
         for n in ("gate_proj", "up_proj", "down_proj"):
             del out[n]
         out.update(_experts(cfg))
+    if cfg.mla is not None:
+        return _mla(cfg, out)
     if cfg.layer_norm:
         out.update(input_layernorm_bias=("input_layernorm.bias", e), post_attention_layernorm_bias=(
             "post_attention_layernorm.bias", e))
@@ -105,6 +107,35 @@ def _experts(cfg: ModelConfig) -> dict:
                 ("gate_proj", gate, size), ("up_proj", up, size), ("down_proj", down, lambda c: (c.hidden_size,)))})
     if m.router_bias:
         out["router_bias"] = (f"{block}.{m.hf_router}.bias", lambda c: (m.num_experts,))
+    if m.shared_intermediate:  # DeepSeek's shared experts, one dense MLP
+        size = m.shared_intermediate
+        out.update({"shared.gate_proj": (f"{block}.shared_experts.{gate}.weight", lambda c: (size, c.hidden_size)),
+                    "shared.up_proj": (f"{block}.shared_experts.{up}.weight", lambda c: (size, c.hidden_size)),
+                    "shared.down_proj": (f"{block}.shared_experts.{down}.weight", lambda c: (c.hidden_size, size))})
+    if m.topk_method == "noaux_tc":  # DeepSeek-V3's bias on the scores the experts are chosen by
+        out["score_bias"] = (f"{block}.{m.hf_router}.e_score_correction_bias", lambda c: (m.num_experts,))
+    return out
+
+
+def _mla(cfg: ModelConfig, out: dict) -> dict:
+    """Multi-head latent attention's tensors in place of q, k, v (model/mla.py)."""
+    m, heads = cfg.mla, cfg.num_attention_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    for n in ("q_proj", "k_proj", "v_proj"):
+        del out[n]
+    attn = "self_attn."
+    if m.q_lora_rank is None:
+        out["q_proj"] = (attn + "q_proj.weight", lambda c: (heads * qk, c.hidden_size))
+    else:
+        out.update(q_a_proj=(attn + "q_a_proj.weight", lambda c: (m.q_lora_rank, c.hidden_size)),
+                   q_a_norm=(attn + "q_a_layernorm.weight", lambda c: (m.q_lora_rank,)),
+                   q_b_proj=(attn + "q_b_proj.weight", lambda c: (heads * qk, m.q_lora_rank)))
+    out.update(kv_a_proj=(attn + "kv_a_proj_with_mqa.weight",
+                          lambda c: (m.kv_lora_rank + m.qk_rope_head_dim, c.hidden_size)),
+               kv_a_norm=(attn + "kv_a_layernorm.weight", lambda c: (m.kv_lora_rank,)),
+               kv_b_proj=(attn + "kv_b_proj.weight",
+                          lambda c: (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),
+               o_proj=(attn + "o_proj.weight", lambda c: (c.hidden_size, heads * m.v_head_dim)))
     return out
 
 
@@ -117,5 +148,11 @@ def matrix_groups(cfg: ModelConfig, layer: int) -> list[tuple[str, tuple[str, ..
         [("", ("gate_proj", "up_proj")), ("", ("down_proj",))]
     if not cfg.gated_mlp:
         mlp = [("", ("up_proj",)), ("", ("down_proj",))]
+    if cfg.is_sparse(layer) and cfg.moe.shared_intermediate:
+        mlp += [("shared.", ("gate_proj", "up_proj")), ("shared.", ("down_proj",))]
     qkv = ("qkv_proj",) if cfg.layout == "gpt2" else ("q_proj", "k_proj", "v_proj")
+    if cfg.mla is not None:  # kv_b_proj stays float: attention folds it into queries and outputs per head
+        lora = cfg.mla.q_lora_rank is not None
+        return [("", ("q_a_proj" if lora else "q_proj", "kv_a_proj")), *([("", ("q_b_proj",))] if lora else []),
+                ("", ("o_proj",))] + mlp
     return [("", qkv), ("", ("o_proj",))] + mlp

@@ -1,33 +1,66 @@
-"""YaRN's RoPE frequencies (transformers' _compute_yarn_parameters): each frequency blended between
-itself (extrapolated) and itself / factor (interpolated) by a linear ramp over the dimensions whose
-wavelengths make between beta_fast and beta_slow turns in the original context. The attention factor
-(cos and sin scaled by it) is the Rope tables' business (model/decoder.py)."""
+"""YaRN RoPE scaling as transformers computes it (modeling_rope_utils: _compute_yarn_parameters,
+yarn_get_mscale, yarn_apply_mscale): frequencies ramped between interpolated (divided by factor)
+and extrapolated ones, cos and sin multiplied by an attention factor, and for DeepSeek's MLA the
+softmax scale multiplied by mscale(factor, mscale_all_dim) squared. Plain Python but the frequencies."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
+from larqlpy.errors import LarqlError
 from larqlpy.model.config import RopeConfig
 
 
-def _correction_dim(turns: float, dim: int, base: float, context: int) -> float:
-    """The dimension whose wavelength makes `turns` turns in `context` positions."""
-    return dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base))
+def get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_rope(spec: dict[str, Any], theta: float, max_positions: int) -> RopeConfig:
+    """config.json's yarn parameters (rope_parameters or rope_scaling) -> a RopeConfig."""
+    try:
+        original = int(spec["original_max_position_embeddings"])
+        factor = spec.get("factor")
+        factor = float(factor) if factor is not None else max_positions / original
+        mscale, all_dim = spec.get("mscale"), spec.get("mscale_all_dim")
+        attention = spec.get("attention_factor")
+        if attention is None:
+            attention = get_mscale(factor, mscale) / get_mscale(factor, all_dim) if mscale and all_dim \
+                else get_mscale(factor)
+        return RopeConfig(float(spec.get("rope_theta", theta)), "yarn", factor,
+                          original_max_position_embeddings=original, beta_fast=float(spec.get("beta_fast") or 32),
+                          beta_slow=float(spec.get("beta_slow") or 1), truncate=bool(spec.get("truncate", True)),
+                          attention_factor=float(attention))
+    except (KeyError, TypeError, ValueError):
+        raise LarqlError("config.json: yarn rope scaling needs original_max_position_embeddings and a numeric "
+                         "factor") from None
+
+
+def softmax_mscale(spec: dict[str, Any], factor: float) -> float:
+    """What MLA multiplies its softmax scale by: mscale(factor, mscale_all_dim) squared (1 without)."""
+    all_dim = spec.get("mscale_all_dim") or 0
+    if spec.get("rope_type", spec.get("type", "default")) == "default" or not all_dim:
+        return 1.0
+    m = get_mscale(factor, float(all_dim))
+    return m * m
 
 
 def yarn_inv_freq(cfg: RopeConfig, dim: int) -> torch.Tensor:
-    base, context = cfg.theta, cfg.original_max_position_embeddings
-    low = _correction_dim(cfg.beta_fast, dim, base, context)
-    high = _correction_dim(cfg.beta_slow, dim, base, context)
+    """YaRN's inverse frequencies for a `dim`-wide rotation."""
+    base, original = cfg.theta, cfg.original_max_position_embeddings
+
+    def correction(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction(cfg.beta_fast), correction(cfg.beta_slow)
     if cfg.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
-        high += 0.001  # as transformers: no division by zero
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (cfg.factor * pos_freqs)
+        high += 0.001  # as transformers: no zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    keep = 1 - ramp  # the share of the extrapolated frequency
-    return interpolated * (1 - keep) + extrapolated * keep
+    pos = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolated = 1 - ramp
+    return (1.0 / (cfg.factor * pos)) * (1 - extrapolated) + (1.0 / pos) * extrapolated

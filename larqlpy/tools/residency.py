@@ -25,10 +25,11 @@ class Named:
     context: int  # max_position_embeddings
     window: int | None = None  # the sliding window of its sliding layers
     sliding: Callable[[int], bool] = lambda i: False  # which layers slide
+    latent: bool = False  # MLA: one row a position (kv_lora_rank + qk_rope_head_dim), its key and value
 
     def geometries(self, kv_dtype: str) -> list[LayerGeometry]:
         return [LayerGeometry(i, self.window if self.sliding(i) else None, self.kv_heads, self.head_dim,
-                              kv_dtype=kv_dtype) for i in range(self.layers)]
+                              kv_dtype=kv_dtype, values_are_keys=self.latent) for i in range(self.layers)]
 
 
 def _gemma3(layers: int, window: int, kv: int, d: int, context: int) -> Named:
@@ -52,6 +53,8 @@ NAMED_GEOMETRIES = {
     "qwen3-4b": Named(36, 8, 128, 40960), "qwen3-8b": Named(36, 8, 128, 40960),
     "mistral-7b-v0.1": Named(32, 8, 128, 32768, 4096, lambda i: True),  # every layer slides
     "smollm2-135m": Named(30, 3, 64, 8192),
+    # DeepSeek's MLA: one 512 + 64 latent row a position and layer
+    "deepseek-v2-lite": Named(27, 1, 576, 163840, latent=True), "deepseek-v3": Named(61, 1, 576, 163840, latent=True),
 }
 
 
@@ -72,7 +75,8 @@ def resolve_geometry(model_or_name: str, kv_dtype: str | None = None) -> tuple[s
                          f"({', '.join(NAMED_GEOMETRIES)})")
     cfg = read_config(model_dir(path))
     kv_dtype = kv_dtype or default_kv_dtype(default_weights(checkpoint(path, cfg)))
-    return str(path), [LayerGeometry(i, cfg.window(i), cfg.num_key_value_heads, cfg.head_dim, kv_dtype=kv_dtype)
+    return str(path), [LayerGeometry(i, cfg.window(i), cfg.num_key_value_heads, cfg.head_dim, kv_dtype=kv_dtype,
+                                     values_are_keys=cfg.mla is not None)
                        for i in range(cfg.num_hidden_layers)], cfg.max_position_embeddings
 
 
@@ -93,13 +97,28 @@ def bits_per_value(provider: Provider, geometries: list[LayerGeometry], position
     """Stored bits per retained K/V value after `positions` positions (codes, norms, scales and exact
     rows all counted)."""
     total = sum(provider.layer_bytes(g, positions) for g in geometries)
-    values = sum(provider.retained_rows(g, positions) * 2 * g.n_kv_heads * g.head_dim for g in geometries)
+    values = sum(provider.retained_rows(g, positions) * (1 if g.values_are_keys else 2) * g.n_kv_heads * g.head_dim
+                 for g in geometries)
     return 8 * total / values
 
 
 def default_specs() -> list[EngineSpec]:
     """Every provider, with the options that show its range (engines.presets.RESIDENCY)."""
     return [preset_spec(p) for p in RESIDENCY]
+
+
+def _takes(spec: EngineSpec, geometries: list[LayerGeometry]) -> bool:
+    try:
+        build_provider(spec).check_geometry(geometries)
+    except LarqlError:
+        return False
+    return True
+
+
+def specs_for(specs: list[EngineSpec] | None, geometries: list[LayerGeometry]) -> list[EngineSpec]:
+    """The engines asked for (each refusing layers it cannot hold), or every default one that takes
+    these layers (TurboQuant codes need a power-of-two row: not MLA's 576-wide latent rows)."""
+    return specs or [s for s in default_specs() if _takes(s, geometries)]
 
 
 def residency(model_or_name: str, positions: int, specs: list[EngineSpec] | None = None,
@@ -111,7 +130,7 @@ def residency(model_or_name: str, positions: int, specs: list[EngineSpec] | None
     name, geometries, context = resolve_geometry(model_or_name, kv_dtype)
     if within_context and positions > context:
         raise LarqlError(f"`positions` {positions:,} is past {name}'s context of {context:,} positions")
-    rows = [account(build_provider(s), geometries, positions) for s in (specs or default_specs())]
+    rows = [account(build_provider(s), geometries, positions) for s in specs_for(specs, geometries)]
     note = None if any(g.window for g in geometries) else \
         "no sliding layers: window/v1 (and codec/v1's retention) keep every row, as canonical/v1 does"
     return {"geometry": name, "positions": positions, "context": context, "layers": len(geometries), "note": note,
@@ -131,7 +150,7 @@ def capacity(model_or_name: str, budget: int, specs: list[EngineSpec] | None = N
         raise LarqlError(f"`budget` must be positive, got {budget}")
     name, geometries, context = resolve_geometry(model_or_name, kv_dtype)
     out = []
-    for spec in specs or default_specs():
+    for spec in specs_for(specs, geometries):
         provider = build_provider(spec)
 
         def fits(n: int) -> bool:

@@ -157,7 +157,9 @@ def unused_tensors(files: dict[str, Path], wanted: Wanted, cfg: ModelConfig) -> 
     prefix = wanted["embed_tokens"][0].removesuffix(top_weights(cfg)["embed_tokens"][0])
     head = prefix.removesuffix("model.").removesuffix("transformer.") + "lm_head.weight"
     ignored = IGNORED + (GPT2_IGNORED if cfg.layout == "gpt2" else ())
-    extra = [n for n in files if (n.startswith(prefix) or n == head) and n not in used and not n.endswith(ignored)]
+    left = tuple(prefix + p for p in cfg.ignored)  # what the family leaves (DeepSeek-V3's MTP layers)
+    extra = [n for n in files if (n.startswith(prefix) or n == head) and n not in used and not n.endswith(ignored)
+             and not (left and n.startswith(left))]
     return sorted(n for n in extra if not (n == head and cfg.tie_word_embeddings))  # a tied head's own copy
 
 

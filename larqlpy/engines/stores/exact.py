@@ -1,7 +1,8 @@
 """Exact K/V rows in the layer's kv_dtype: canonical/v1 keeps every one, window/v1 a ring of the
 newest `keep` on sliding layers. Both round a row to the dtype once, when it is stored, and every
 read (prefill's and the decode kernel's) sees the stored value, so the two stay bit-identical at
-any one dtype."""
+any one dtype. Where a layer's values are its keys (MLA's latent rows) a row is kept once and read
+as both."""
 
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ class ExactStore(RowStore):
         super().__init__(geometry, device)
         self.dtype = torch_dtype(geometry.kv_dtype)
         row = ((geometry.head_dim,), self.dtype)
-        self.rows = Rows(geometry.n_kv_heads, {"k": row, "v": row}, device, keep)
+        self.v = "k" if geometry.values_are_keys else "v"  # the field values are read from
+        self.rows = Rows(geometry.n_kv_heads, {"k": row} if self.v == "k" else {"k": row, "v": row}, device, keep)
         self._sets = {"main": RowSet(self.rows, "ACTIVE", geometry.kv_dtype)}  # asked for by every token's metrics
 
     def append(self, k, v):
-        self.rows.append({"k": k.to(self.dtype), "v": v.to(self.dtype)})
+        self.rows.append({"k": k.to(self.dtype)} if self.v == "k" else {"k": k.to(self.dtype), "v": v.to(self.dtype)})
         self.end = self.rows.end
 
     def decode_rows(self, k, v):
@@ -51,10 +53,10 @@ class ExactStore(RowStore):
         """Where the decode query at position end - 1 reads, its own row the kernel's to write."""
         r, start = self.rows, self.geometry.read_start(end - 1)
         buf, lo = r.buf, max(start, r.offset)
-        own = Span(buf["k"], buf["v"], r.slot(lo), end - lo, r.ring or 0, True)
+        own = Span(buf["k"], buf[self.v], r.slot(lo), end - lo, r.ring or 0, True)
         if start >= r.offset:
             return own
-        return Span(r.prefix["k"], r.prefix["v"], start, r.offset - start), own
+        return Span(r.prefix["k"], r.prefix[self.v], start, r.offset - start), own
 
     def fork(self, other):
         """Growing rows are shared up to a whole chunk of the decode kernel (so a branch's chunks,
@@ -70,7 +72,7 @@ class ExactStore(RowStore):
 
     def read(self, start, dtype):
         r = self.rows.read(start, self.end)
-        k, v = r["k"], r["v"]
+        k, v = r["k"], r[self.v]
         return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
 
     def release(self):
