@@ -35,6 +35,9 @@ class LayerGeometry:
     # why the model has no usable calibration (a stale or damaged file), for the engines that need one
     calibration_problem: str | None = field(default=None, compare=False, repr=False)
     kv_dtype: str = "f32"  # exact rows (canonical/v1, window/v1, sinks, exact keys, ACTIVE cells): KV_DTYPES
+    # the earlier layer whose rows this one attends over (Gemma 4's shared K/V): it stores none of its
+    # own, and no engine builds or counts a store for it (`storing`; engines/stores/shared.py)
+    reads: int | None = None
 
     @property
     def kind(self) -> str:
@@ -58,6 +61,11 @@ class LayerGeometry:
         """Rows a later query can still read after `positions` positions: all on a global layer,
         the window on a sliding one (what window/v1, codec/v1 and cells/v1 retain)."""
         return positions if self.window is None else min(positions, self.window)
+
+
+def storing(geometries) -> list[LayerGeometry]:
+    """The layers that keep rows of their own: all but those reading an earlier layer's."""
+    return [g for g in geometries if g.reads is None]
 
 
 def calibrated_everywhere(geometries) -> bool:

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from larqlpy.errors import LarqlError
 from larqlpy.model.config import ModelConfig
+from larqlpy.model.families import gemma4
 from larqlpy.model.families import gemma2, gemma3, gpt2, granite, granitemoe, llama, mistral, mixtral, qwen2, qwen3, \
     qwen3_moe, starcoder2
 
@@ -17,6 +18,7 @@ FAMILIES: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "mixtral": mixtral.config, "qwen3_moe": qwen3_moe.config, "gemma2": gemma2.config, "gemma3_text": gemma3.config,
     "gemma3": gemma3.config_multimodal, "granite": granite.config, "granitemoe": granitemoe.config,
     "starcoder2": starcoder2.config, "gpt2": gpt2.config,
+    "gemma4_text": gemma4.config, "gemma4": gemma4.config_multimodal,
 }
 
 
