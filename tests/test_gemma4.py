@@ -9,11 +9,13 @@ import pytest
 import torch
 import transformers
 
+from larqlpy.calibration import calibrate
 from larqlpy.config import GenerationConfig
 from larqlpy.engines import new_state, parse_engine_spec
 from larqlpy.engines.registry import build_provider
 from larqlpy.model.decoder import prefill
 from larqlpy.tools.residency import residency
+from larqlpy.weights import calibration_file
 from larqlpy.weights.loader import load
 from hf_compare import hf_generate, logit_gaps
 from test_batched import Job, alone
@@ -168,3 +170,15 @@ def test_residency_counts_layers_that_read_others_rows_once():
     sliding, global_ = (r["engines"][0]["by_kind"][k] for k in ("sliding", "global"))
     assert (sliding["layers"], sliding["rows"], global_["rows"]) == (28, 12 * 4096, 3 * 4096)
     assert sliding["bytes"] == 12 * 4096 * 2 * 256 * 4 and global_["bytes"] == 3 * 4096 * 2 * 512 * 4
+
+
+@pytest.mark.parametrize("variant", ["shared"], indirect=True)
+def test_a_key_calibration_of_layers_of_two_head_widths_is_measured_kept_and_read_back(variant):
+    """Measured (on a short text: the packaged one takes minutes through the byte-level tokenizer),
+    saved with each layer's own head shape, read back at the next load as usable."""
+    _, _, ours = variant
+    cals, meta = calibrate(ours, text="the cat sat on the mat and then ran " * 12)
+    calibration_file.save(ours.home, cals, meta)
+    again = load(ours.path, device="cpu")
+    assert again.model.calibration_problem is None and again.model.key_calibration is not None
+    assert [c.mean.shape[-1] for c in again.model.key_calibration[:3]] == [16, 16, 32]
