@@ -81,7 +81,7 @@ def calibrate(
     home = model_home(model, pre_tokenizer)
     if if_needed:
         cfg = read_config(home)
-        pairs, problem = calibration_file.read(home, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+        pairs, problem = calibration_file.read(home, cfg.num_hidden_layers, *calibration_file.head_shapes(cfg),
                                                checkpoint(model, cfg, allow_unused_tensors).fingerprint)
         if pairs is not None and calibration_file.format_of(home) == calibration_file.FORMAT:
             err.print(f"{model}: already calibrated", markup=False)

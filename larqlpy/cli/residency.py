@@ -71,6 +71,10 @@ def show_capacity(model: str, nbytes: int, specs, as_json: bool, kv_dtype: str |
         out.print(escape(f"recommended approximate configuration ({fits} here): {preset_flags(RECOMMENDED)}"))
 
 
+def _shared(n: int) -> str:
+    return f", {n} reading earlier layers' K/V, stored once" if n else ""
+
+
 def show_residency(model: str, positions: int, specs, as_json: bool, kv_dtype: str | None) -> None:
     """Rows and bytes per layer kind each engine keeps after `positions` positions."""
     from larqlpy.tools.residency import residency as account
@@ -80,8 +84,8 @@ def show_residency(model: str, positions: int, specs, as_json: bool, kv_dtype: s
         sys.stdout.write(json.dumps(r) + "\n")
         return
     t = Table(title=f"{r['geometry']} at {r['positions']:,} positions "
-                    f"({r['kinds']['sliding']} sliding + {r['kinds']['global']} global layers, "
-                    f"exact rows in {r['kv_dtype']})")
+                    f"({r['kinds']['sliding']} sliding + {r['kinds']['global']} global layers"
+                    f"{_shared(r['shared'])}, exact rows in {r['kv_dtype']})")
     for col in ("engine", "sliding rows", "sliding bytes", "global rows", "global bytes", "total rows", "total"):
         t.add_column(col, justify="left" if col == "engine" else "right")
     for e in r["engines"]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from larqlpy.engines.codec import CALIB
-from larqlpy.engines.geometry import LayerGeometry, calibrated_everywhere
+from larqlpy.engines.geometry import LayerGeometry, calibrated_everywhere, storing
 from larqlpy.engines.lifecycle import load_rules
 from larqlpy.engines.options import OptionSpec, parse_size, width_in
 from larqlpy.engines.provider import Provider
@@ -75,7 +75,7 @@ class Cells(Provider):
         """Its own budget bounds what it holds (with a cell per layer of slack while a block lands)."""
         rows = super().state_bytes(geometries, positions, slack)
         budget = self.options.get("budget")
-        return rows if budget is None else min(rows, budget + sum(self.cell_bytes(g) for g in geometries))
+        return rows if budget is None else min(rows, budget + sum(self.cell_bytes(g) for g in storing(geometries)))
 
     def check_geometry(self, geometries):
         budget = self.options.get("budget")
@@ -84,6 +84,7 @@ class Cells(Provider):
         if not self.rules.can_reach_disk():
             raise LarqlError(f"cells/v1: the rules in {self.rules.source} cannot keep resident KV under a budget: "
                              "no MEMORY_PRESSURE path takes an ACTIVE cell to PERSISTED")
+        geometries = storing(geometries)  # a layer reading an earlier layer's rows holds no cells
         keep_cells = -(-self.rules.policy.keep_active_recent // self.rules.cell_size) + 1
         floor = sum(min(keep_cells, -(-(g.window or 10**12) // self.rules.cell_size) + 1) * self.cell_bytes(g)
                     for g in geometries)
@@ -97,7 +98,7 @@ class Cells(Provider):
     def check_options(cls, options, where):
         load_rules(options.get("rules"))  # a bad rules file is refused before any weights load
 
-    def new_state(self, geometries, device):
+    def build_state(self, geometries, device):
         from larqlpy.engines.stores.cells import new_cells_state  # torch: loaded when rows are first stored
 
         self.check_geometry(geometries)

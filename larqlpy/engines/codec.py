@@ -150,7 +150,7 @@ class Codec(Provider):
             except ValueError as e:
                 raise LarqlError(f"{self.identity}: layer {g.index}: {e}") from None
 
-    def new_state(self, geometries, device):
+    def build_state(self, geometries, device):
         from larqlpy.engines.stores.codec import new_codec_state  # torch: loaded when rows are first stored
 
         self.check_geometry(geometries)

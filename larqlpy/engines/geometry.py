@@ -38,6 +38,9 @@ class LayerGeometry:
     # one row a position serves as its key and its value (MLA's latent rows: model/mla.py): stores that
     # keep exact rows keep it once; the attention output's columns past the value's are the model's to drop
     values_are_keys: bool = False
+    # the earlier layer whose rows this one attends over (Gemma 4's shared K/V): it stores none of its
+    # own, and no engine builds or counts a store for it (`storing`; engines/stores/shared.py)
+    reads: int | None = None
 
     @property
     def kind(self) -> str:
@@ -61,6 +64,11 @@ class LayerGeometry:
         """Rows a later query can still read after `positions` positions: all on a global layer,
         the window on a sliding one (what window/v1, codec/v1 and cells/v1 retain)."""
         return positions if self.window is None else min(positions, self.window)
+
+
+def storing(geometries) -> list[LayerGeometry]:
+    """The layers that keep rows of their own: all but those reading an earlier layer's."""
+    return [g for g in geometries if g.reads is None]
 
 
 def calibrated_everywhere(geometries) -> bool:

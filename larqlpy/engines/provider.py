@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
-from larqlpy.engines.geometry import LayerGeometry
+from larqlpy.engines.geometry import LayerGeometry, storing
 from larqlpy.engines.options import OptionSpec
 
 if TYPE_CHECKING:
@@ -89,13 +89,22 @@ class Provider:
         """Bytes a whole state holds after `positions` positions: what a budget reserves for it.
         `slack`: rows each layer also holds to go back that far (speculative decoding's proposals,
         `EngineState.keep_rollback`), counted at a stored row's size."""
-        return sum(self.layer_bytes(g, positions) + min(slack, positions) * self.row_bytes(g) for g in geometries)
+        return sum(self.layer_bytes(g, positions) + min(slack, positions) * self.row_bytes(g)
+                   for g in storing(geometries))  # a layer reading an earlier layer's rows holds none
 
     # -- stores ------------------------------------------------------------------------------
     def make_store(self, geometry: LayerGeometry, device: "torch.device") -> "LayerStore":
         raise NotImplementedError
 
     def new_state(self, geometries: Sequence[LayerGeometry], device: "torch.device") -> "EngineState":
+        """A fresh state: stores built for the layers that keep rows (`build_state`), and at each layer
+        that reads an earlier layer's rows a view of that layer's store (engines/stores/shared.py)."""
+        from larqlpy.engines.stores.shared import with_readers  # torch: loaded when rows are first stored
+
+        return with_readers(self.build_state(storing(geometries), device), geometries)
+
+    def build_state(self, geometries: Sequence[LayerGeometry], device: "torch.device") -> "EngineState":
+        """The state of `geometries`, every one a layer that keeps rows of its own."""
         from larqlpy.engines.stores.state import EngineState  # torch: loaded when rows are first stored
 
         self.check_geometry(geometries)

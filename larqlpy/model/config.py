@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.errors import LarqlError
 
 SLIDING = "sliding_attention"
@@ -19,7 +20,7 @@ GLOBAL = "full_attention"
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"  # default | linear | llama3 | yarn | none (learned positions: GPT-2)
+    rope_type: str = "default"  # default | linear | llama3 | yarn | proportional | none (learned positions: GPT-2)
     factor: float = 1.0  # linear: positions divided by this; llama3, yarn: the low-frequency divisor
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0
@@ -30,6 +31,28 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    partial: float = 1.0  # proportional (Gemma 4): the share of each head's frequency pairs turned, the rest left still
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One layer's own shape where a family's layers differ (Gemma 4: wider heads on global layers,
+    layers that attend over an earlier layer's K/V rows, a wider MLP on those)."""
+
+    head_dim: int
+    kv_heads: int
+    intermediate_size: int
+    reads: int | None = None  # the earlier layer whose K/V rows this one attends over (it projects no k, v)
+    k_as_v: bool = False  # its K projection, before the k norm, serves as V too (no v_proj)
+
+
+@dataclass(frozen=True)
+class PerLayerInputs:
+    """A second embedding feeding every layer a slice of its own (Gemma 4's per-layer inputs): a table
+    of `vocab` rows of layers x `size`, mixed with a projection of the token embeddings."""
+
+    size: int
+    vocab: int
 
 
 @dataclass(frozen=True)
@@ -131,6 +154,12 @@ class ModelConfig:
     # key (head_dim = kv_lora_rank + qk_rope_head_dim), its value the same row
     mla: MlaConfig | None = None
     ignored: tuple[str, ...] = ()  # tensor names under the prefix the family leaves (DeepSeek-V3's MTP layers)
+    # Gemma 4 (model/shaped.py): layers of their own shapes, values RMS-normed with no gain, a second
+    # embedding per layer, each layer's output times a stored scalar, experts beside the dense MLP
+    layer_shapes: tuple[LayerShape, ...] | None = None
+    v_norm: bool = False
+    per_layer_inputs: PerLayerInputs | None = None
+    layer_scalar: bool = False
 
     @property
     def kv_dim(self) -> int:
@@ -158,6 +187,29 @@ class ModelConfig:
 
     def rope(self, layer: int) -> RopeConfig:
         return self.rope_local if self.is_sliding(layer) else self.rope_global
+
+    def shape(self, layer: int) -> LayerShape:
+        """The layer's head width, KV heads, MLP width and the layer whose rows it reads, if any."""
+        if self.layer_shapes is not None:
+            return self.layer_shapes[layer]
+        return LayerShape(self.head_dim, self.num_key_value_heads, self.intermediate_size)
+
+    def kind_head_dim(self, sliding: bool) -> int:
+        """The width RoPE turns on the sliding (or global) layers: their heads (Gemma 4's differ by
+        kind), or MLA's RoPE part."""
+        if self.layer_shapes is None:
+            return self.rope_dim
+        return next((self.shape(i).head_dim for i in range(self.num_hidden_layers) if self.is_sliding(i) == sliding),
+                    self.head_dim)
+
+
+def layer_geometries(cfg: ModelConfig, kv_dtype: str = "f32", calibration: list | None = None,
+                     problem: str | None = None) -> list[LayerGeometry]:
+    """Each layer's shape as the KV engines see it: window, KV heads, head width, the layer whose
+    rows it reads (shared K/V), the key calibration when the model has one."""
+    cal = calibration or [None] * cfg.num_hidden_layers
+    return [LayerGeometry(i, cfg.window(i), s.kv_heads, s.head_dim, cal[i], problem, kv_dtype, cfg.mla is not None,
+                          reads=s.reads) for i, s in ((i, cfg.shape(i)) for i in range(cfg.num_hidden_layers))]
 
 
 # -- shared readers the families use ------------------------------------------------------------
@@ -236,6 +288,14 @@ def single_rope(raw: dict[str, Any], default_theta: float) -> RopeConfig:
     if isinstance(params, dict) and ("rope_theta" in params or "rope_type" in params):
         return rope_from(params, params.get("rope_theta", raw.get("rope_theta", default_theta)))
     return rope_from(raw.get("rope_scaling"), raw.get("rope_theta", default_theta))
+
+
+def text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's text decoder: its text_config, the outer eos ids and model_type."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise LarqlError(f"config.json: model_type {raw.get('model_type')!r} without a text_config")
+    return {**text, "eos_token_id": raw.get("eos_token_id", text.get("eos_token_id")), "model_type": raw["model_type"]}
 
 
 def token_ids(raw: dict[str, Any], default_eos: int | None = None) -> dict[str, Any]:

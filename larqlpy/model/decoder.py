@@ -24,15 +24,21 @@ from larqlpy.engines.stores.dispatch import attend_block
 from larqlpy.engines.stores.state import EngineState
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.weights.matvec import embedding, gated, linear, qkv_rope, residual_norm, rms_norm, stacked
-from larqlpy.model.config import ModelConfig, RopeConfig
+from larqlpy.model.config import ModelConfig, RopeConfig, layer_geometries
 from larqlpy.model.mla import MLABlock
 from larqlpy.model.moe import experts_of
+from larqlpy.model.shaped import ShapedBlock, per_layer_inputs
+from larqlpy.model.shaped_tensors import top_weights as shaped_top
 from larqlpy.model.tensors import block_weights
 from larqlpy.model.yarn import yarn_inv_freq
 
 
 def inv_freq(cfg: RopeConfig, head_dim: int) -> torch.Tensor:
     """RoPE's inverse frequencies, scaled as the config says (transformers' formulas)."""
+    if cfg.rope_type == "proportional":  # Gemma 4: the first share of the pairs turned, over the whole head
+        turned = int(cfg.partial * head_dim // 2)
+        freq = 1.0 / (cfg.theta ** (torch.arange(0, 2 * turned, 2, dtype=torch.int64).float() / head_dim))
+        return torch.cat((freq, torch.zeros(head_dim // 2 - turned))) / cfg.factor
     freq = 1.0 / (cfg.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if cfg.rope_type == "none":  # learned positions: cos 1, sin 0, a rotation that leaves q and k as they are
         return torch.zeros_like(freq)
@@ -170,7 +176,8 @@ class Decoder(nn.Module):
         self.calibration_problem: str | None = None  # why it has none, when its file is stale or damaged
         self.kv_dtype = "f32"  # what the engines keep exact K/V rows in (engines.geometry.KV_DTYPES)
         self.embed_tokens = _weight(cfg.vocab_size, cfg.hidden_size)
-        block = LayerNormBlock if cfg.layer_norm else MLABlock if cfg.mla is not None else Block
+        block = ShapedBlock if cfg.layer_shapes is not None else LayerNormBlock if cfg.layer_norm else \
+            MLABlock if cfg.mla is not None else Block
         self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = _weight(cfg.hidden_size)
         if cfg.layer_norm:
@@ -179,12 +186,16 @@ class Decoder(nn.Module):
             self.embed_positions = _weight(cfg.max_position_embeddings, cfg.hidden_size)
         if not cfg.tie_word_embeddings:
             self.lm_head = _weight(cfg.vocab_size, cfg.hidden_size)
+        for name, (_, shape) in shaped_top(cfg).items():  # Gemma 4's per-layer inputs
+            setattr(self, name, _weight(*shape(cfg)))
         # HF rounds the scale to the weights' dtype before multiplying; so do we (matters in bf16).
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size) if cfg.embed_scale else cfg.embedding_multiplier,
                                         dtype=dtype)
         self.scaled_embeddings = cfg.embed_scale or cfg.embedding_multiplier != 1.0
-        tables = {r: Rope(r, cfg.rope_dim, self.device) for r in {cfg.rope_global, cfg.rope_local}}
-        self.ropes = {"global": tables[cfg.rope_global], "sliding": tables[cfg.rope_local]}
+        kinds = {"global": (cfg.rope_global, cfg.kind_head_dim(False)), "sliding": (cfg.rope_local,
+                                                                                 cfg.kind_head_dim(True))}
+        tables = {r: Rope(*r, self.device) for r in set(kinds.values())}  # each kind at its own head width
+        self.ropes = {kind: tables[r] for kind, r in kinds.items()}
 
     def stack(self) -> list[tuple[Block, torch.Tensor | None]]:
         """The blocks in order, each with the next one's input norm (None after the last): kept from
@@ -222,10 +233,7 @@ class Decoder(nn.Module):
         return self.ropes["global" if self.cfg.window(layer) is None else "sliding"].inv_freq
 
     def geometries(self) -> list[LayerGeometry]:
-        c = self.cfg
-        cal = self.key_calibration or [None] * c.num_hidden_layers
-        return [LayerGeometry(i, c.window(i), c.num_key_value_heads, c.head_dim, cal[i], self.calibration_problem,
-                              self.kv_dtype, c.mla is not None) for i in range(c.num_hidden_layers)]
+        return layer_geometries(self.cfg, self.kv_dtype, self.key_calibration, self.calibration_problem)
 
     def forward(self, tokens: torch.Tensor, state: EngineState, all_logits: bool = False) -> torch.Tensor:
         """Run a block of token ids (T,) at the state's next positions; returns logits (T or 1, V)."""
@@ -253,10 +261,12 @@ class Decoder(nn.Module):
         for kind, rope in self.ropes.items():  # one RoPE: the same tables under both kinds
             parts = [rope.tables(s.position, n, self.dtype) for s, n in zip(states, sizes)]
             tables[kind] = parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
+        per_layer = per_layer_inputs(self, tokens.to(self.device), x)  # Gemma 4's, (T, layers, size); else None
         h = None
         for i, (block, after) in enumerate(self.stack()):
             stores = [s.layers[i] for s in states]
-            x, h = block.forward(x, h, after, *tables[stores[0].geometry.kind], stores, sizes, stepped)
+            x, h = block.forward(x, h, after, *tables[stores[0].geometry.kind], stores, sizes, stepped,
+                                 **({} if per_layer is None else {"per_layer": per_layer[:, i]}))
         for s in states:
             s.end_block()
         return self._outputs(x, [b[2] for b in blocks], sizes)

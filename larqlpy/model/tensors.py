@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from typing import Callable
 
+from larqlpy.model import shaped_tensors
 from larqlpy.model.config import ModelConfig
 
 
 def block_weights(cfg: ModelConfig, layer: int) -> dict[str, tuple[str, Callable[[ModelConfig], tuple[int, ...]]]]:
     """A block's tensors as the family declares them: ours -> (HF name under model.layers.{i}., shape).
     A sparse layer's experts are ours `experts.{j}.gate_proj` (and up, down), beside its `router`."""
+    if cfg.layer_shapes is not None:  # layers of their own shapes (Gemma 4)
+        return shaped_tensors.block_weights(cfg, layer)
     e, f = (lambda c: (c.hidden_size,)), (lambda c: (c.head_dim,))
     out = {
         "q_proj": ("self_attn.q_proj.weight", lambda c: (c.q_dim, c.hidden_size)),
@@ -82,7 +85,7 @@ def top_weights(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[ModelConfig]
         out["norm_bias"] = ("ln_f.bias" if gpt2 else "norm.bias", e)
     if cfg.learned_positions:
         out["embed_positions"] = ("wpe.weight", lambda c: (c.max_position_embeddings, c.hidden_size))
-    return out
+    return {**out, **shaped_tensors.top_weights(cfg)}
 
 
 def layers_name(cfg: ModelConfig) -> str:
@@ -143,6 +146,8 @@ def matrix_groups(cfg: ModelConfig, layer: int) -> list[tuple[str, tuple[str, ..
     """A block's matrices as packed weights hold them, (owner under the block, names): the ones
     reading one input stacked into one matrix (q|k|v, gate|up, each expert's gate|up), decode calling
     one kernel per stack. The router stays float: it picks the experts."""
+    if cfg.layer_shapes is not None:
+        return shaped_tensors.matrix_groups(cfg, layer)
     mlp = [(f"experts.{j}.", names) for j in range(cfg.moe.num_experts) for names in
            (("gate_proj", "up_proj"), ("down_proj",))] if cfg.is_sparse(layer) else \
         [("", ("gate_proj", "up_proj")), ("", ("down_proj",))]

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Callable
 
 from larqlpy.engines import EngineSpec, LayerGeometry, Provider, build_provider, preset_spec
-from larqlpy.engines.geometry import default_kv_dtype
+from larqlpy.engines.geometry import default_kv_dtype, storing
 from larqlpy.engines.presets import RESIDENCY
 from larqlpy.errors import LarqlError
-from larqlpy.model.families import read_config
+from larqlpy.model.config import layer_geometries
+from larqlpy.model.families import config_from_dict, read_config
 from larqlpy.weights.gguf_checkpoint import checkpoint, default_weights
 from larqlpy.weights.gguf_file import model_dir
 
@@ -30,6 +31,32 @@ class Named:
     def geometries(self, kv_dtype: str) -> list[LayerGeometry]:
         return [LayerGeometry(i, self.window if self.sliding(i) else None, self.kv_heads, self.head_dim,
                               kv_dtype=kv_dtype, values_are_keys=self.latent) for i in range(self.layers)]
+
+
+@dataclass(frozen=True)
+class FromConfig:
+    """A published model's geometry read by its family from the config.json fields that shape its
+    KV (layers of their own shapes, layers reading another's rows: Gemma 4)."""
+
+    raw: dict
+
+    @property
+    def context(self) -> int:
+        return self.raw["max_position_embeddings"]
+
+    def geometries(self, kv_dtype: str) -> list[LayerGeometry]:
+        return layer_geometries(config_from_dict(self.raw), kv_dtype)
+
+
+def _gemma4(layers: int, period: int, kv: int, window: int, shared: int, context: int, **more) -> FromConfig:
+    """Gemma 4's text config: `period - 1` sliding layers to each global one, heads of 256 (512 on
+    global layers), the last `shared` layers reading earlier layers' rows."""
+    return FromConfig({"model_type": "gemma4_text", "num_hidden_layers": layers, "hidden_size": 2560,
+                       "intermediate_size": 10240, "num_attention_heads": 8, "vocab_size": 262144,
+                       "num_key_value_heads": kv, "head_dim": 256, "global_head_dim": 512, "sliding_window": window,
+                       "num_kv_shared_layers": shared, "max_position_embeddings": context,
+                       "layer_types": ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                                       for i in range(layers)], **more})
 
 
 def _gemma3(layers: int, window: int, kv: int, d: int, context: int) -> Named:
@@ -55,6 +82,10 @@ NAMED_GEOMETRIES = {
     "smollm2-135m": Named(30, 3, 64, 8192),
     # DeepSeek's MLA: one 512 + 64 latent row a position and layer
     "deepseek-v2-lite": Named(27, 1, 576, 163840, latent=True), "deepseek-v3": Named(61, 1, 576, 163840, latent=True),
+    # Gemma 4 (google/gemma-4-*'s text_config): E2B and E4B share the last 20 / 18 layers' K/V; 31B
+    # has 4 KV heads on its global layers, whose K serves as V, and shares none
+    "gemma4-e2b": _gemma4(35, 5, 1, 512, 20, 131072), "gemma4-e4b": _gemma4(42, 6, 2, 512, 18, 131072),
+    "gemma4-31b": _gemma4(60, 6, 16, 1024, 0, 262144, attention_k_eq_v=True, num_global_key_value_heads=4),
 }
 
 
@@ -75,18 +106,17 @@ def resolve_geometry(model_or_name: str, kv_dtype: str | None = None) -> tuple[s
                          f"({', '.join(NAMED_GEOMETRIES)})")
     cfg = read_config(model_dir(path))
     kv_dtype = kv_dtype or default_kv_dtype(default_weights(checkpoint(path, cfg)))
-    return str(path), [LayerGeometry(i, cfg.window(i), cfg.num_key_value_heads, cfg.head_dim, kv_dtype=kv_dtype,
-                                     values_are_keys=cfg.mla is not None)
-                       for i in range(cfg.num_hidden_layers)], cfg.max_position_embeddings
+    return str(path), layer_geometries(cfg, kv_dtype), cfg.max_position_embeddings
 
 
 def account(provider: Provider, geometries: list[LayerGeometry], positions: int) -> dict:
     provider.check_geometry(geometries)
     by_kind: dict[str, dict[str, int]] = {}
     for g in geometries:
-        k = by_kind.setdefault(g.kind, {"layers": 0, "rows": 0, "bytes": 0})
+        by_kind.setdefault(g.kind, {"layers": 0, "rows": 0, "bytes": 0})["layers"] += 1
+    for g in storing(geometries):  # a layer reading an earlier layer's rows holds none: counted there
+        k = by_kind[g.kind]
         rows = provider.retained_rows(g, positions)
-        k["layers"] += 1
         k["rows"] += rows
         k["bytes"] += provider.layer_bytes(g, positions)
     return {"engine": provider.identity, "options": dict(provider.options), "by_kind": by_kind,
@@ -96,9 +126,9 @@ def account(provider: Provider, geometries: list[LayerGeometry], positions: int)
 def bits_per_value(provider: Provider, geometries: list[LayerGeometry], positions: int) -> float:
     """Stored bits per retained K/V value after `positions` positions (codes, norms, scales and exact
     rows all counted)."""
-    total = sum(provider.layer_bytes(g, positions) for g in geometries)
+    total = sum(provider.layer_bytes(g, positions) for g in storing(geometries))
     values = sum(provider.retained_rows(g, positions) * (1 if g.values_are_keys else 2) * g.n_kv_heads * g.head_dim
-                 for g in geometries)
+                 for g in storing(geometries))
     return 8 * total / values
 
 
@@ -136,6 +166,7 @@ def residency(model_or_name: str, positions: int, specs: list[EngineSpec] | None
     return {"geometry": name, "positions": positions, "context": context, "layers": len(geometries), "note": note,
             "kv_dtype": geometries[0].kv_dtype if geometries else None,
             "kinds": {kind: sum(1 for g in geometries if g.kind == kind) for kind in ("sliding", "global")},
+            "shared": sum(1 for g in geometries if g.reads is not None),
             "engines": rows}
 
 

@@ -20,11 +20,19 @@ from safetensors.numpy import save as to_bytes
 
 from larqlpy.errors import LarqlError
 from larqlpy.files import atomic_write
+from larqlpy.model.config import ModelConfig
 
 FILE = "kv_calibration.safetensors"
 FORMAT = "larqlpy-kv-calibration/2"
 FORMATS = ("larqlpy-kv-calibration/1", FORMAT)
 Layer = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # (mean, scale, turning mean or None)
+Heads = int | list[int]  # KV heads (or head width): every layer's, or one a layer (Gemma 4's differ)
+
+
+def head_shapes(cfg: ModelConfig) -> tuple[list[int], list[int]]:
+    """Each layer's KV heads and head width: what its calibration tensors hold."""
+    shapes = [cfg.shape(i) for i in range(cfg.num_hidden_layers)]
+    return [s.kv_heads for s in shapes], [s.head_dim for s in shapes]
 
 
 def save(model_dir: str | Path, layers: list, meta: dict) -> Path:
@@ -63,7 +71,7 @@ def save_somewhere(model_dir: str | Path, fingerprint: str, layers: list, meta: 
     return save(home, layers, meta)
 
 
-def read_any(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint: str,
+def read_any(model_dir: str | Path, n_layers: int, n_kv_heads: Heads, head_dim: Heads, fingerprint: str,
              files_digest: str | None = None) -> tuple[list[Layer] | None, str | None]:
     """`read` beside the weights, then in `fallback_dir`: the first usable one; else what is wrong
     with the one beside the weights."""
@@ -75,7 +83,7 @@ def read_any(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: in
     return pairs, problem
 
 
-def read(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int,
+def read(model_dir: str | Path, n_layers: int, n_kv_heads: Heads, head_dim: Heads,
          fingerprint: str | None = None, files_digest: str | None = None) -> tuple[list[Layer] | None, str | None]:
     """(the layers' (mean, scale, turning or None), None) when the directory holds a calibration that fits this model
     (and, given one, the fingerprint of the weights it was measured on); (None, None) when it holds
@@ -88,7 +96,7 @@ def read(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int,
         return None, str(e)
 
 
-def _read(path: Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint: str | None,
+def _read(path: Path, n_layers: int, n_kv_heads: Heads, head_dim: Heads, fingerprint: str | None,
           files_digest: str | None) -> list[Layer]:
     if not path.exists():
         raise FileNotFoundError(path)
@@ -117,9 +125,10 @@ def _read(path: Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint
                     if name not in names:
                         raise LarqlError(f"{path}: missing tensor {name}; rerun `calibrate`")
                     t = f.get_tensor(name)
-                    if tuple(t.shape) != (n_kv_heads, head_dim) or t.dtype != np.float32:
+                    want = [x if isinstance(x, int) else x[i] for x in (n_kv_heads, head_dim)]
+                    if list(t.shape) != want or t.dtype != np.float32:
                         raise LarqlError(f"{path}: tensor {name} is {t.dtype} {list(t.shape)}, expected float32 "
-                                         f"{[n_kv_heads, head_dim]}; rerun `calibrate`")
+                                         f"{want}; rerun `calibrate`")
                     pair.append(t)
                 if not (all(np.isfinite(t).all() for t in pair if t is not None) and (pair[1] > 0).all()):
                     raise LarqlError(f"{path}: layer {i} holds non-finite or non-positive values; rerun `calibrate`")
@@ -142,7 +151,7 @@ def format_of(model_dir: str | Path) -> str | None:
         return None
 
 
-def summary(model_dir: str | Path, n_layers: int, n_kv_heads: int, head_dim: int, fingerprint: str) -> str:
+def summary(model_dir: str | Path, n_layers: int, n_kv_heads: Heads, head_dim: Heads, fingerprint: str) -> str:
     """One line for `info`: the calibration's tokens and key-energy shares, or what is wrong with it."""
     path = Path(model_dir) / FILE
     pairs, problem = read(model_dir, n_layers, n_kv_heads, head_dim, fingerprint)

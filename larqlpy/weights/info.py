@@ -46,8 +46,8 @@ def describe(path: str | Path, pre_tokenizer: str | None = None) -> dict:
         "fingerprint": ckpt.fingerprint, "unused_tensors": len(ckpt.unused), "pre_tokenizer": _splits(ckpt),
         # `native` runs a GGUF's codes; types without codes are read as float32, at their cost a token
         "float_fallback": ckpt.float_fallback() if isinstance(ckpt, GGUFCheckpoint) else None,
-        "key_calibration": calibration_file.summary(home, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                                    cfg.head_dim, ckpt.fingerprint),
+        "key_calibration": calibration_file.summary(home, cfg.num_hidden_layers, *calibration_file.head_shapes(cfg),
+                                                    ckpt.fingerprint),
     }
 
 

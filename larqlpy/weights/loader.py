@@ -156,7 +156,7 @@ def _read_calibration(model: Decoder, home: Path, fingerprint: str, files_digest
     why not, on the model (a stale or damaged file is reported, not raised)."""
     c = model.cfg
     layers, model.calibration_problem = calibration_file.read_any(
-        home, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, fingerprint, files_digest)
+        home, c.num_hidden_layers, *calibration_file.head_shapes(c), fingerprint, files_digest)
     if layers is not None:
         model.key_calibration = [KeyCalibration.of(torch.from_numpy(m), torch.from_numpy(s),
                                                    None if t is None else torch.from_numpy(t), model.rope_freq(i))

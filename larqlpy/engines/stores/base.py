@@ -188,7 +188,7 @@ class LayerStore:
         rows its query reads are (a `Span`, or spans read in order: here the rows `read` gives; a
         store whose buffers the kernel can read in place may instead reserve the step's row and let
         the kernel write it);
-        the caller attends them, then calls `release()`. A store that attends in its own way (on
+        the caller attends them, then calls `done()`. A store that attends in its own way (on
         codes) returns None and is called through `attend`."""
         self.append(k, v)
         keys, values = self.read(self.geometry.read_start(self.end - 1), torch.float32)
@@ -197,7 +197,7 @@ class LayerStore:
     def decode_steps(self, k: torch.Tensor, v: torch.Tensor) -> list | None:
         """Several successive decode steps of one sequence (k, v (Hkv, n, D), a speculative
         verification's rows) attended in one kernel call: their rows stored or reserved, and each
-        step's `decode_rows` answer, in order; the caller attends them, then calls `release()`.
+        step's `decode_rows` answer, in order; the caller attends them, then calls `done()`.
         None (the default): each step goes through `decode_rows` or `attend` on its own."""
         return None
 
@@ -216,10 +216,30 @@ class LayerStore:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttentionParams) -> torch.Tensor:
         """Append this block's rows and attend its queries (H, T, D) over what they may read."""
-        q_start, t = self.end, q.shape[1]
+        q_start = self.end
         self.append(k, v)
+        out = self.attend_read(q, q_start, p)
+        self.done()
+        return out
+
+    # -- layers that read this store's rows (shared K/V: engines/stores/shared.py) --------------
+    readers = 0  # later layers attending over this store's rows: `done` leaves the release to the last
+
+    def done(self) -> None:
+        """A block attended: release, unless later layers still read this block's rows (the last of
+        them releases, engines/stores/shared.py)."""
+        if not self.readers:
+            self.release()
+
+    def attend_read(self, q: torch.Tensor, q_start: int, p: AttentionParams) -> torch.Tensor:
+        """Queries (H, T, D) at positions from `q_start` over the rows they may read, appending
+        nothing: this store's own block, or a later layer's that reads its rows. An engine that
+        attends on its own representation may override it."""
+        t = q.shape[1]
         start = self.geometry.read_start(q_start)
         keys, values = self.read(start, q.dtype)
+        if start + keys.shape[1] > q_start + t:  # a later layer's step of a block this store took whole
+            keys, values = keys[:, :q_start + t - start], values[:, :q_start + t - start]
         if t <= QUERY_TILE:
             out = attention(q, keys, values, q_start, start, self.geometry.window, p)
         else:  # tiles of queries read only the rows they can see: skips the causal / out-of-window work
@@ -230,7 +250,6 @@ class LayerStore:
                 outs.append(attention(q[:, a:b], keys[:, lo:hi], values[:, lo:hi], q_start + a, start + lo,
                                       self.geometry.window, p))
             out = torch.cat(outs, dim=1)
-        self.release()
         return out
 
 

@@ -101,13 +101,24 @@ class CodecStore(RowStore):
                             NO_CALIBRATION if cal is None else cal.step_args(first), self.codec.k.signs,
                             tuple(codec.code_set(arrays) for codec, arrays in sets), tuple(slots))
 
-    def _exact_from(self, start: int) -> int:
-        """First position whose K row is exact (end when none is)."""
-        return self.end if self.exact_keys is None else max(start, self.exact_keys.base)
+    def _exact_from(self, start: int, end: int | None = None) -> int:
+        """First position whose K row is exact (end when none is), for a read ending at `end` (by
+        default the newest): the newest `exact_keys` rows as they were then."""
+        return self._newest(self.exact_keys, start, end)
 
-    def _recent_from(self, start: int) -> int:
-        """First position whose rows are read from the wider recent tier (end when there is none)."""
-        return self.end if self.recent is None else max(start, self.recent.base)
+    def _recent_from(self, start: int, end: int | None = None) -> int:
+        """First position whose rows are read from the wider recent tier (end when there is none),
+        as `_exact_from`."""
+        return self._newest(self.recent, start, end)
+
+    def _newest(self, rows: Rows | None, start: int, end: int | None) -> int:
+        """First position of a ring of the newest rows read from `start` to `end`: where it began
+        when the layer ended there (a later layer's verification steps read a ring that has moved on;
+        its slack still holds them)."""
+        end = self.end if end is None else end
+        if rows is None:
+            return end
+        return max(start, rows.base if end == self.end else end - rows.keep)
 
     def _sink_end(self, start: int) -> int:
         """Sink rows a read from `start` sees: positions [start, returned)."""
@@ -140,28 +151,37 @@ class CodecStore(RowStore):
         if q.shape[1] != 1 or not self.fused:
             return super().attend(q, k, v, p)
         self.append(k, v)
-        return self._attend_step(q, p)
+        out = self._attend_step(q, p)
+        self.done()
+        return out
 
-    def _bounds(self) -> tuple[int, int, int]:
+    def attend_read(self, q, q_start, p):
+        """A later layer's decode step attends on the codes too (a verification's, at its own position)."""
+        if q.shape[1] == 1 and self.fused:
+            return self._attend_step(q, p, q_start + 1)
+        return super().attend_read(q, q_start, p)
+
+    def _bounds(self, end: int) -> tuple[int, int, int]:
         """A decode step's (first row read, first from the tier, first whose K is from the tier or
-        exact), by position."""
-        start = self.geometry.read_start(self.end - 1)
-        mid = self._recent_from(start)
-        return start, mid, min(mid, self._exact_from(start))
+        exact), by position, its rows ending at `end`."""
+        start = self.geometry.read_start(end - 1)
+        mid = self._recent_from(start, end)
+        return start, mid, min(mid, self._exact_from(start, end))
 
-    def _attend_step(self, q, p):
-        """The step's query (H, 1, D) attending on the codes, its row already appended."""
-        start, mid, lo = self._bounds()
-        hkv, (n_heads, _, d), n = self.geometry.n_kv_heads, q.shape, self.end - start
+    def _attend_step(self, q, p, end: int | None = None):
+        """The step's query (H, 1, D) attending on the codes, its row (position end - 1; by default
+        the newest) already appended."""
+        end = self.end if end is None else end
+        start, mid, lo = self._bounds(end)
+        hkv, (n_heads, _, d), n = self.geometry.n_kv_heads, q.shape, end - start
         main = self.codec.sides(self.rows.spans(start, mid, arrays=True))
-        tier = self.recent_codec.sides(self.recent.spans(mid, self.end, arrays=True)) if mid < self.end \
+        tier = self.recent_codec.sides(self.recent.spans(mid, end, arrays=True)) if mid < end \
             else _no_tier(main)
         out = np.empty((hkv, n_heads // hkv, d), np.float32)
         tq_attend.attend(q[:, 0].float().contiguous().view(out.shape).numpy(), self._calibration(start, n),
-                         self.codec.k.signs, main, tier, (self._exact_keys(lo), *self._sink_arrays(start)),
+                         self.codec.k.signs, main, tier, (self._exact_keys(lo, end), *self._sink_arrays(start)),
                          (lo - start, mid - start, n), np.float32(p.scale), np.float32(p.softcap or 0.0), p.sink_logits,
                          out)
-        self.release()
         return torch.from_numpy(out).view(n_heads, 1, d).to(q.dtype)
 
     def _tier_args(self, tier: dict | None, mid: int, b: int) -> tuple:
@@ -196,7 +216,7 @@ class CodecStore(RowStore):
         if len(stores) == 1:
             return self.attend(q, k, v, p)
         own, tier = self._append_family(stores, k, v)
-        _, mid, lo = self._bounds()  # a growing layer: rows from position 0
+        _, mid, lo = self._bounds(self.end)  # a growing layer: rows from position 0
         (n_heads, b, d), hkv, n = q.shape, self.geometry.n_kv_heads, self.end
         shared = self.codec.sides(self.rows.spans(0, mid, arrays=True))  # the prompt's piece first: in every branch
         out = np.empty((b, hkv, n_heads // hkv, d), np.float32)
@@ -206,7 +226,7 @@ class CodecStore(RowStore):
                                 _as_branches(own), self._tier_args(tier, mid, b), self._sink_arrays(0),
                                 (lo, mid, n), np.float32(p.scale), np.float32(p.softcap or 0.0), p.sink_logits, out)
         for s in stores:
-            s.release()
+            s.done()
         return torch.from_numpy(out).view(b, n_heads, d).transpose(0, 1).to(q.dtype)
 
     def _append_family(self, stores, k, v) -> tuple[Stack, Stack | None]:
@@ -226,12 +246,12 @@ class CodecStore(RowStore):
             s.end = s.rows.end
         return stacks[0], stacks[1] if len(stacks) > 1 else None
 
-    def _exact_keys(self, lo: int) -> np.ndarray:
+    def _exact_keys(self, lo: int, end: int) -> np.ndarray:
         """The fused kernel's exact K rows, positions [lo, end), float32 (none without them)."""
-        if self.exact_keys is None or lo >= self.end:
+        if self.exact_keys is None or lo >= end:
             return self._no_rows
         assert self.recent is None, "exact keys and a recent tier are never configured together"
-        return self.exact_keys.read(lo, self.end)["k"].float().contiguous().numpy()
+        return self.exact_keys.read(lo, end)["k"].float().contiguous().numpy()
 
     def _sink_arrays(self, start: int) -> tuple[np.ndarray, np.ndarray]:
         """The sinks' K and V rows a read from `start` sees, float32: made again only when they change."""

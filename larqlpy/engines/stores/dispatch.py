@@ -23,7 +23,10 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: Sequ
     family's one call (`attend_family`); every other block, and every store that attends on its own
     terms, through `store.attend`. A `stepped` sequence's rows are attended one after another, each as a
     decode step of its own (speculative decoding verifies proposals with the numbers plain decode
-    would give them)."""
+    would give them). k, v None: a layer that reads an earlier layer's rows (shared K/V), each
+    store attending over its source's (`_reading`)."""
+    if k is None:
+        return _reading(q, stores, sizes, p, stepped)
     if any(stepped):
         return _stepwise(q, k, v, stores, sizes, p, stepped)
     decode = takes(q)
@@ -55,11 +58,23 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stores: Sequ
         got = attend_rows(qs.transpose(0, 1), [s[3] for s in steps], p.scale, p.softcap or 0.0,
                           (k, v), [s[1] for s in steps], p.sink_logits).transpose(0, 1)
         for _, _, store, _ in steps:
-            store.release()
+            store.done()
         if len(steps) == len(outs):
             return got
         for j, (at, _, _, _) in enumerate(steps):
             outs[at] = got[:, j:j + 1]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _reading(q: torch.Tensor, stores: Sequence[LayerStore], sizes: list[int], p: AttentionParams,
+             stepped: Sequence[bool]) -> torch.Tensor:
+    """A layer storing nothing: each sequence's queries over its store's source's rows, a `stepped`
+    sequence's one step at a time (engines/stores/shared.py)."""
+    outs, lo = [], 0
+    for i, (store, n) in enumerate(zip(stores, sizes)):
+        steps = [(r, r + 1) for r in range(lo, lo + n)] if stepped and stepped[i] else [(lo, lo + n)]
+        outs += [store.attend(q[:, a:b].contiguous(), None, None, p) for a, b in steps]
+        lo += n
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
@@ -111,6 +126,6 @@ def _stepwise(q, k, v, stores, sizes, p, stepped) -> torch.Tensor:
                           p.sink_logits).transpose(0, 1)
         at = 0
         for i in together:
-            stores[i].release()
+            stores[i].done()
             outs[i], at = got[:, at:at + sizes[i]], at + sizes[i]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 from larqlpy.errors import LarqlError
 from larqlpy.model.config import ModelConfig
-from larqlpy.model.families import deepseek, gemma2, gemma3, gpt2, gpt_oss, granite, granitemoe, llama, mistral, \
-    mixtral, qwen2, qwen3, qwen3_moe, starcoder2
+from larqlpy.model.families import deepseek, gemma2, gemma3, gemma4, gpt2, gpt_oss, granite, granitemoe, llama, \
+    mistral, mixtral, qwen2, qwen3, qwen3_moe, starcoder2
 
 FAMILIES: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "llama": llama.config, "mistral": mistral.config, "qwen2": qwen2.config, "qwen3": qwen3.config,
@@ -18,6 +18,7 @@ FAMILIES: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "gemma3": gemma3.config_multimodal, "granite": granite.config, "granitemoe": granitemoe.config,
     "starcoder2": starcoder2.config, "gpt2": gpt2.config, "gpt_oss": gpt_oss.config,
     "deepseek_v2": deepseek.config, "deepseek_v3": deepseek.config,
+    "gemma4_text": gemma4.config, "gemma4": gemma4.config_multimodal,
 }
 
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from larqlpy.errors import LarqlError
-from larqlpy.model.config import GLOBAL, SLIDING, ModelConfig, RopeConfig, rope_from
+from larqlpy.model.config import GLOBAL, SLIDING, ModelConfig, RopeConfig, rope_from, text_config
 from larqlpy.model.families.gemma2 import gemma_fields
 
 
@@ -22,11 +21,7 @@ def config(raw: dict[str, Any], prefix: str = "model.") -> ModelConfig:
 
 
 def config_multimodal(raw: dict[str, Any]) -> ModelConfig:
-    text = raw.get("text_config")
-    if not isinstance(text, dict):
-        raise LarqlError("config.json: model_type 'gemma3' without a text_config")
-    eos = raw.get("eos_token_id", text.get("eos_token_id"))
-    return config({**text, "eos_token_id": eos, "model_type": "gemma3"}, prefix="language_model.model.")
+    return config(text_config(raw), prefix="language_model.model.")
 
 
 def _ropes(raw: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
