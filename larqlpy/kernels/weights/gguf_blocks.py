@@ -50,7 +50,7 @@ assert KIND["Q2_K"] == gguf_lowbit.FIRST and KIND["IQ3_S"] == gguf_grid.FIRST
 # Types whose 8-bit codes above span 5 or 6 bits: (width, base), run as u - base at that width, zero
 # - base (the same integers u - zero, so the same values bit for bit) -- the file's own bits.
 NARROW = {"Q5_0": (5, 112), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 96), "MXFP4": (5, 112), "IQ3_S": (5, 112),
-          "IQ3_XXS": (6, 96), "IQ1_S": (5, 112), "IQ1_M": (5, 112)}
+          "IQ3_XXS": (6, 96), "IQ1_S": (5, 112), "IQ1_M": (6, 96)}  # 6: no type ran 5 bits in groups of 16
 # Types whose group scales are a block's float16 d times the file's integer sub-block scale: packed
 # as those integers and d apart (the file's own 4.5 / 5.5 / 6.56 bits a weight, where float32 group
 # scales would add 1 to 2 bits); d * sc is exact in float32, so the kernels' scale is the same value.

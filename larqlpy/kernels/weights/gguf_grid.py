@@ -12,7 +12,7 @@ float32, whatever order gguf-py rounds it in, and equals  scale * (u - zero)  wi
   IQ2_XXS  (d * (0.5 + s) * 0.25) * g * sign g in 8, 25, 43, 32 a group           codes g*sign + 128, 8 bits
   IQ2_XS   the same, 16 a group, 512-entry grid; IQ2_S: 1024 entries, signs as bits
   IQ1_S    (d * (2 s + 1)) * (g + delta)     g in -1, 0, 1, delta +-1/8, 32 a group   codes 8 g +- 1 + 128
-  IQ1_M    the same, 16 a group, delta per 8, d spread over the scales' high nibbles  (5 bits), scale dl / 8
+  IQ1_M    the same, 16 a group, delta per 8, d spread over the scales' high nibbles  (5; IQ1_M 6), scale dl / 8
 
 IQ3_S's scale d * (1 + 2 s) is two-level as the K-quants' (int8 1 + 2 s beside the block's float16 d:
 gguf_blocks.TWO_LEVEL); the others' scales carry a power of two the kernels' d * sc has no place for,
