@@ -49,7 +49,8 @@ def links(tmp_path_factory, gemma_gguf) -> dict[str, Path]:
 def test_layouts_cover_what_native_holds():
     """Every type convert/native.py holds as codes, and the ones only a .gguf run directly does
     (tests/test_gguf_quants.py holds those against gguf-py itself)."""
-    assert set(LAYOUTS) == set(SUPPORTED) | {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4"}
+    assert set(LAYOUTS) == set(SUPPORTED) | {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "IQ3_S", "IQ3_XXS",
+                                             "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"}
 
 
 @pytest.mark.parametrize("name", SUPPORTED)

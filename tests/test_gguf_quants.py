@@ -1,7 +1,8 @@
-"""The GGUF block types gguf_lowbit.py takes apart (Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4): their codes give
-gguf-py's dequantized values bit for bit on random and edge blocks, packed and run on every kernel
-path this CPU has; a type still without codes is reported as read at float32; and a SmolLM2 GGUF
-requantized by llama.cpp to these types follows llama.cpp's greedy ids."""
+"""The GGUF block types gguf_lowbit.py (Q2_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4) and gguf_grid.py (IQ3_S,
+IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M) take apart: their codes give gguf-py's dequantized values
+bit for bit on random and edge blocks, packed and run on every kernel path this CPU has; a type still
+without codes is reported as read at float32; and a SmolLM2 GGUF requantized by llama.cpp to these
+types follows llama.cpp's greedy ids (test_gguf_grid.py: the grid types)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ from conftest import smol_gguf
 from test_native import random_blocks
 
 Q = gguf.GGMLQuantizationType
-NEW = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4")
-HALF = {"Q2_K": (80, 82), "Q3_K": (108,), "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": ()}  # float16 fields
+GRID = ("IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
+NEW = ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", *GRID)
+# float16 fields (IQ1_M's d lies in the high nibbles of its four scale words: set_iq1m_d)
+HALF = {"Q2_K": (80, 82), "Q3_K": (108,), "IQ4_NL": (0,), "IQ4_XS": (0,), "MXFP4": (), "IQ1_M": (),
+        **{name: (0,) for name in GRID[:-1]}}
 EDGE_HALVES = [0.0, -0.0, 65504.0, -65504.0, 2.0 ** -24, 6.1e-5, 1.0]  # zero, extremes, subnormal, normal
 
 
@@ -40,8 +44,18 @@ def edge_blocks(name: str) -> np.ndarray:
                 b[at:at + 2] = np.array([v], np.float16).view(np.uint8)
             if name == "MXFP4":
                 b[0] = v
-            out.append(b)
+            out.append(set_iq1m_d(b[None], v)[0] if name == "IQ1_M" else b)
     return np.stack(out)
+
+
+def set_iq1m_d(blocks: np.ndarray, d: float) -> np.ndarray:
+    """IQ1_M blocks (n, 56) with d set: its float16 bits, 4 at a time, in the top nibble of the uint16
+    scale words at 48, 50, 52, 54."""
+    bits = int(np.array([d], np.float16).view(np.uint16)[0])
+    words = blocks[:, 48:56].copy().view(np.uint16)
+    words[:] = (words & 0x0FFF) | np.array([((bits >> (4 * k)) & 15) << 12 for k in range(4)], np.uint16)
+    blocks[:, 48:56] = words.view(np.uint8)
+    return blocks
 
 
 def reference(raw: np.ndarray, name: str, shape: tuple[int, int]) -> np.ndarray:
@@ -88,12 +102,14 @@ def packed(raw: np.ndarray, name: str, shape: tuple[int, int]) -> PackedWeight:
 
 @pytest.mark.parametrize("name", NEW)
 def test_packed_rows_and_products_on_every_path(name):
-    """Packed at its run width (Q2_K, Q3_K at 4 bits, MXFP4 at 5, IQ4 at 8; two-level where the file's
-    scales are), rows gather to gguf-py's values and every path's product equals the same codes'
-    with float32 group scales."""
+    """Packed at its run width (Q2_K, Q3_K at 4 bits, MXFP4, IQ3_S, IQ1_S at 5, IQ3_XXS, IQ1_M at 6, IQ4, IQ2 at
+    8; two-level where the file's scales are), rows gather to gguf-py's values and every path's product
+    equals the same codes' with float32 group scales."""
     per = LAYOUTS[name][1]
     n, k = TILE + 5, 2 * 256
     raw = random_blocks(Q[name], n * k // per, seed=17 + len(name))
+    if name == "IQ1_M":
+        raw = set_iq1m_d(raw, 0.01)
     if name == "MXFP4":  # exponents near a weight's: random ones overflow the sums to inf - inf
         raw[:, 0] = np.random.default_rng(1).integers(118, 130, len(raw))
     raw = raw.reshape(n, -1)
@@ -181,11 +197,16 @@ def test_requantized_smollm2_follows_llama_cpp(requantized, ftype, types):
     135M model's greedy path meets near-ties (gaps of 0.002-0.3) where either rounding flips it.
     On these prompts the prefixes were 24 / 12 / 8 (Q2_K), 24 / 0 / 8 (IQ4_XS) and 8 / 24 / 24 for
     the shipped Q4_1 file, whose codes predate this module; wrong codes give gaps of whole logits."""
+    follows_llama_cpp(requantized(ftype), types)
+
+
+def follows_llama_cpp(path, types: set[str]) -> None:
+    """The file holds `types`, runs with no float fallback, and at 20 of llama.cpp's 24 greedy ids or
+    more (fed back to larqlpy) our top id is llama.cpp's, the rest near-ties within 0.5 of our top."""
     from llama_cpp import Llama
 
     from larqlpy.weights.loader import load
 
-    path = requantized(ftype)
     assert types <= {q for q, _, _, _ in GGUFFile(path).tensors.values()}
     loaded = load(path, device="cpu")
     assert loaded.weights == "native" and loaded.float_fallback is None
@@ -200,14 +221,14 @@ def test_requantized_smollm2_follows_llama_cpp(requantized, ftype, types):
 
 
 def test_a_type_without_codes_is_reported_with_its_cost(requantized, cli):
-    """SmolLM2 at IQ3_S (its 30 ffn_down matrices; the 576-wide rest falls back to IQ4_NL; IQ3_S has
+    """SmolLM2 at TQ2_0 (its 30 ffn_down matrices; the 576-wide rest falls back to Q4_0; TQ2_0 has
     no codes here: read as float32): info and run --stats say which matrices and what they cost a
-    token against the file's bytes (32 bits a weight against 3.4375)."""
-    path = requantized("IQ3_S")
-    iq3 = sum(q == "IQ3_S" and len(shape) == 2 for q, shape, _, _ in GGUFFile(path).tensors.values())
+    token against the file's bytes (32 bits a weight against 2.0625)."""
+    path = requantized("TQ2_0")
+    tq = sum(q == "TQ2_0" and len(shape) == 2 for q, shape, _, _ in GGUFFile(path).tensors.values())
     code, out, _ = cli("info", path, "--json")
     fb = json.loads(out)["float_fallback"]
-    assert code == 0 and iq3 and fb["types"] == {"IQ3_S": iq3}
-    assert fb["f32_bytes_per_token"] * 3.4375 == 32 * fb["file_bytes_per_token"]
+    assert code == 0 and tq and fb["types"] == {"TQ2_0": tq}
+    assert fb["f32_bytes_per_token"] * 2.0625 == 32 * fb["file_bytes_per_token"]
     code, _, err = cli("run", path, "Hello", "-n", "2", "--stats")
-    assert code == 0 and f"{iq3} matrices (IQ3_S x{iq3}) read as float32" in err
+    assert code == 0 and f"{tq} matrices (TQ2_0 x{tq}) read as float32" in err

@@ -7,8 +7,8 @@ minimum) per group, the zero point and the code width of kernels/weights/qweight
 scale * (u - zero) (+ minimum), rounded one operation at a time in float32, is gguf-py's dequantized
 value. convert/native.py reads the codes by probing gguf-py's dequantizer (slow, and the reference);
 these loops read the bits as ggml's block layouts lay them out, fast enough to unpack at load.
-Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4 have no probe there: gguf_lowbit.py decodes them, and
-tests/test_gguf_quants.py holds their values against gguf-py's dequantizer itself.
+Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4 (gguf_lowbit.py) and the IQ1-IQ3 grid types (gguf_grid.py) have
+no probe there: tests/test_gguf_quants.py holds their values against gguf-py's dequantizer itself.
 
 numba reads the float16 fields (d, dmin, m) from the block bytes, unpacks the bits and multiplies
 the K-quants' sub-block scales in, as gguf-py does: (d * sc) first. One decoder of a block serves both
@@ -27,7 +27,7 @@ import torch
 from numba import njit, prange
 
 from larqlpy.kernels import jitcache
-from larqlpy.kernels.weights import gguf_lowbit, qdot
+from larqlpy.kernels.weights import gguf_grid, gguf_lowbit, qdot
 from larqlpy.kernels.weights.packing import code_shape
 from larqlpy.kernels.weights.qdot import NO_OUTER, half_bits
 from larqlpy.kernels.weights.simd import ROWS as TILE
@@ -40,16 +40,21 @@ LAYOUTS = {
     # gguf_lowbit.py's, from kind gguf_lowbit.FIRST on
     "Q2_K": (84, 256, 4, 16, 0, True), "Q3_K": (110, 256, 4, 16, 4, False), "IQ4_NL": (18, 32, 8, 32, 128, False),
     "IQ4_XS": (136, 256, 8, 32, 128, False), "MXFP4": (17, 32, 8, 32, 128, False),
+    # gguf_grid.py's, from kind gguf_grid.FIRST on: sign * grid value + 128
+    "IQ3_S": (110, 256, 8, 32, 128, False), "IQ3_XXS": (98, 256, 8, 32, 128, False),
+    "IQ2_XXS": (66, 256, 8, 32, 128, False), "IQ2_XS": (74, 256, 8, 16, 128, False),
+    "IQ2_S": (82, 256, 8, 16, 128, False), "IQ1_S": (50, 256, 8, 32, 128, False), "IQ1_M": (56, 256, 8, 16, 128, False),
 }
 KIND = {name: i for i, name in enumerate(LAYOUTS)}
-assert KIND["Q2_K"] == gguf_lowbit.FIRST
+assert KIND["Q2_K"] == gguf_lowbit.FIRST and KIND["IQ3_S"] == gguf_grid.FIRST
 # Types whose 8-bit codes above span 5 or 6 bits: (width, base), run as u - base at that width, zero
 # - base (the same integers u - zero, so the same values bit for bit) -- the file's own bits.
-NARROW = {"Q5_0": (5, 112), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 96), "MXFP4": (5, 112)}
+NARROW = {"Q5_0": (5, 112), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 96), "MXFP4": (5, 112), "IQ3_S": (5, 112),
+          "IQ3_XXS": (6, 96), "IQ1_S": (5, 112), "IQ1_M": (6, 96)}  # 6: no type ran 5 bits in groups of 16
 # Types whose group scales are a block's float16 d times the file's integer sub-block scale: packed
 # as those integers and d apart (the file's own 4.5 / 5.5 / 6.56 bits a weight, where float32 group
 # scales would add 1 to 2 bits); d * sc is exact in float32, so the kernels' scale is the same value.
-TWO_LEVEL = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS")
+TWO_LEVEL = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ3_S")
 # Types of 32 values a block whose scale is the block's float16 d (held as its bits, no check needed);
 # MXFP4's 2^(e - 128) is a float16 only for some e.
 HALF_SCALES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "IQ4_NL")
@@ -79,6 +84,8 @@ def _half_at(row, at):  # pragma: no cover - jitted
 def _outer(row, at, kind, sc, mn):  # pragma: no cover - jitted
     """A K-quant block's sub-block scales (and minimums) as the file's integers into sc / mn, and its
     float16 d and dmin as bits, dmin's sign flipped (a minimum is -(dmin * m))."""
+    if kind >= gguf_grid.FIRST:
+        return gguf_grid.outer(row, at, kind, sc, mn)
     if kind >= gguf_lowbit.FIRST:
         return gguf_lowbit.outer(row, at, kind, sc, mn)
     if kind == 7:  # Q6_K: signed 8-bit scales, d at 208
@@ -96,7 +103,9 @@ def _outer(row, at, kind, sc, mn):  # pragma: no cover - jitted
 def _decode(row, at, kind, buf, sc, mn):  # pragma: no cover - jitted
     """The block at byte `at` of `row`: its codes into buf, its groups' scales (and minimums) into
     sc / mn."""
-    if kind >= gguf_lowbit.FIRST:
+    if kind >= gguf_grid.FIRST:
+        gguf_grid.decode(row, at, kind, buf, sc, mn)
+    elif kind >= gguf_lowbit.FIRST:
         gguf_lowbit.decode(row, at, kind, buf, sc, mn)
     else:
         _decode_first(row, at, kind, buf, sc, mn)
@@ -327,4 +336,4 @@ class BlockRows:
         return torch.from_numpy(values(u, scale, minimum, zero)).view(*idx.shape, self.shape[1])
 
 
-jitcache.tie(globals(), qdot, gguf_lowbit)  # the decoders inline qdot.py's half_bits and gguf_lowbit.py
+jitcache.tie(globals(), qdot, gguf_lowbit, gguf_grid)  # the decoders inline qdot.py's half_bits and gguf_lowbit.py

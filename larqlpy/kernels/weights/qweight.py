@@ -7,7 +7,8 @@ float32 scale (and minimum) per group of `group` consecutive inputs:
   native       what the GGUF held, exactly (model/native.py), at its own width: Q8_0 as 8-bit codes,
                Q5_0, Q5_1 and Q5_K as 5-bit, Q6_K as 6-bit (in groups of 16), Q4_K, Q4_1 and
                Q4_0 as 4-bit (`narrow`: a matrix stacked with another of a wider type takes its width);
-               Q2_K, Q3_K as 4-bit in groups of 16, IQ4_NL, IQ4_XS as 8-bit, MXFP4 as 5-bit
+               Q2_K, Q3_K as 4-bit in groups of 16, IQ4_NL, IQ4_XS as 8-bit, MXFP4 as 5-bit;
+               IQ3_S, IQ1_S as 5-bit, IQ3_XXS, IQ1_M as 6-bit, IQ2_* as 8-bit (gguf_grid.py)
   bf16         the top 16 bits of the float32 (round to nearest even);              16 bits per weight
 Both formulas round once per operation in float32, as gguf-py's dequantization does, so a GGUF's
 codes come back as the values it dequantizes to, bit for bit. Scales and minimums are float16
