@@ -85,7 +85,9 @@ def test_unknown_families_and_features_are_refused_in_one_line():
             config_from_dict({"model_type": model_type})
     llama = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
              "num_attention_heads": 1, "vocab_size": 8}
-    with pytest.raises(LarqlError, match="unsupported rope_type 'yarn'"):
+    with pytest.raises(LarqlError, match="unsupported rope_type 'longrope'"):
+        config_from_dict({**llama, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+    with pytest.raises(LarqlError, match="yarn rope scaling needs original_max_position_embeddings"):
         config_from_dict({**llama, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
     with pytest.raises(LarqlError, match="missing or invalid hidden_size"):
         config_from_dict({**llama, "hidden_size": "8"})

@@ -5,6 +5,8 @@ the decode kernel against the softmax written out); YaRN's frequencies against t
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -80,11 +82,14 @@ def test_config_reads_the_family():
     assert cfg.rope_global.rope_type == "yarn" and cfg.rope_global.theta == 150000.0
     assert cfg.moe.softmax_after_topk and cfg.moe.swiglu_limit == 7.0 and cfg.moe.swiglu_alpha == 1.702
     for bad, says in (({"swiglu_limit": "7"}, "swiglu_limit"), ({"num_local_experts": 0}, "num_local_experts"),
-                      ({"rope_parameters": {"rope_type": "yarn"}}, "yarn rope scaling needs"),
-                      ({"rope_parameters": {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 8,
-                                            "mscale": 1.0}}, "mscale")):
+                      ({"rope_parameters": {"rope_type": "yarn"}}, "yarn rope scaling needs")):
         with pytest.raises(LarqlError, match=says):
             config_from_dict({**raw, **bad})
+    # mscale and mscale_all_dim (DeepSeek's) set the attention factor for any family, as in transformers
+    yarn = {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 8, "rope_theta": 1e4}
+    for extra, want in (({"mscale": 1.0}, 0.1 * math.log(4) + 1), ({"mscale": 1.0, "mscale_all_dim": 1.0}, 1.0)):
+        assert config_from_dict({**raw, "rope_parameters": {**yarn, **extra}}).rope_global.attention_factor == \
+            pytest.approx(want)
 
 
 def test_yarn_frequencies_match_transformers():

@@ -266,18 +266,26 @@ def rope_from(spec: dict[str, Any] | None, theta: float) -> RopeConfig:
                          "original_max_position_embeddings") from None
 
 
-def yarn_rope(spec: dict[str, Any], theta: float) -> RopeConfig:
-    """YaRN as transformers reads it: attention_factor, when not given, 0.1 ln(factor) + 1 (mscale and
-    mscale_all_dim are DeepSeek's and refused here)."""
+def get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """transformers' yarn_get_mscale: YaRN's attention factor for a context `scale` times longer."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_rope(spec: dict[str, Any], theta: float, max_positions: int | None = None) -> RopeConfig:
+    """YaRN as transformers reads it for any family: factor (or max_positions / the original context),
+    the ramp's bounds, and the attention factor cos and sin are scaled by -- given, or from mscale and
+    mscale_all_dim where both are set (DeepSeek), else 0.1 ln(factor) + 1."""
     try:
-        factor, original = float(spec["factor"]), int(spec["original_max_position_embeddings"])
+        original = int(spec["original_max_position_embeddings"])
+        factor = spec.get("factor")
+        factor = float(factor) if factor is not None else max_positions / original
         fast, slow = float(spec.get("beta_fast") or 32.0), float(spec.get("beta_slow") or 1.0)
-    except (KeyError, TypeError, ValueError):
-        raise LarqlError("config.json: yarn rope scaling needs factor and original_max_position_embeddings") from None
-    if spec.get("mscale") or spec.get("mscale_all_dim"):
-        raise LarqlError("config.json: yarn rope scaling with mscale is not supported")
-    given = spec.get("attention_factor")
-    attention = float(given) if given is not None else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+        mscale, all_dim, given = spec.get("mscale"), spec.get("mscale_all_dim"), spec.get("attention_factor")
+        attention = float(given) if given is not None else get_mscale(factor, mscale) / get_mscale(factor, all_dim) \
+            if mscale and all_dim else get_mscale(factor)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        raise LarqlError("config.json: yarn rope scaling needs original_max_position_embeddings and a numeric "
+                         "factor") from None
     return RopeConfig(theta, "yarn", factor, original_max_position_embeddings=original, beta_fast=fast,
                       beta_slow=slow, truncate=bool(spec.get("truncate", True)), attention_factor=attention)
 

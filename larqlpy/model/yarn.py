@@ -10,32 +10,7 @@ from typing import Any
 
 import torch
 
-from larqlpy.errors import LarqlError
-from larqlpy.model.config import RopeConfig
-
-
-def get_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_rope(spec: dict[str, Any], theta: float, max_positions: int) -> RopeConfig:
-    """config.json's yarn parameters (rope_parameters or rope_scaling) -> a RopeConfig."""
-    try:
-        original = int(spec["original_max_position_embeddings"])
-        factor = spec.get("factor")
-        factor = float(factor) if factor is not None else max_positions / original
-        mscale, all_dim = spec.get("mscale"), spec.get("mscale_all_dim")
-        attention = spec.get("attention_factor")
-        if attention is None:
-            attention = get_mscale(factor, mscale) / get_mscale(factor, all_dim) if mscale and all_dim \
-                else get_mscale(factor)
-        return RopeConfig(float(spec.get("rope_theta", theta)), "yarn", factor,
-                          original_max_position_embeddings=original, beta_fast=float(spec.get("beta_fast") or 32),
-                          beta_slow=float(spec.get("beta_slow") or 1), truncate=bool(spec.get("truncate", True)),
-                          attention_factor=float(attention))
-    except (KeyError, TypeError, ValueError):
-        raise LarqlError("config.json: yarn rope scaling needs original_max_position_embeddings and a numeric "
-                         "factor") from None
+from larqlpy.model.config import RopeConfig, get_mscale
 
 
 def softmax_mscale(spec: dict[str, Any], factor: float) -> float:
