@@ -57,7 +57,8 @@ run: $(VENV)/.installed
 
 test: model
 	$(BIN)/ruff check larqlpy tests bench
-	$(BIN)/python -m pytest -q
+	# the 25 slowest tests listed at the end: the suite must stay under 30 minutes on 2 cores
+	$(BIN)/python -m pytest -q --durations=25
 
 # The device-parametrized tests on CUDA (skipped, with the reason, where torch sees no GPU).
 # tiny random models only: no download (docs/cuda.md)
