@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from larqlpy.engines.geometry import LayerGeometry
 from larqlpy.errors import LarqlError
 
 SLIDING = "sliding_attention"
@@ -203,15 +202,6 @@ class ModelConfig:
                     self.head_dim)
 
 
-def layer_geometries(cfg: ModelConfig, kv_dtype: str = "f32", calibration: list | None = None,
-                     problem: str | None = None) -> list[LayerGeometry]:
-    """Each layer's shape as the KV engines see it: window, KV heads, head width, the layer whose
-    rows it reads (shared K/V), the key calibration when the model has one."""
-    cal = calibration or [None] * cfg.num_hidden_layers
-    return [LayerGeometry(i, cfg.window(i), s.kv_heads, s.head_dim, cal[i], problem, kv_dtype, cfg.mla is not None,
-                          reads=s.reads) for i, s in ((i, cfg.shape(i)) for i in range(cfg.num_hidden_layers))]
-
-
 # -- shared readers the families use ------------------------------------------------------------
 
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -288,6 +278,15 @@ def yarn_rope(spec: dict[str, Any], theta: float, max_positions: int | None = No
                          "factor") from None
     return RopeConfig(theta, "yarn", factor, original_max_position_embeddings=original, beta_fast=fast,
                       beta_slow=slow, truncate=bool(spec.get("truncate", True)), attention_factor=attention)
+
+
+def softmax_mscale(spec: dict[str, Any], factor: float) -> float:
+    """What MLA multiplies its softmax scale by: mscale(factor, mscale_all_dim) squared (1 without)."""
+    all_dim = spec.get("mscale_all_dim") or 0
+    if spec.get("rope_type", spec.get("type", "default")) == "default" or not all_dim:
+        return 1.0
+    m = get_mscale(factor, float(all_dim))
+    return m * m
 
 
 def single_rope(raw: dict[str, Any], default_theta: float) -> RopeConfig:

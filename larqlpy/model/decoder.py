@@ -24,7 +24,7 @@ from larqlpy.engines.stores.dispatch import attend_block
 from larqlpy.engines.stores.state import EngineState
 from larqlpy.errors import LarqlError
 from larqlpy.kernels.weights.matvec import embedding, gated, linear, qkv_rope, residual_norm, rms_norm, stacked
-from larqlpy.model.config import ModelConfig, RopeConfig, layer_geometries
+from larqlpy.model.config import ModelConfig, RopeConfig
 from larqlpy.model.mla import MLABlock
 from larqlpy.model.moe import experts_of
 from larqlpy.model.shaped import ShapedBlock, per_layer_inputs
@@ -60,6 +60,15 @@ def inv_freq(cfg: RopeConfig, head_dim: int) -> torch.Tensor:
         return torch.where(medium, smoothed, scaled)
     return freq
 
+
+
+def layer_geometries(cfg: ModelConfig, kv_dtype: str = "f32", calibration: list | None = None,
+                     problem: str | None = None) -> list[LayerGeometry]:
+    """Each layer's shape as the KV engines see it: window, KV heads, head width, the layer whose
+    rows it reads (shared K/V), the key calibration when the model has one."""
+    cal = calibration or [None] * cfg.num_hidden_layers
+    return [LayerGeometry(i, cfg.window(i), s.kv_heads, s.head_dim, cal[i], problem, kv_dtype, cfg.mla is not None,
+                          reads=s.reads) for i, s in ((i, cfg.shape(i)) for i in range(cfg.num_hidden_layers))]
 
 class Rope:
     """cos/sin tables for one RoPE, grown on demand. rotate-half layout (HF), not interleaved."""

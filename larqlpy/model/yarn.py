@@ -6,20 +6,10 @@ softmax scale multiplied by mscale(factor, mscale_all_dim) squared. Plain Python
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
-from larqlpy.model.config import RopeConfig, get_mscale
-
-
-def softmax_mscale(spec: dict[str, Any], factor: float) -> float:
-    """What MLA multiplies its softmax scale by: mscale(factor, mscale_all_dim) squared (1 without)."""
-    all_dim = spec.get("mscale_all_dim") or 0
-    if spec.get("rope_type", spec.get("type", "default")) == "default" or not all_dim:
-        return 1.0
-    m = get_mscale(factor, float(all_dim))
-    return m * m
+from larqlpy.model.config import RopeConfig
 
 
 def yarn_inv_freq(cfg: RopeConfig, dim: int) -> torch.Tensor:

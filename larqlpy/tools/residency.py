@@ -11,7 +11,7 @@ from larqlpy.engines import EngineSpec, LayerGeometry, Provider, build_provider,
 from larqlpy.engines.geometry import default_kv_dtype, storing
 from larqlpy.engines.presets import RESIDENCY
 from larqlpy.errors import LarqlError
-from larqlpy.model.config import layer_geometries
+from larqlpy.model.decoder import layer_geometries
 from larqlpy.model.families import config_from_dict, read_config
 from larqlpy.weights.gguf_checkpoint import checkpoint, default_weights
 from larqlpy.weights.gguf_file import model_dir

@@ -16,9 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from larqlpy.errors import LarqlError
-from larqlpy.model.config import MlaConfig, MoeConfig, single_rope, yarn_rope
+from larqlpy.model.config import MlaConfig, MoeConfig, single_rope, softmax_mscale, yarn_rope
 from larqlpy.model.families import llama
-from larqlpy.model.yarn import softmax_mscale
 
 HF_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))  # the router (mlp.gate) and experts under layers.{i}.
 MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
