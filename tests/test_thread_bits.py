@@ -1,7 +1,7 @@
-"""No number follows the thread count: every product, attention and codec kernel, and a greedy
-decode of the reference models, give the same bits on 1 thread as on 2 (kernels/threads.py; torch's
-GEMM through MKL's strict reproducible mode, kernels/blas.py). A server's thread count, and
-LoadFollower's changes of it mid-run, then never part two answers (docs/scale-out.md)."""
+"""No number of our kernels follows the thread count: the numba products, attention, and a greedy
+decode of the reference models, give the same bits on 1 thread as on 2 (kernels/threads.py). torch's
+own float32 GEMM (MKL) is not held to it: its strict reproducible mode parted a kept state's answer
+from a whole prefill's (docs/weights.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import numba
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from numba import njit, prange
 
 from larqlpy.config import GenerationConfig
@@ -22,7 +21,7 @@ from larqlpy.engines.presets import RECOMMENDED
 from larqlpy.kernels import cpu, threads, workshare
 from larqlpy.kernels.attention.decode import Span, attend_rows
 from larqlpy.kernels.weights import choice, matvec
-from larqlpy.kernels.weights.qweight import PackedWeight
+from larqlpy.kernels.weights.qweight import GEMV_ROWS, PackedWeight
 from larqlpy.weights.loader import load
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or numba.config.NUMBA_NUM_THREADS < 2,
@@ -57,15 +56,13 @@ def same(runs) -> bool:
     return all(torch.equal(a, b) for b in others)
 
 
-def test_float_products_on_torch_and_numba():
-    """torch's GEMM (prefill; a batch step's few rows where it was measured faster) and numba's
-    row-parallel loops, for 1 to 200 rows."""
+def test_float_products_on_numba():
+    """numba's row-parallel loops: one row, and a batch step's few rows."""
     g = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
         w = torch.randn(n, k, generator=g)
-        for m in (1, 3, 8, 17, 200):
+        for m in (1, 3, 8, 17):
             x = torch.randn(m, k, generator=g)
-            assert same(on_threads(lambda: F.linear(x, w))), ("torch", n, k, m)
             if m <= matvec.FEW_ROWS:
                 numba_path = matvec.gemv_f32 if m == 1 else matvec.gemm_few_f32
                 assert same(on_threads(lambda: numba_path(x, w, "numba"), 3)), ("numba", n, k, m)
@@ -79,6 +76,8 @@ def test_packed_products_on_every_path(fmt):
     for m in (1, 5, 40):
         x = torch.randn(m, 896, generator=g)
         for path in paths:
+            if m > GEMV_ROWS and (path or "float") == "float":
+                continue  # torch's GEMM over dequantized slabs: MKL's, which follows the thread count
             assert same(on_threads(lambda: p.matmul(x, path=path), 3)), (fmt, path, m)
 
 
@@ -108,7 +107,7 @@ def _greedy(loaded, spec: EngineSpec) -> dict:
 
 @pytest.mark.parametrize("path,weights,engine", [
     ("models/smollm2-135m-instruct", "int8", "canonical"),
-    ("models/smollm2-135m-instruct", "native", "codec"),
+    pytest.param("models/smollm2-135m-instruct", "native", "codec", marks=pytest.mark.heavy),
     pytest.param("models/smollm2-135m-instruct", None, "canonical", marks=pytest.mark.heavy),
     pytest.param("models/gguf/qwen2.5-coder-0.5b-instruct.gguf", None, "canonical", marks=pytest.mark.heavy),
 ])

@@ -8,9 +8,11 @@ raises it again when they are free. Every parallel region ends at a barrier: wit
 taken by another process, a spinning thread sharing that core is descheduled for whole time slices
 while its partner waits, and a decode step of a hundred regions runs at a tenth of its speed. One
 thread on the free core keeps about half of a memory-bound step (docs/benchmarks.md has the
-figures). No number depends on the count: every numba kernel gives each output to one thread's
-whole work, torch's GEMM runs in MKL's strict reproducible mode (blas.py), and the chosen kernels
-(kernels/weights/choice.py) are keyed on the CPU, not on a thread count.
+figures). No numba kernel's number depends on the count (each output is one thread's whole work),
+and the chosen kernels (kernels/weights/choice.py) are keyed on the CPU, not on a thread count.
+torch's own float32 GEMM (MKL) still splits by thread count: MKL's strict reproducible mode
+(MKL_CBWR=AUTO,STRICT) would fix that, but it made a kept state's answer part from a whole
+prefill's (tests/test_serve_responses.py), so it is left to the user (docs/weights.md).
 """
 
 from __future__ import annotations
