@@ -101,6 +101,10 @@ def _quantize_many(x, group, xq, xs, sxq):  # pragma: no cover - jitted
         _quantize_row(x, m, group, xq, xs, sxq)
 
 
+# Chunks a thread takes in a product, on average: runs of contiguous tiles stream like a thread's fixed
+# half did (one tile a chunk cost 9% of int4 decode's products on the 0.5B, docs/benchmarks.md), and a
+# thread that loses its core still holds up only its one chunk.
+CHUNKS_PER_SLOT = 4
 THREADED_ROWS = 16  # past this many rows activations are rounded on threads: starting them costs more below
 
 
@@ -135,24 +139,27 @@ def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pr
     nw, cf, xf, sf, mf, of, xsf, qf = kw // ng, codes.reshape(-1), xq8.view(np.int32).reshape(-1), \
         scale.reshape(-1), minimum.reshape(-1), outer.reshape(-1), xs.reshape(-1), sxq.reshape(-1)
     affine, per_block, count = minimum.shape[0] > 0, ng // nb, workshare.counter()
-    for _ in prange(slots):  # each thread takes the next tile while any is left (workshare.py)
-        t = workshare.take(count)
-        while t < nt:
-            acc = np.zeros(m_rows * TILE, np.float32)
-            for g in range(ng):
-                base, so, m = (t * kw + g * nw) * TILE * SPAN, (t * ng + g) * TILE, 0
-                oo = (t * nb + g // per_block) * 2 * TILE
-                while m < m_rows:
-                    n = min(m_rows - m, WIDEST)
-                    a = (n, acc, m * TILE, cf, base, xf, X_PER * (m * kw + g * nw), X_PER * kw, sf, so, mf, of, oo,
-                         xsf, qf, m * ng + g, ng, zc, affine, ahead if m == 0 else 0)
-                    if nw == FULL:
-                        DOT(*a)
-                    else:
-                        DOT_HALF(*a)
-                    m += n
-            out[:, t * TILE:(t + 1) * TILE] = acc.reshape(m_rows, TILE)
-            t = workshare.take(count)
+    per = max(1, nt // (slots * CHUNKS_PER_SLOT))
+    chunks = (nt + per - 1) // per
+    for _ in prange(slots):  # each thread takes the next chunk of tiles while any is left (workshare.py)
+        c = workshare.take(count)
+        while c < chunks:
+            for t in range(c * per, min(nt, (c + 1) * per)):
+                acc = np.zeros(m_rows * TILE, np.float32)
+                for g in range(ng):
+                    base, so, m = (t * kw + g * nw) * TILE * SPAN, (t * ng + g) * TILE, 0
+                    oo = (t * nb + g // per_block) * 2 * TILE
+                    while m < m_rows:
+                        n = min(m_rows - m, WIDEST)
+                        a = (n, acc, m * TILE, cf, base, xf, X_PER * (m * kw + g * nw), X_PER * kw, sf, so, mf, of,
+                             oo, xsf, qf, m * ng + g, ng, zc, affine, ahead if m == 0 else 0)
+                        if nw == FULL:
+                            DOT(*a)
+                        else:
+                            DOT_HALF(*a)
+                        m += n
+                out[:, t * TILE:(t + 1) * TILE] = acc.reshape(m_rows, TILE)
+            c = workshare.take(count)
 
 
 def _int_kernel(isa: str, bits: int):
