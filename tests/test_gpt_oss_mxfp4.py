@@ -95,6 +95,8 @@ def test_mxfp4_directory_runs_as_transformers(openai_dir):
     assert (our_logits(native, IDS) - want).abs().max().item() < 1e-3
     int8 = load(path, device="cpu", weights="int8")  # converted from the codes' values
     assert positions_within(int8, want, 0.1) >= 0.9
+    bf16 = load(path, device="cpu", weights="bf16")  # every MXFP4 value is a bfloat16: nothing rounds
+    assert (our_logits(bf16, IDS) - want).abs().max().item() < 1e-3
 
 
 def test_info_counts_the_experts_as_the_weights_they_stand_for(openai_dir):
