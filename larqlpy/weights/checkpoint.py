@@ -171,24 +171,30 @@ class Checkpoint:
     def __init__(self, path: Path, cfg: ModelConfig, allow_unused_tensors: bool = False):
         self.path, self.cfg = path, cfg
         self.files = weight_files(path)
+        self.fused = self.stand_ins()  # a tensor read from others (its parts): name -> the parts' names
+        self.files.update({name: self.files[parts[0]] for name, parts in self.fused.items()})
         self.wanted = wanted_tensors(path, cfg, self.files, views=True)
-        self.unused = unused_tensors(self.files, self.wanted, cfg)
+        self.unused = unused_tensors({n: self.files[n] for n in self.stored()}, self.wanted, cfg)
         self.files.update({hf: self.files[view_of(hf)[0]] for hf, _ in self.wanted.values()})
         if self.unused and not allow_unused_tensors:
             names = ", ".join(self.unused[:3]) + (", ..." if len(self.unused) > 3 else "")
             raise LarqlError(f"{path}: {len(self.unused):,} tensors of its weight files are not used by its family "
                              f"({cfg.model_type}: {names}), so its config.json may not describe these weights; "
                              "pass `allow_unused_tensors` to load it anyway")
-        self.handles = {f: open_safetensors(f) for f in sorted(set(self.files[hf] for hf, _ in self.wanted.values()))}
+        self.handles = {f: open_safetensors(f) for f in sorted({self.files[p] for hf, _ in self.wanted.values()
+                                                                for p in self.fused.get(view_of(hf)[0], [hf])})}
         hasher = hashlib.sha256(json.dumps(read_raw_config(path), sort_keys=True).encode())
         self.dtypes: dict[str, str] = {}
         for ours, (hf, shape) in self.wanted.items():
-            info = self.handles[self.files[hf]].get_slice(view_of(hf)[0])
-            got = view_shape(hf, tuple(info.get_shape()))
+            base, expert, _, _ = view_of(hf)
+            full, dtype = self.header(base)
+            if expert is not None and expert >= full[0]:  # a fused tensor of too few experts
+                raise LarqlError(f"{path}: tensor {base} holds {full[0]} experts, expected {cfg.moe.num_experts}")
+            got = view_shape(hf, full)
             if got != shape:
                 raise LarqlError(f"{path}: tensor {hf} has shape {list(got)}, expected {list(shape)}")
-            self.dtypes[ours] = info.get_dtype()
-            hasher.update(f"{hf}:{info.get_dtype()}:{list(got)}".encode())
+            self.dtypes[ours] = dtype
+            hasher.update(f"{hf}:{dtype}:{list(got)}".encode())
         for f in self.handles:  # the bytes themselves: a sample from each end of every file, and its size
             size = f.stat().st_size
             with open(f, "rb") as fh:
@@ -198,6 +204,21 @@ class Checkpoint:
             hasher.update(f"{f.name}:{size}".encode())
         self.fingerprint = hasher.hexdigest()[:16]
         self._maps: dict[Path, MappedSafetensors] = {}
+
+    def stand_ins(self) -> dict[str, tuple[str, ...]]:
+        """Tensors read from parts of others (weights/mxfp4_checkpoint.py): none in plain files."""
+        return {}
+
+    def stored(self) -> list[str]:
+        """Every tensor of the weight files once, a fused one (`fused`) in place of its parts."""
+        parts = {p for ps in self.fused.values() for p in ps}
+        return [n for n in self.files if "@" not in n and n not in parts]
+
+    def header(self, name: str) -> tuple[tuple[int, ...], str]:
+        """A stored tensor's (shape, safetensors dtype), from its file's header."""
+        f = self.files[name]
+        info = (self.handles.get(f) or open_safetensors(f)).get_slice(name)
+        return tuple(info.get_shape()), info.get_dtype()
 
     def mapped(self, ours: str) -> np.ndarray:
         """A float32 tensor as a zero-copy array over its file's pages (private copy-on-write)."""

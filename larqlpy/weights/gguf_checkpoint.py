@@ -23,6 +23,7 @@ from larqlpy.model.config import ModelConfig
 from larqlpy.weights.checkpoint import Checkpoint, wanted_tensors
 from larqlpy.weights.gguf_check import refuse_unused, unused_tensors
 from larqlpy.weights.gguf_file import GGUFFile
+from larqlpy.weights.mxfp4_checkpoint import MXFP4, open_checkpoint
 
 CHUNK_BYTES = 16 << 20  # of a matrix's blocks unpacked at a time (GGUFCodes._chunks)
 FLOAT16 = {"F16": "f16", "BF16": "bf16"}  # 16-bit float matrices: run on their own bits (PackedWeight kinds)
@@ -202,13 +203,13 @@ def checkpoint(path: Path, cfg: ModelConfig, allow_unused_tensors: bool = False)
     """The weights behind a model path: a GGUF file's tensors, or a directory's safetensors files."""
     if is_gguf(path):
         return GGUFCheckpoint(GGUFFile(path), cfg, allow_unused_tensors)
-    return Checkpoint(path, cfg, allow_unused_tensors)
+    return open_checkpoint(path, cfg, allow_unused_tensors)
 
 
 def default_weights(ckpt: Checkpoint | GGUFCheckpoint) -> str:
-    """What the files hold: a GGUF's own codes (native); bf16 for a checkpoint whose matrices are all
-    bfloat16 (its norms may be float32); float32 otherwise."""
-    if isinstance(ckpt, GGUFCheckpoint):
+    """What the files hold: a GGUF's own codes, or MXFP4 experts' (native); bf16 for a checkpoint
+    whose matrices are all bfloat16 (its norms may be float32); float32 otherwise."""
+    if isinstance(ckpt, GGUFCheckpoint) or MXFP4 in ckpt.dtypes.values():
         return "native"
     matrices = [ckpt.dtypes[ours] for ours, (_, shape) in ckpt.wanted.items() if len(shape) == 2]
     return "bf16" if all(d == "BF16" for d in matrices) else "f32"

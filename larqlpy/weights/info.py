@@ -26,13 +26,11 @@ def describe(path: str | Path, pre_tokenizer: str | None = None) -> dict:
         for qtype, shape, _, _ in ckpt.file.tensors.values():
             params += int(np.prod(shape, dtype=np.int64))
             dtypes.add(qtype)
-    for f, h in ckpt.handles.items() if isinstance(ckpt, Checkpoint) else ():
-        for name in h.keys():
-            if ckpt.files.get(name) != f:
-                continue
-            s = h.get_slice(name)
-            params += int(np.prod(s.get_shape(), dtype=np.int64))
-            dtypes.add(s.get_dtype())
+    for name in ckpt.stored() if isinstance(ckpt, Checkpoint) else ():
+        if ckpt.files[name] in ckpt.handles:  # MXFP4 experts as the tensors they stand for
+            shape, dtype = ckpt.header(name)
+            params += int(np.prod(shape, dtype=np.int64))
+            dtypes.add(dtype)
     windows = sorted({w for w in cfg.windows if w is not None})
     return {
         "model_type": cfg.model_type + (" (text part)" if cfg.weight_prefix != "model." else ""),

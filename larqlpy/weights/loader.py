@@ -30,6 +30,7 @@ from larqlpy.weights.checkpoint import Checkpoint, view_array, view_of
 from larqlpy.weights.gguf_checkpoint import GGUFCheckpoint, GGUFCodes, default_weights
 from larqlpy.weights.gguf_file import open_gguf
 from larqlpy.weights.known_files import KnownFiles
+from larqlpy.weights.mxfp4_checkpoint import MXFP4, MXFP4Checkpoint, open_checkpoint
 from larqlpy.weights.native_file import NativeFile
 
 
@@ -101,7 +102,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     home = path if gguf is None else gguf.dir  # config, tokenizer, calibration and caches
     cfg = read_config(home)
     tokenizer = Tokenizer.from_dir(home, cfg) if tokenizer is None else tokenizer.tokenizer()
-    ckpt = Checkpoint(path, cfg, allow_unused_tensors) if gguf is None else \
+    ckpt = open_checkpoint(path, cfg, allow_unused_tensors) if gguf is None else \
         GGUFCheckpoint(gguf, cfg, allow_unused_tensors)
     weights = weights or default_weights(ckpt)
     model = Decoder(cfg, device=dev, dtype=tdtype)
@@ -110,9 +111,10 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     handles: dict[Path, object] = {}
     checks = KnownFiles(packed_cache.cache_dir(home))
     direct = isinstance(ckpt, GGUFCheckpoint)
-    reads = [*ckpt.handles, *([path / native_file.FILE] if weights == "native" and not direct else [])]
+    own_codes = direct or isinstance(ckpt, MXFP4Checkpoint)  # `native` from the weight files themselves
+    reads = [*ckpt.handles, *([path / native_file.FILE] if weights == "native" and not own_codes else [])]
     sources = {f.name: checks.digest(f) for f in reads if f.is_file()}  # from the record while unchanged
-    if weights == "native" and direct:  # unpacked from the file's blocks: nothing kept on disk
+    if weights == "native" and own_codes:  # unpacked from the file's blocks: nothing kept on disk
         _compile_ahead(ckpt, dev)
         matrices = _install_packed(model, _pack_native(ckpt, ckpt.native(gather=dev.type == "cpu"), cfg), dev)
         packed_from = "file"
@@ -165,7 +167,7 @@ def _read_calibration(model: Decoder, home: Path, fingerprint: str, files_digest
 
 def _tensor(ckpt: Checkpoint | GGUFCheckpoint, handles: dict, ours: str) -> torch.Tensor:
     """A weight in memory, in its file's dtype (a GGUF's dequantized to float32)."""
-    if isinstance(ckpt, GGUFCheckpoint):
+    if isinstance(ckpt, GGUFCheckpoint) or ckpt.dtypes[ours] == MXFP4:  # dequantized from the file's codes
         return torch.from_numpy(ckpt.mapped(ours))
     hf = ckpt.wanted[ours][0]
     return _read_tensor(handles, ckpt.files[hf], hf)
@@ -225,7 +227,7 @@ def _pack_native(ckpt: Checkpoint | GGUFCheckpoint, native: NativeFile | GGUFCod
     return out
 
 
-def _compile_ahead(ckpt: GGUFCheckpoint, dev: torch.device) -> None:
+def _compile_ahead(ckpt: GGUFCheckpoint | MXFP4Checkpoint, dev: torch.device) -> None:
     """On a cold kernel cache, a second process compiles what this load and run will need
     (kernels/ahead.py)."""
     if dev.type == "cpu":
