@@ -1,8 +1,9 @@
-"""7-12B GGUFs where no such weights can be downloaded: files of the real shape, written once from
+"""7-16B GGUFs where no such weights can be downloaded: files of the real shape, written once from
 the public configs with random valid blocks, in llama.cpp's Q4_K_M layout (Q4_K, and Q6_K for the
-head, a tied embedding, and the attn_v / ffn_down of the layers llama.cpp gives more bits), with a
-real vocabulary of the family's size (Qwen's and Gemma's from the shipped GGUFs; Llama 3's size cut
-from Qwen's). Then, per file: bench/decode.py (prefill and decode tok/s beside llama.cpp on the same
+head, a tied embedding, and the attn_v / ffn_down of the layers llama.cpp gives more bits; Q5_0 and
+Q8_0 in their place for rows that are no multiple of 256, as llama.cpp falls back), with a real
+vocabulary of the family's size (Qwen's and Gemma's from the shipped GGUFs; Llama 3's size cut from
+Qwen's). Then, per file: bench/decode.py (prefill and decode tok/s beside llama.cpp on the same
 file, bytes per token against the measured stream bandwidth) and bench/gguf_run.py (load to first
 token, peak RSS). The numbers a model computes are noise; the bytes it reads and the work it does are
 a real model's. Asserts nothing.
@@ -45,8 +46,15 @@ SHAPES = {
     # about 17 GB: not in the default list (disk and page cache permitting)
     "qwen3-30b-a3b": dict(arch="qwen3moe", hidden=2048, layers=48, heads=32, kv=4, head_dim=128, ffn=768,
                           experts=128, used=8, vocab=151936, theta=1e6, eps=1e-6, tied=False, vocabulary="qwen"),
+    # DeepSeek-V2-Lite (deepseek2, as llama.cpp's newer converter writes it: latent attention with attn_k_b /
+    # attn_v_b, no q LoRA; layer 0 dense, then 64 experts top 6 beside 2 shared; YaRN factor 40 from 4096,
+    # mscale_all_dim 0.707), Qwen's vocabulary cut to its 102,400 tokens; about 10 GB: not in the default list
+    "deepseek-v2-lite": dict(arch="deepseek2", hidden=2048, layers=27, heads=16, kv=1, ffn=10944, vocab=102400,
+                             theta=1e4, eps=1e-6, tied=False, vocabulary="qwen", kv_lora=512, nope=128, rope=64,
+                             v_head=128, experts=64, used=6, shared=2, expert_ffn=1408, dense=1,
+                             yarn=(40.0, 4096, 0.707)),
 }
-DEFAULT = [n for n in SHAPES if n != "qwen3-30b-a3b"]
+DEFAULT = [n for n in SHAPES if n not in ("qwen3-30b-a3b", "deepseek-v2-lite")]
 
 
 def cache_dir() -> Path:
@@ -61,6 +69,8 @@ def more_bits(i: int, n: int) -> bool:
 def tensors(s: dict) -> list[tuple[str, tuple[int, ...], Q]]:
     """(name, (out, in) rows -- (experts, out, in) for a layer's experts, type) in llama.cpp's Q4_K_M,
     embedding first."""
+    if s["arch"] == "deepseek2":
+        return mla_tensors(s)
     h, q, kv, ffn, n = s["hidden"], s["heads"] * s["head_dim"], s["kv"] * s["head_dim"], s["ffn"], s["layers"]
     out = [("token_embd.weight", (s["vocab"], h), Q.Q6_K if s["tied"] else Q.Q4_K)]
     norms = ["attn_norm", "ffn_norm"] + (["post_attention_norm", "post_ffw_norm"] if s["arch"] == "gemma3" else [])
@@ -90,6 +100,60 @@ def tensors(s: dict) -> list[tuple[str, tuple[int, ...], Q]]:
     return out
 
 
+def fit(qtype: Q, cols: int) -> Q:
+    """llama.cpp's type for rows that are no multiple of a K-quant's 256 values: Q4_K -> Q5_0, Q6_K -> Q8_0."""
+    return {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}.get(qtype, qtype) if cols % 256 else qtype
+
+
+def mla_tensors(s: dict) -> list[tuple[str, tuple[int, ...], Q]]:
+    """deepseek2's tensors in Q4_K_M: latent attention (attn_k_b: heads x kv_lora x nope, attn_v_b: heads x
+    v_head x kv_lora), a dense first layer, then a router, experts and the shared experts' one MLP."""
+    h, n, heads, r, rope = s["hidden"], s["layers"], s["heads"], s["kv_lora"], s["rope"]
+    out = [("token_embd.weight", (s["vocab"], h), Q.Q4_K)]
+    for i in range(n):
+        b, six = f"blk.{i}.", Q.Q6_K if more_bits(i, n) else Q.Q4_K
+        out += [(b + k + ".weight", (w,), Q.F32) for k, w in (("attn_norm", h), ("ffn_norm", h), ("attn_kv_a_norm", r))]
+        out += [(b + "attn_q.weight", (heads * (s["nope"] + rope), h), Q.Q4_K),
+                (b + "attn_kv_a_mqa.weight", (r + rope, h), Q.Q4_K),
+                (b + "attn_k_b.weight", (heads, r, s["nope"]), Q.Q4_K),
+                (b + "attn_v_b.weight", (heads, s["v_head"], r), Q.Q4_K),
+                (b + "attn_output.weight", (h, heads * s["v_head"]), Q.Q4_K)]
+        if i < s["dense"]:
+            out += [(b + "ffn_gate.weight", (s["ffn"], h), Q.Q4_K), (b + "ffn_up.weight", (s["ffn"], h), Q.Q4_K),
+                    (b + "ffn_down.weight", (h, s["ffn"]), six)]
+            continue
+        e, f, sh = s["experts"], s["expert_ffn"], s["shared"] * s["expert_ffn"]
+        out += [(b + "ffn_gate_inp.weight", (e, h), Q.F32), (b + "ffn_gate_exps.weight", (e, f, h), Q.Q4_K),
+                (b + "ffn_up_exps.weight", (e, f, h), Q.Q4_K), (b + "ffn_down_exps.weight", (e, h, f), six),
+                (b + "ffn_gate_shexp.weight", (sh, h), Q.Q4_K), (b + "ffn_up_shexp.weight", (sh, h), Q.Q4_K),
+                (b + "ffn_down_shexp.weight", (h, sh), six)]
+    out += [("output_norm.weight", (h,), Q.F32), ("output.weight", (s["vocab"], h), Q.Q6_K)]
+    return [(t, shape, fit(q, shape[-1])) for t, shape, q in out]
+
+
+def metadata(s: dict) -> dict:
+    """The {arch}.* keys: ints written as uint32, floats as float32, strings as strings."""
+    m = {"block_count": s["layers"], "context_length": 32768, "embedding_length": s["hidden"],
+         "feed_forward_length": s["ffn"], "attention.head_count": s["heads"], "attention.head_count_kv": s["kv"],
+         "rope.freq_base": float(s["theta"]), "attention.layer_norm_rms_epsilon": float(s["eps"])}
+    if "head_dim" in s:
+        m.update({"attention.key_length": s["head_dim"], "attention.value_length": s["head_dim"]})
+    if "window" in s:
+        m["attention.sliding_window"] = s["window"]
+    if "experts" in s:
+        m.update(expert_count=s["experts"], expert_used_count=s["used"], expert_feed_forward_length=s.get(
+            "expert_ffn", s["ffn"]))
+    if s["arch"] == "deepseek2":  # the latent row's sizes, the per-head ones under _mla (the newer converter's)
+        r, rope, (factor, original, mscale) = s["kv_lora"], s["rope"], s["yarn"]
+        m.update({"attention.key_length": r + rope, "attention.value_length": r,
+                  "attention.key_length_mla": s["nope"] + rope, "attention.value_length_mla": s["v_head"],
+                  "attention.kv_lora_rank": r, "rope.dimension_count": rope, "leading_dense_block_count": s["dense"],
+                  "expert_shared_count": s["shared"], "expert_weights_scale": 1.0, "expert_gating_func": 1,
+                  "rope.scaling.type": "yarn", "rope.scaling.factor": factor,
+                  "rope.scaling.original_context_length": original, "rope.scaling.yarn_log_multiplier": 0.1 * mscale})
+    return m
+
+
 def blocks(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator) -> np.ndarray:
     """Random valid blocks: random codes and sub-block scales, block scales small and finite (weights
     of about +-0.03, as a trained 7B's are), or a norm's gains near one."""
@@ -101,8 +165,10 @@ def blocks(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator) -> np.nda
     half = lambda x: np.full(len(raw), x, np.float16).view(np.uint8).reshape(-1, 2)  # noqa: E731
     if qtype == Q.Q4_K:  # d, dmin at 0 and 2: d * sc * q - dmin * m
         raw[:, 0:2], raw[:, 2:4] = half(1.2e-4), half(1.0e-4)
-    else:  # Q6_K: d at 208: d * sc * (q - 32)
+    elif qtype == Q.Q6_K:  # d at 208: d * sc * (q - 32)
         raw[:, 208:210] = half(8e-6)
+    else:  # Q5_0, Q8_0 (llama.cpp's fallbacks): d at 0: d * (q - 16), d * q
+        raw[:, 0:2] = half(2e-3 if qtype == Q.Q5_0 else 2.4e-4)
     return raw.reshape(*shape[:-1], cols // per * size)
 
 
@@ -170,19 +236,8 @@ def write(name: str, dest: Path) -> Path:
     a = s["arch"] + "."
     w.add_name(f"{name} shape, random blocks")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
-    for key, v in ((a + "block_count", s["layers"]), (a + "context_length", 32768),
-                   (a + "embedding_length", s["hidden"]), (a + "feed_forward_length", s["ffn"]),
-                   (a + "attention.head_count", s["heads"]), (a + "attention.head_count_kv", s["kv"]),
-                   (a + "attention.key_length", s["head_dim"]), (a + "attention.value_length", s["head_dim"])):
-        w.add_uint32(key, v)
-    w.add_float32(a + "rope.freq_base", s["theta"])
-    w.add_float32(a + "attention.layer_norm_rms_epsilon", s["eps"])
-    if "window" in s:
-        w.add_uint32(a + "attention.sliding_window", s["window"])
-    if "experts" in s:
-        for key, v in (("expert_count", s["experts"]), ("expert_used_count", s["used"]),
-                       ("expert_feed_forward_length", s["ffn"])):
-            w.add_uint32(a + key, v)
+    for key, v in metadata(s).items():
+        (w.add_float32 if isinstance(v, float) else w.add_string if isinstance(v, str) else w.add_uint32)(a + key, v)
     for key, v in vocabulary(s).items():
         field_type = {int: gguf.GGUFValueType.UINT32, bool: gguf.GGUFValueType.BOOL,
                       str: gguf.GGUFValueType.STRING}.get(type(v))

@@ -49,11 +49,12 @@ MODELS = {
 }
 
 
-def make(path, name: str, seed: int = 0):
-    """A random tiny DeepSeek in the HF layout; returns the transformers model."""
+def make(path, name: str, seed: int = 0, **changes):
+    """A random tiny DeepSeek in the HF layout (MODELS[name]'s fields, `changes` over them); returns the
+    transformers model."""
     config_cls, model_cls, extra = MODELS[name]
     path.mkdir(parents=True, exist_ok=True)
-    cfg = getattr(transformers, config_cls)(**{"vocab_size": write_tokenizer(path), **extra})
+    cfg = getattr(transformers, config_cls)(**{"vocab_size": write_tokenizer(path), **extra, **changes})
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()

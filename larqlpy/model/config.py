@@ -105,6 +105,8 @@ class MlaConfig:
     qk_rope_head_dim: int
     v_head_dim: int
     rope_interleave: bool  # the RoPE part rotates interleaved pairs (DeepSeek's layout), else rotate-half
+    # kv_b_proj held as llama.cpp's newer GGUFs split it: W_UK transposed (k_b_proj) and W_UV (v_b_proj), per head
+    kv_b_split: bool = False
 
 
 @dataclass(frozen=True)

@@ -75,9 +75,13 @@ class MLABlock(nn.Module):
             w = SimpleNamespace(**{n: getattr(self, n) for n in block_weights(c, self.layer) if "." not in n})
             w.experts = experts_of(self, c.moe, c.activation) if c.is_sparse(self.layer) else None
             w.first = (w.q_proj if m.q_lora_rank is None else w.q_a_proj, w.kv_a_proj)
-            kv_b = w.kv_b_proj.float().view(c.num_attention_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
-            w.uk = kv_b[:, :m.qk_nope_head_dim].to(w.kv_a_norm.dtype)  # (H, nope, r)
-            w.uv_t = kv_b[:, m.qk_nope_head_dim:].transpose(1, 2).to(w.kv_a_norm.dtype)  # (H, r, v)
+            if m.kv_b_split:  # a GGUF's k_b (H, r, nope) and v_b (H, v, r)
+                uk, uv = w.k_b_proj.float().transpose(1, 2), w.v_b_proj.float()
+            else:
+                kv_b = w.kv_b_proj.float().view(c.num_attention_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
+                uk, uv = kv_b[:, :m.qk_nope_head_dim], kv_b[:, m.qk_nope_head_dim:]
+            w.uk = uk.to(w.kv_a_norm.dtype)  # (H, nope, r)
+            w.uv_t = uv.transpose(1, 2).to(w.kv_a_norm.dtype)  # (H, r, v)
             self.__dict__["_hot"] = w
         return w
 

@@ -136,9 +136,13 @@ def _mla(cfg: ModelConfig, out: dict) -> dict:
     out.update(kv_a_proj=(attn + "kv_a_proj_with_mqa.weight",
                           lambda c: (m.kv_lora_rank + m.qk_rope_head_dim, c.hidden_size)),
                kv_a_norm=(attn + "kv_a_layernorm.weight", lambda c: (m.kv_lora_rank,)),
-               kv_b_proj=(attn + "kv_b_proj.weight",
-                          lambda c: (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),
                o_proj=(attn + "o_proj.weight", lambda c: (c.hidden_size, heads * m.v_head_dim)))
+    if m.kv_b_split:  # llama.cpp's attn_k_b, attn_v_b: (heads, r, nope) and (heads, v, r)
+        out.update(k_b_proj=(attn + "k_b_proj.weight", lambda c: (heads, m.kv_lora_rank, m.qk_nope_head_dim)),
+                   v_b_proj=(attn + "v_b_proj.weight", lambda c: (heads, m.v_head_dim, m.kv_lora_rank)))
+    else:
+        out["kv_b_proj"] = (attn + "kv_b_proj.weight",
+                            lambda c: (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))
     return out
 
 

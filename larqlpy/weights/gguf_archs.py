@@ -16,7 +16,8 @@ the metadata, its tensor names, and the conventions llama.cpp's converter applie
   the dense MLP (ffn_gate, ffn_up, ffn_down); qwen3moe's top k weights are renormalized
   (norm_topk_prob), as llama.cpp always does.
 - granite, granitemoe, starcoder2, gpt2: gguf_more_archs.py; gpt-oss: gguf_gpt_oss.py (experts with
-  biases: the router's ffn_gate_inp.bias, each expert's row of the 2-D ffn_*_exps.bias).
+  biases: the router's ffn_gate_inp.bias, each expert's row of the 2-D ffn_*_exps.bias); deepseek2
+  (DeepSeek-V2 / V3: latent attention, shared experts): gguf_deepseek.py.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Callable
 
 import numpy as np
 
-from larqlpy.model.families import gpt_oss, granitemoe, mixtral, qwen3_moe
+from larqlpy.model.families import deepseek, gpt_oss, granitemoe, mixtral, qwen3_moe
+from larqlpy.weights import gguf_deepseek as ds
 from larqlpy.weights import gguf_gpt_oss as oss
 from larqlpy.weights import gguf_more_archs as more
 
@@ -59,7 +61,7 @@ class Arch:
     linears: dict[str, str] | None = None  # a block's linears, GGUF kind -> HF under the block (None: LINEARS)
     layers: str = "model.layers."  # where blocks live in HF names
     norm_bias: bool = False  # norms with biases (LayerNorm)
-    plain: dict[str, str] | None = None  # a block's KIND.weight -> its HF name as it is (GPT-OSS's sinks)
+    plain: dict[str, str] | None = None  # a block's KIND (.weight) or KIND.WHAT -> its HF name as it is
 
     def hf_name(self, gguf_name: str) -> tuple[str, bool] | None:
         """HF tensor name for a GGUF one, and whether it is a norm stored as 1 + w. None: not ours."""
@@ -71,8 +73,10 @@ class Arch:
         parts = gguf_name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[3] in ("weight", "bias"):
             layer, kind, what = parts[1], parts[2], parts[3]
-            if self.plain and kind in self.plain and what == "weight":
-                return f"{self.layers}{layer}.{self.plain[kind]}", False
+            plains = self.plain or {}
+            plain = plains.get(f"{kind}.{what}") or (plains.get(kind) if what == "weight" else None)
+            if plain is not None:  # GPT-OSS's sinks, DeepSeek-V3's correction bias
+                return f"{self.layers}{layer}.{plain}", False
             if kind in self.norms and (what == "weight" or self.norm_bias):
                 return f"{self.layers}{layer}.{self.norms[kind]}.{what}", self.norm_plus_one
             linears = self.linears or LINEARS
@@ -255,14 +259,14 @@ def qwen3moe_config(m: Meta) -> dict:
 
 
 def expert_views(tensors: dict[str, tuple]) -> dict[str, tuple]:
-    """A tensor table (name -> type, shape, offset, bytes) with each 3-D tensor (a layer's experts,
-    outermost) in place as one 2-D view an expert, `NAME[j]`: an expert's rows lie whole and
+    """A tensor table (name -> type, shape, offset, bytes) with each 3-D ffn_*_exps tensor (a layer's
+    experts, outermost) in place as one 2-D view an expert, `NAME[j]`: an expert's rows lie whole and
     together, so each is read, checked and packed as any matrix is; the experts' 2-D biases
     (ffn_*_exps.bias) as one row an expert alike."""
     out = {}
     for name, (qtype, shape, offset, nbytes) in tensors.items():
-        biases = len(shape) == 2 and name.endswith("_exps.bias")
-        if not (len(shape) == 3 or biases) or shape[0] < 1 or nbytes % shape[0]:
+        biases = len(shape) == 2 and name.endswith("_exps.bias")  # not deepseek2's 3-D attn_k_b / attn_v_b
+        if not ((len(shape) == 3 and "_exps." in name) or biases) or shape[0] < 1 or nbytes % shape[0]:
             out[name] = (qtype, shape, offset, nbytes)
             continue
         per = nbytes // shape[0]
@@ -289,6 +293,8 @@ ARCHS = {a.name: a for a in (
          top=more.LAYER_NORM_TOP, linears={**LINEARS, **more.PLAIN_MLP}, norm_bias=True),
     Arch("gpt-oss", oss.NORMS, norm_plus_one=False, permuted_qk=False, config=oss.gpt_oss_config,
          moe_names=gpt_oss.HF_NAMES, moe_router=oss.ROUTER, plain=oss.PLAIN),
+    Arch("deepseek2", ds.NORMS, norm_plus_one=False, permuted_qk=False, config=ds.deepseek2_config,
+         moe_names=deepseek.HF_NAMES, linears=ds.LINEARS, plain=ds.PLAIN),
     Arch("gpt2", more.GPT2_NORMS, norm_plus_one=False, permuted_qk=False, config=more.gpt2_config,
          top=more.GPT2_TOP, linears=more.GPT2_LINEARS, layers="transformer.h.", norm_bias=True),
 )}

@@ -17,6 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from larqlpy.errors import LarqlError
 from larqlpy.weights.gguf_archs import ROPE_FREQS, Arch, Meta, llama3_rope
+from larqlpy.weights.gguf_deepseek import LOG_MUL, SIGMOID
 from larqlpy.weights.gguf_pretok import unknown
 from larqlpy.weights.gguf_tokenizer import SENTENCEPIECE_IDS
 
@@ -32,7 +33,7 @@ MAX_EXPERTS = 1 << 12  # published MoEs have up to a few hundred
 EXTRA_SIZES = {"gemma3": ("attention.sliding_window",), "gpt2": ("context_length",),
                "gpt-oss": ("attention.sliding_window", "expert_feed_forward_length")}
 ALWAYS_EXPERTS = ("qwen3moe", "granitemoe", "gpt-oss")
-YARN = ("gpt-oss",)  # the architectures whose rope.scaling.type is yarn (read by their config)
+YARN = ("gpt-oss", "deepseek2")  # the architectures whose rope.scaling.type is yarn (read by their config)
 INTEGERS = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
             GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64}
 
@@ -117,6 +118,37 @@ def _sizes(src: Path, m: Meta) -> None:
     for key in EXTRA_SIZES.get(m.arch, ()):
         _int(src, m, a + key, 1, MAX_CONTEXT)
     _experts(src, m)
+    if m.arch == "deepseek2":
+        _mla(src, m)
+
+
+def _mla(src: Path, m: Meta) -> None:
+    """deepseek2's latent attention sizes and DeepSeek-MoE's routing (gguf_deepseek.py reads them)."""
+    a = m.arch + "."
+    _int(src, m, a + "attention.kv_lora_rank", 1, MAX_EMBEDDING)
+    _int(src, m, a + "attention.q_lora_rank", 1, MAX_EMBEDDING, optional=True)
+    rope = _int(src, m, a + "rope.dimension_count", 2, MAX_HEAD_DIM)
+    mla = "_mla" if a + "attention.key_length_mla" in m.reader.fields else ""
+    qk = _int(src, m, f"{a}attention.key_length{mla}", 1, MAX_HEAD_DIM)
+    _int(src, m, f"{a}attention.value_length{mla}", 1, MAX_HEAD_DIM)
+    if rope % 2 or qk <= rope:
+        raise LarqlError(f"{src}: {a}rope.dimension_count is {rope}: expected an even number below "
+                         f"{a}attention.key_length{mla} ({qk})")
+    _int(src, m, a + "nextn_predict_layers", 0, 0, " (multi-token prediction layers are not run)", optional=True)
+    count = m.get(a + "expert_count") or 0
+    _int(src, m, a + "expert_shared_count", 0, MAX_EXPERTS, optional=True)
+    _int(src, m, a + "leading_dense_block_count", 0, m.get(a + "block_count"), f" (at most {a}block_count)",
+         optional=True)
+    sigmoid = _int(src, m, a + "expert_gating_func", 1, 2, " (1 softmax, 2 sigmoid)", optional=True) == SIGMOID
+    groups = _int(src, m, a + "expert_group_count", 1, max(count, 1), f" (at most {a}expert_count)", optional=True)
+    _int(src, m, a + "expert_group_used_count", 1, groups or 1, f" (at most {a}expert_group_count)", optional=True)
+    if groups and (count % groups or (sigmoid and count // groups < 2)):
+        raise LarqlError(f"{src}: {a}expert_group_count is {groups}: it must divide {a}expert_count ({count})"
+                         + (" into groups of two or more" if sigmoid else ""))
+    _number(src, m, a + "expert_weights_scale", zero=True)
+    if m.get(a + "expert_weights_norm") and not sigmoid:
+        raise LarqlError(f"{src}: {a}expert_weights_norm is true with softmax gating: DeepSeek-V2's router does "
+                         "not renormalize (not supported)")
 
 
 def _experts(src: Path, m: Meta) -> None:
@@ -127,7 +159,7 @@ def _experts(src: Path, m: Meta) -> None:
         return
     count = _int(src, m, a + "expert_count", 1, MAX_EXPERTS)
     _int(src, m, a + "expert_used_count", 1, count, f" (at most {a}expert_count)")
-    if m.arch == "qwen3moe":
+    if m.arch in ("qwen3moe", "deepseek2"):
         _int(src, m, a + "expert_feed_forward_length", 1, MAX_FFN)
 
 
@@ -153,6 +185,10 @@ def _rope(src: Path, m: Meta) -> None:
     kind = m.get(a + "rope.scaling.type")
     if kind not in (None, "none", "linear") and factor and not (kind == "yarn" and m.arch in YARN):
         raise LarqlError(f"{src}: {a}rope.scaling.type is {_show(kind)}: not supported (linear is)")
+    if kind == "yarn" and factor and m.arch == "deepseek2":  # gpt-oss defaults it
+        _int(src, m, a + "rope.scaling.original_context_length", 1, MAX_CONTEXT)
+    for key in (LOG_MUL, "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow"):
+        _number(src, m, a + key, zero=True)
     tensor = m.tensor(ROPE_FREQS)
     if tensor is not None and m.arch == "llama":
         head_dim = m.arch_key("attention.key_length") or m.arch_key("embedding_length") // \

@@ -8,8 +8,9 @@ n_group, topk_group), its weights never renormalized (transformers' V2 router ig
 norm_topk_prob); V3 scores by sigmoid, picks group-limited with e_score_correction_bias (noaux_tc)
 and renormalizes where norm_topk_prob; both times routed_scaling_factor. RoPE: default or YaRN
 (model/yarn.py, with MLA's mscale on the softmax scale); V2 rotates interleaved pairs, V3 where
-rope_interleave (the default). V3's multi-token-prediction layers (num_nextn_predict_layers, after
-the last layer) are not run; their tensors are left in the files."""
+rope_interleave (the default). `kv_b_split` (a deepseek2 GGUF's, weights/gguf_deepseek.py): kv_b_proj
+held per head as k_b_proj and v_b_proj. V3's multi-token-prediction layers (num_nextn_predict_layers,
+after the last layer) are not run; their tensors are left in the files."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _mla(raw: dict[str, Any], v3: bool) -> MlaConfig:
     if rope % 2:
         raise LarqlError(f"config.json: qk_rope_head_dim must be even ({rope})")
     return MlaConfig(q_lora, _int(raw, "kv_lora_rank"), nope, rope, v,
-                     bool(raw.get("rope_interleave", True)) if v3 else True)
+                     bool(raw.get("rope_interleave", True)) if v3 else True, bool(raw.get("kv_b_split", False)))
 
 
 def _moe(raw: dict[str, Any], n: int, v3: bool) -> MoeConfig | None:
