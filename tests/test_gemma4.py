@@ -34,7 +34,7 @@ BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_atten
 SHARED = dict(num_kv_shared_layers=3, use_double_wide_mlp=True)  # layers 3, 4 read layer 1's rows; 5 reads 2's
 # each variant: its overrides and its seed
 VARIANTS = {
-    "shared": (dict(SHARED, hidden_size_per_layer_input=8), 0),
+    "shared": (dict(SHARED, hidden_size_per_layer_input=32), 0),  # 32: the per-layer projection packs (int8)
     "k_eq_v": (dict(attention_k_eq_v=True, num_global_key_value_heads=1, hidden_size=48), 1),
     "moe": (dict(SHARED, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16,
                  hidden_size=80), 2),

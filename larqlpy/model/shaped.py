@@ -33,9 +33,9 @@ from larqlpy.model.shaped_tensors import block_weights
 
 
 def apart(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ w.T, each row's numbers those it gets alone, for the matrices that stay float32 beside
-    packed ones (the router, the per-layer inputs'): on the CPU numba's row loop whatever the rows,
-    so a verification's rows are the decode steps' (as model/moe.py's router)."""
+    """x @ w.T, each row's numbers those it gets alone, for the matrices that may stay float32 beside
+    packed ones (the router; the per-layer inputs' under f32): on the CPU numba's row loop whatever
+    the rows, so a verification's rows are the decode steps' (as model/moe.py's router)."""
     if x.is_cpu and x.dtype is torch.float32 and isinstance(w, torch.Tensor) and w.dtype is torch.float32:
         return gemm_few_f32(x.contiguous(), w, "numba")
     return linear(x, w)

@@ -79,9 +79,18 @@ def top_weights(cfg: ModelConfig) -> Table:
 
 def matrix_groups(cfg: ModelConfig, layer: int) -> list[tuple[str, tuple[str, ...]]]:
     """The matrices packed weights hold, stacked where they read one input: q with the k and v the
-    layer has, gate|up, each expert's gate|up. The per-layer inputs' small matrices stay float."""
+    layer has, gate|up, each expert's gate|up; the per-layer inputs' gate and projection alone (they
+    read other inputs)."""
     names = block_weights(cfg, layer)
     qkv = tuple(n for n in ("q_proj", "k_proj", "v_proj") if n in names)
     experts = [(f"experts.{j}.", group) for j in range(cfg.moe.num_experts)
                for group in (("gate_proj", "up_proj"), ("down_proj",))] if cfg.moe is not None else []
-    return [("", qkv), ("", ("o_proj",)), ("", ("gate_proj", "up_proj")), ("", ("down_proj",))] + experts
+    per_layer = [("", ("per_layer_input_gate",)), ("", ("per_layer_projection",))] \
+        if cfg.per_layer_inputs is not None else []
+    return [("", qkv), ("", ("o_proj",)), ("", ("gate_proj", "up_proj")), ("", ("down_proj",))] + experts + per_layer
+
+
+def top_matrices(cfg: ModelConfig) -> tuple[str, ...]:
+    """The matrices beside the embeddings that pack as they do: the per-layer inputs' table (only
+    gathered from, a row a token, as an embedding is) and the projection to every layer's slice."""
+    return ("embed_tokens_per_layer", "per_layer_model_projection") if cfg.per_layer_inputs is not None else ()

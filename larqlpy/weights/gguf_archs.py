@@ -17,7 +17,8 @@ the metadata, its tensor names, and the conventions llama.cpp's converter applie
   (norm_topk_prob), as llama.cpp always does.
 - granite, granitemoe, starcoder2, gpt2: gguf_more_archs.py; gpt-oss: gguf_gpt_oss.py (experts with
   biases: the router's ffn_gate_inp.bias, each expert's row of the 2-D ffn_*_exps.bias); deepseek2
-  (DeepSeek-V2 / V3: latent attention, shared experts): gguf_deepseek.py.
+  (DeepSeek-V2 / V3: latent attention, shared experts): gguf_deepseek.py; gemma4: gguf_gemma4.py
+  (gains as themselves, per-layer inputs, K/V shared by the last layers, experts).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 
 from larqlpy.model.families import deepseek, gpt_oss, granitemoe, mixtral, qwen3_moe
 from larqlpy.weights import gguf_deepseek as ds
+from larqlpy.weights import gguf_gemma4 as g4
 from larqlpy.weights import gguf_gpt_oss as oss
 from larqlpy.weights import gguf_more_archs as more
 
@@ -62,9 +64,13 @@ class Arch:
     layers: str = "model.layers."  # where blocks live in HF names
     norm_bias: bool = False  # norms with biases (LayerNorm)
     plain: dict[str, str] | None = None  # a block's KIND (.weight) or KIND.WHAT -> its HF name as it is
+    names: Callable[[str], tuple[str, bool] | None] | None = None  # tried first: names of the arch's own (Gemma 4)
+    table: Callable[[dict], dict] | None = None  # the tensor table as this arch's names read it (after expert_views)
 
     def hf_name(self, gguf_name: str) -> tuple[str, bool] | None:
         """HF tensor name for a GGUF one, and whether it is a norm stored as 1 + w. None: not ours."""
+        if self.names is not None and (own := self.names(gguf_name)) is not None:
+            return own
         if self.moe_names is not None and (moe := self._moe_name(gguf_name)) is not None:
             return moe, False
         top = {**TOP, **(self.top or {})}
@@ -153,9 +159,9 @@ class Meta:
         out = {
             "architectures": [architecture], "model_type": model_type,
             "vocab_size": int(self.arch_key("vocab_size", len(tokens))), "hidden_size": hidden,
-            "intermediate_size": int(self.arch_key("feed_forward_length")),
+            "intermediate_size": int(_first(self.arch_key("feed_forward_length"))),
             "num_hidden_layers": int(self.arch_key("block_count")), "num_attention_heads": heads,
-            "num_key_value_heads": int(self.arch_key("attention.head_count_kv", heads)),
+            "num_key_value_heads": int(_first(self.arch_key("attention.head_count_kv", heads))),
             "head_dim": int(self.arch_key("attention.key_length", hidden // heads)),
             "rope_theta": float(self.arch_key("rope.freq_base", default_theta)),
             "rms_norm_eps": float(self.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -170,6 +176,12 @@ class Meta:
         if self.arch_key("rope.scaling.type") == "linear" and factor:  # other kinds: refused by gguf_check
             out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
         return out
+
+
+def _first(v):
+    """A key llama.cpp reads as one value or one a layer (gguf_check lets lists through on gemma4):
+    the first layer's; the architecture's config reads the others."""
+    return v[0] if isinstance(v, list) else v
 
 
 def gemma3_config(m: Meta) -> dict:
@@ -280,6 +292,9 @@ def qwen2_config(m: Meta) -> dict:
 
 ARCHS = {a.name: a for a in (
     Arch("gemma3", GEMMA_NORMS, norm_plus_one=True, permuted_qk=False, config=gemma3_config),
+    Arch("gemma4", {**GEMMA_NORMS, **g4.NORMS}, norm_plus_one=False, permuted_qk=False, config=g4.gemma4_config,
+         in_config=(ROPE_FREQS,), top=g4.TOP, linears={**LINEARS, **g4.LINEARS}, plain=g4.PLAIN, names=g4.hf_name,
+         table=g4.split_gate_up),
     Arch("llama", LLAMA_NORMS, norm_plus_one=False, permuted_qk=True, config=llama_config, in_config=(ROPE_FREQS,),
          moe_names=mixtral.HF_NAMES),
     Arch("qwen2", LLAMA_NORMS, norm_plus_one=False, permuted_qk=False, config=qwen2_config),

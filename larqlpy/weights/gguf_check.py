@@ -30,8 +30,9 @@ MAX_VOCAB = 1 << 21
 MAX_HEAD_DIM = 1 << 12
 MAX_EXPERTS = 1 << 12  # published MoEs have up to a few hundred
 # what an architecture's config reads beyond the common ones (gpt2's context: its position table's rows)
-EXTRA_SIZES = {"gemma3": ("attention.sliding_window",), "gpt2": ("context_length",),
-               "gpt-oss": ("attention.sliding_window", "expert_feed_forward_length")}
+EXTRA_SIZES = {"gemma3": ("attention.sliding_window",), "gemma4": ("attention.sliding_window",),
+               "gpt2": ("context_length",), "gpt-oss": ("attention.sliding_window", "expert_feed_forward_length")}
+LAYERED = ("gemma4",)  # the architectures whose feed_forward_length and head_count_kv may be one a layer
 ALWAYS_EXPERTS = ("qwen3moe", "granitemoe", "gpt-oss")
 YARN = ("gpt-oss", "deepseek2")  # the architectures whose rope.scaling.type is yarn (read by their config)
 INTEGERS = {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
@@ -74,6 +75,8 @@ def check_places(src: Path, start: int, fields: list, alignment: int, size: int)
 def check_header(src: Path, m: Meta) -> None:
     """Everything the config and the tokenizer read from the metadata, before either is built."""
     _sizes(src, m)
+    if m.arch == "gemma4":
+        _gemma4(src, m)
     _rope(src, m)
     _vocabulary(src, m)
 
@@ -103,14 +106,15 @@ def _sizes(src: Path, m: Meta) -> None:
     a = m.arch + "."
     tensors = len(m.reader.tensors)
     # First: a config builds lists block_count long, and every block holds several tensors.
-    _int(src, m, a + "block_count", 1, tensors - 1, f" (below the file's {tensors:,} tensors)")
+    blocks = _int(src, m, a + "block_count", 1, tensors - 1, f" (below the file's {tensors:,} tensors)")
     hidden = _int(src, m, a + "embedding_length", 1, MAX_EMBEDDING)
-    _int(src, m, a + "feed_forward_length", 1, MAX_FFN)
+    _layered(src, m, a + "feed_forward_length", 1, MAX_FFN, blocks)
     heads = _int(src, m, a + "attention.head_count", 1, hidden, f" (at most {a}embedding_length)")
-    kv = _int(src, m, a + "attention.head_count_kv", 1, heads, f" (at most {a}attention.head_count)", optional=True)
-    if kv is not None and heads % kv:
-        raise LarqlError(f"{src}: {a}attention.head_count_kv is {kv}: it must divide "
-                         f"{a}attention.head_count ({heads})")
+    for kv in _layered(src, m, a + "attention.head_count_kv", 1, heads, blocks, f" (at most {a}attention.head_count)",
+                       optional=True):
+        if heads % kv:
+            raise LarqlError(f"{src}: {a}attention.head_count_kv is {kv}: it must divide "
+                             f"{a}attention.head_count ({heads})")
     if _int(src, m, a + "attention.key_length", 1, MAX_HEAD_DIM, optional=True) is None and hidden % heads:
         raise LarqlError(f"{src}: {a}attention.head_count is {heads}: it must divide {a}embedding_length "
                          f"({hidden}) when {a}attention.key_length is absent")
@@ -151,6 +155,59 @@ def _mla(src: Path, m: Meta) -> None:
                          "not renormalize (not supported)")
 
 
+def _layered(src: Path, m: Meta, key: str, lo: int, hi: int, blocks: int, why: str = "",
+             optional: bool = False) -> list[int]:
+    """An integer key, or where the architecture reads one a layer (LAYERED), a list of block_count."""
+    v = m.get(key)
+    if not (isinstance(v, list) and m.arch in LAYERED):
+        one = _int(src, m, key, lo, hi, why, optional)
+        return [] if one is None else [one]
+    if len(v) != blocks:
+        raise LarqlError(f"{src}: {key} holds {len(v):,} values for {blocks} layers (one a layer)")
+    bad = next((x for x in v if type(x) is not int or not lo <= x <= hi), None)
+    if bad is not None:
+        raise LarqlError(f"{src}: {key} holds {_show(bad)}: expected integers {lo} to {hi}{why}")
+    return v
+
+
+def _gemma4(src: Path, m: Meta) -> None:
+    """What gemma4's config reads beyond the common keys (gguf_gemma4.gemma4_config), in the forms it
+    takes: layer types, head widths, shared K/V layers, MLP widths, per-layer KV heads, RoPE."""
+    a, n = m.arch + ".", m.get(m.arch + ".block_count")
+    pattern = m.get(a + "attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != n or any(type(x) is not bool for x in pattern):
+        raise LarqlError(f"{src}: {a}attention.sliding_window_pattern is {_show(pattern)}: expected {n} booleans "
+                         "(one a layer: sliding or not)")
+    wide = _int(src, m, a + "attention.key_length", 1, MAX_HEAD_DIM)
+    d = _int(src, m, a + "attention.key_length_swa", 1, MAX_HEAD_DIM, optional=True) or wide
+    for key, want in (("attention.value_length", wide), ("attention.value_length_swa", d),
+                      ("rope.dimension_count_swa", d)):
+        if m.get(a + key, want) != want:
+            raise LarqlError(f"{src}: {a}{key} is {_show(m.get(a + key))}: expected {want}, the head width of its "
+                             "layers (values as wide as keys, sliding heads turned whole)")
+    shared = _int(src, m, a + "attention.shared_kv_layers", 0, n - 1, f" (below {n} layers)", optional=True) or 0
+    _int(src, m, a + "embedding_length_per_layer_input", 0, MAX_EMBEDDING, optional=True)
+    _number(src, m, a + "rope.freq_base_swa")
+    _number(src, m, a + "final_logit_softcapping")
+    ffn = m.get(a + "feed_forward_length")
+    tail = set(ffn[n - shared:]) if isinstance(ffn, list) else set()
+    if isinstance(ffn, list) and (set(ffn[:n - shared]) != {ffn[0]} or not tail <= {ffn[0], 2 * ffn[0]}
+                                  or len(tail) > 1):
+        raise LarqlError(f"{src}: {a}feed_forward_length is {_show(ffn)}: expected one width, twice it on the last "
+                         f"{shared} layers at most (use_double_wide_mlp)")
+    kv = m.get(a + "attention.head_count_kv")
+    if isinstance(kv, list) and any(len({kv[i] for i in range(n) if pattern[i] == s}) > 1 for s in (True, False)):
+        raise LarqlError(f"{src}: {a}attention.head_count_kv is {_show(kv)}: expected one value for the sliding layers "
+                         "and one for the global ones")
+    freqs = m.tensor(ROPE_FREQS)
+    if freqs is not None:
+        v = freqs.data.reshape(-1) if freqs.tensor_type.name == "F32" else None
+        turned = int((v == 1.0).sum()) if v is not None else 0
+        if v is None or v.shape != (wide // 2,) or not turned or (v[:turned] != 1.0).any() or (v[turned:] < 1e29).any():
+            raise LarqlError(f"{src}: {ROPE_FREQS} ({freqs.tensor_type.name}, {freqs.n_elements:,} values) is not a "
+                             f"proportional RoPE for a head of {wide} (1 for the turned pairs, then 1e30)")
+
+
 def _experts(src: Path, m: Meta) -> None:
     """A mixture of experts' sizes: qwen3moe and granitemoe always have them, llama where expert_count
     says (Mixtral)."""
@@ -159,7 +216,7 @@ def _experts(src: Path, m: Meta) -> None:
         return
     count = _int(src, m, a + "expert_count", 1, MAX_EXPERTS)
     _int(src, m, a + "expert_used_count", 1, count, f" (at most {a}expert_count)")
-    if m.arch in ("qwen3moe", "deepseek2"):
+    if m.arch in ("qwen3moe", "deepseek2", "gemma4"):
         _int(src, m, a + "expert_feed_forward_length", 1, MAX_FFN)
 
 
@@ -189,6 +246,9 @@ def _rope(src: Path, m: Meta) -> None:
         _int(src, m, a + "rope.scaling.original_context_length", 1, MAX_CONTEXT)
     for key in (LOG_MUL, "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow"):
         _number(src, m, a + key, zero=True)
+    if m.arch == "gemma4" and kind not in (None, "none") and factor not in (None, 0, 1):
+        raise LarqlError(f"{src}: {a}rope.scaling.type is {_show(kind)}: not supported on gemma4 (its RoPE is "
+                         "proportional on global layers)")
     tensor = m.tensor(ROPE_FREQS)
     if tensor is not None and m.arch == "llama":
         head_dim = m.arch_key("attention.key_length") or m.arch_key("embedding_length") // \
@@ -225,6 +285,9 @@ def _vocabulary(src: Path, m: Meta) -> None:
     model = m.get("tokenizer.ggml.model")
     if model == "llama" and m.arch == "gemma3":
         ids = dict(SENTENCEPIECE_IDS)  # what the tokenizer takes where the file names none
+    elif model == "gemma4" and m.arch == "gemma4":
+        ids = {}
+        _strings(src, m, "tokenizer.ggml.merges")
     elif model == "gpt2":
         ids = {}
         pre = m.get("tokenizer.ggml.pre", "default")
@@ -236,7 +299,7 @@ def _vocabulary(src: Path, m: Meta) -> None:
         _strings(src, m, "tokenizer.ggml.merges")
     else:
         raise LarqlError(f"{src}: tokenizer.ggml.model is {_show(model)} on {m.arch}: not supported "
-                         "(byte-level BPE, gpt2, and Gemma's SentencePiece are)")
+                         "(byte-level BPE, gpt2, Gemma's SentencePiece and Gemma 4's BPE are)")
     ids.update({k: m.get(k) for k in m.reader.fields if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")})
     for key, i in ids.items():
         if type(i) is not int or not 0 <= i < n:

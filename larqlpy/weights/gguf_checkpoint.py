@@ -20,7 +20,7 @@ from larqlpy.kernels.weights.gguf_blocks import (HALF_SCALES, LAYOUTS, TWO_LEVEL
 from larqlpy.kernels.weights.qweight import TILE, PackedWeight
 from larqlpy.kernels.weights.simd import PLANES
 from larqlpy.model.config import ModelConfig
-from larqlpy.weights.checkpoint import Checkpoint, wanted_tensors
+from larqlpy.weights.checkpoint import Checkpoint, view_of, wanted_tensors
 from larqlpy.weights.gguf_check import refuse_unused, unused_tensors
 from larqlpy.weights.gguf_file import GGUFFile
 from larqlpy.weights.mxfp4_checkpoint import MXFP4, open_checkpoint
@@ -42,7 +42,8 @@ class GGUFCheckpoint:
             hf = file.arch.hf_name(name)
             if hf is not None:
                 self.names[hf[0]] = (name, hf[1])
-        self.files = {hf: file.path for hf in self.names}
+        # a view's stored tensor is there too (Gemma 4's experts: rows of a fused gate|up, gguf_gemma4)
+        self.files = {name: file.path for hf in self.names for name in (hf, view_of(hf)[0])}
         self.wanted = wanted_tensors(file.path, cfg, self.files)
         self.unused = unused_tensors(file.tensors, file.arch, {hf for hf, _ in self.wanted.values()})
         if self.unused and not allow_unused_tensors:

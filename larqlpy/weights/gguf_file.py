@@ -103,9 +103,11 @@ class GGUFFile:
         self.fingerprint = self.digest[:16]
         self.header_bytes = int(record["header_bytes"])
         # gguf name -> (type name, shape (out, in) as numpy lays it out, absolute offset, bytes); a layer's
-        # experts as one view an expert, `NAME[j]` (gguf_archs.expert_views)
+        # experts as one view an expert, `NAME[j]` (gguf_archs.expert_views), as the arch's names read them
         self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = expert_views({
             k: (t, tuple(s), int(o), int(n)) for k, (t, s, o, n) in record["tensors"].items()})
+        if self.arch.table is not None:
+            self.tensors = self.arch.table(self.tensors)
 
     def _cached(self) -> dict | None:
         """The record, when it holds for the file as it is now (rewritten with the new identity when

@@ -4,6 +4,9 @@ tokenizer_config.json beside them (special tokens, BOS, the chat template).
 - Gemma's SentencePiece BPE (tokenizer.ggml.model "llama" on gemma3): merges rebuilt from the vocabulary.
 - Byte-level BPE (tokenizer.ggml.model "gpt2": SmolLM2, Llama 3, Qwen): the file's vocabulary and
   merges, split before BPE the way llama.cpp's pre-tokenizer type (tokenizer.ggml.pre) says.
+- Gemma 4's BPE (tokenizer.ggml.model "gemma4"): the file's merges over UTF-8 characters, spaces
+  written U+2581, the text cut into runs of newlines and runs of the rest (llama.cpp's gemma4
+  pre-tokenizer), a character no token spells as its <0xXX> byte tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ def build_tokenizer(m: Meta):
     the merges are checked here, as `tokenizers` builds the BPE."""
     if m.get("tokenizer.ggml.model") == "llama":  # gemma3's: gguf_check refuses it on the others
         tok, config = sentencepiece_bpe(m)
+    elif m.get("tokenizer.ggml.model") == "gemma4":
+        tok, config = gemma4_bpe(m)
     else:
         tok, config = byte_level_bpe(m)
     template = m.get("tokenizer.chat_template")
@@ -132,13 +137,39 @@ def sentencepiece_bpe(m: Meta):
     tok.add_tokens([AddedToken(t, normalized=False, special=False)
                     for t, ty in zip(tokens, types) if ty == 4 and t in vocab])
     bos_id = ids["tokenizer.ggml.bos_token_id"]
-    if bool(m.get("tokenizer.ggml.add_bos_token", True)):
-        bos = tokens[bos_id]
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                           special_tokens=[(bos, bos_id)])
+    _bos_first(tok, m, tokens, bos_id)
     config = {"add_bos_token": bool(m.get("tokenizer.ggml.add_bos_token", True)),
               "add_eos_token": bool(m.get("tokenizer.ggml.add_eos_token", False)),
               "bos_token": tokens[bos_id], "eos_token": tokens[ids["tokenizer.ggml.eos_token_id"]],
               "unk_token": unk, "pad_token": tokens[ids["tokenizer.ggml.padding_token_id"]],
               "tokenizer_class": "GemmaTokenizer"}
     return tok, config
+
+
+def _bos_first(tok: Tokenizer, m: Meta, tokens: list[str], bos_id: int) -> None:
+    """BOS before the text, unless the file says not to add it (Gemma's add it by default)."""
+    if bool(m.get("tokenizer.ggml.add_bos_token", True)):
+        bos = tokens[bos_id]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, bos_id)])
+
+
+def gemma4_bpe(m: Meta):
+    """Gemma 4's BPE as llama.cpp runs it (its gemma4 pre-tokenizer: no byte remapping)."""
+    tokens = list(m.get("tokenizer.ggml.tokens"))
+    types = list(m.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = m.get("tokenizer.ggml.merges")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    try:  # `tokenizers` checks every merge against the vocabulary as it builds
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(x.split(" ", 1)) for x in merges], dropout=None,
+                                   fuse_unk=False, byte_fallback=True))
+    except Exception as e:
+        why = bad_merge(merges, vocab) or f"tokenizer.ggml.merges: {str(e).splitlines()[0]}"
+        raise LarqlError(f"{m.reader.src}: {why}") from None
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), "isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == 3])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == 4])
+    _bos_first(tok, m, tokens, int(m.get("tokenizer.ggml.bos_token_id", 2)))
+    return tok, _config(m, tokens, add_bos_default=True, cls="GemmaTokenizer")

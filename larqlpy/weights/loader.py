@@ -22,6 +22,7 @@ from larqlpy.kernels.weights.qweight import PackedPart, PackedWeight, check_form
 from larqlpy.model.config import ModelConfig
 from larqlpy.model.decoder import Decoder
 from larqlpy.model.families import read_config
+from larqlpy.model.shaped_tensors import top_matrices
 from larqlpy.model.tensors import block_weights, matrix_groups, top_weights
 from larqlpy.text.tokenizer import Tokenizer
 from larqlpy.text.tokenizer_process import TokenizerProcess
@@ -198,7 +199,7 @@ def _pack(ckpt: Checkpoint, handles: dict, checks: KnownFiles, cfg: ModelConfig,
     """Every matrix packed from float32 on the CPU (the same codes on every device): q|k|v and
     gate|up stacked into one matrix each, so decode calls one kernel per group."""
     out = {name: PackedWeight.quantize(_float32(ckpt, handles, checks, name), fmt, name)
-           for name in ("embed_tokens", "lm_head") if name in ckpt.wanted}
+           for name in ("embed_tokens", "lm_head", *top_matrices(cfg)) if name in ckpt.wanted}
     for i in range(cfg.num_hidden_layers):
         for owner, names in matrix_groups(cfg, i):
             key = f"layers.{i}.{owner}{'|'.join(names)}"
@@ -216,9 +217,9 @@ def _pack_native(ckpt: Checkpoint | GGUFCheckpoint, native: NativeFile | GGUFCod
         return name if name in native.matrices else None
 
     out = {}
-    for name in [n for n in ("embed_tokens", "lm_head") if n in ckpt.wanted]:
-        if hf(name) is not None:
-            gathered = name == "embed_tokens" and "lm_head" in ckpt.wanted  # only gathered from: one row a token
+    for name in [n for n in ("embed_tokens", "lm_head", *top_matrices(cfg)) if n in ckpt.wanted]:
+        if hf(name) is not None:  # only gathered from, one row a token: an untied embedding, the per-layer table
+            gathered = name == "embed_tokens_per_layer" or name == "embed_tokens" and "lm_head" in ckpt.wanted
             out[name] = native.table(hf(name)) if gathered else native.pack([hf(name)])
     for i in range(cfg.num_hidden_layers):
         for owner, names in matrix_groups(cfg, i):  # a single matrix is a stack of one
