@@ -51,7 +51,7 @@ assert KIND["Q2_K"] == gguf_lowbit.FIRST and KIND["IQ3_S"] == gguf_grid.FIRST
 # Types whose 8-bit codes above span 5 or 6 bits: (width, base), run as u - base at that width, zero
 # - base (the same integers u - zero, so the same values bit for bit) -- the file's own bits.
 NARROW = {"Q5_0": (5, 112), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 96), "MXFP4": (5, 112), "IQ3_S": (5, 112),
-          "IQ3_XXS": (6, 96), "IQ1_S": (5, 112), "IQ1_M": (6, 96)}  # 6: no type ran 5 bits in groups of 16
+          "IQ3_XXS": (6, 96), "IQ1_S": (5, 112), "IQ1_M": (6, 96)}  # IQ1_M: measured at 6 (docs/weights.md)
 # Types whose codes are a table's values: run as the file's 4-bit indices, looked up in the kernels (simd.TABLES)
 TABLED = {"IQ4_NL": "iq4", "IQ4_XS": "iq4"}
 INDEX = {name: np.bincount(t, np.arange(16), 256).astype(np.uint8) for name, t in TABLES.items()}  # code -> index
