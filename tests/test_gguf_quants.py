@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from larqlpy.kernels import cpu
-from larqlpy.kernels.weights.gguf_blocks import (HALF_SCALES, LAYOUTS, TWO_LEVEL, packed_width, tiled_arrays, unpack,
-                                                 unpack_tiled, values)
+from larqlpy.kernels.weights.gguf_blocks import (HALF_SCALES, INDEX, LAYOUTS, TWO_LEVEL, packed_width, tiled_arrays,
+                                                 unpack, unpack_tiled, values)
 from larqlpy.kernels.weights.qweight import TILE, PackedWeight
+from larqlpy.kernels.weights.simd import fits
 from larqlpy.weights.gguf_file import GGUFFile
 from conftest import smol_gguf
 from test_native import random_blocks
@@ -102,9 +103,9 @@ def packed(raw: np.ndarray, name: str, shape: tuple[int, int]) -> PackedWeight:
 
 @pytest.mark.parametrize("name", NEW)
 def test_packed_rows_and_products_on_every_path(name):
-    """Packed at its run width (Q2_K, Q3_K at 4 bits, MXFP4, IQ3_S, IQ1_S at 5, IQ3_XXS, IQ1_M at 6, IQ4, IQ2 at
-    8; two-level where the file's scales are), rows gather to gguf-py's values and every path's product
-    equals the same codes' with float32 group scales."""
+    """Packed at its run width (Q2_K, Q3_K at 4 bits, MXFP4, IQ3_S, IQ1_S at 5, IQ3_XXS, IQ1_M at 6, IQ2 at 8,
+    IQ4 as its table's 4-bit indices; two-level where the file's scales are), rows gather to gguf-py's
+    values and every path's product equals the same codes' with float32 group scales."""
     per = LAYOUTS[name][1]
     n, k = TILE + 5, 2 * 256
     raw = random_blocks(Q[name], n * k // per, seed=17 + len(name))
@@ -115,13 +116,14 @@ def test_packed_rows_and_products_on_every_path(name):
     raw = raw.reshape(n, -1)
     want = reference(raw, name, (n, k))
     w = packed(raw, name, (n, k))
-    assert w.bits == packed_width(name)[0] and (w.outer is not None) == (name in TWO_LEVEL)
+    assert w.width == packed_width(name)[0] and (w.outer is not None) == (name in TWO_LEVEL)
     idx = torch.tensor([0, 3, TILE, n - 1])
     assert same_bits(w.rows(idx).numpy(), want[idx.numpy()])
     assert same_bits(w._rows_torch(idx).numpy(), want[idx.numpy()])
     u, s, m, z, _ = unpack(raw, name, (n, k))
-    base = packed_width(name)[1]
-    whole = PackedWeight.from_codes((u.astype(np.int32) - base).astype(np.uint8), s, m, z - base, w.bits)
+    bits, base = packed_width(name)
+    u = INDEX[bits][u] if bits in INDEX else (u.astype(np.int32) - base).astype(np.uint8)  # a table's: indices
+    whole = PackedWeight.from_codes(u, s, m, z - base, bits)
     x = torch.randn(5, k)
     for path in ["float"] + [p for p in cpu.runnable_paths() if takes(p, w)]:
         for rows in (1, 3, 5):
@@ -130,11 +132,11 @@ def test_packed_rows_and_products_on_every_path(name):
 
 def takes(path: str, w: PackedWeight) -> bool:
     """Whether `path` may run these codes (cpu.int_path's rule: AVX2's byte products saturate above 127,
-    its signed form needs no code 0)."""
+    its signed form needs no code 0; a table's codes are fixed: simd.fits)."""
     if path == "avx2":
-        return w.bits != 8 or w.highest <= 127
+        return fits(path, w.width) and (w.bits != 8 or w.highest <= 127)
     if path == "avx2-signed":
-        return w.bits == 8 and w.lowest >= 1
+        return fits(path, w.width) and (w.bits != 8 or w.lowest >= 1)
     return True
 
 

@@ -84,12 +84,14 @@ CASES = {  # name -> rand_codes arguments: every format the packers and the GGUF
     "Q5_1 at 5 bits": dict(bits=5, affine=True, half=True),
     "Q5_K at 5 bits (float32)": dict(bits=5, affine=True),
     "Q6_K at 6 bits, groups of 16": dict(bits=6, group=16, zero=32),
+    "u5 in groups of 16": dict(bits=5, group=16, zero=16),  # odd groups: their high words lie before them
     "6 bits, groups of 32": dict(bits=6, zero=32, half=True),
 }
 
 
 @pytest.mark.parametrize("bits, base, zero, group, affine", [(5, 112, 16, 32, False), (5, 0, 0, 32, True),
-                                                             (6, 96, 32, 16, False), (6, 96, 32, 32, False)])
+                                                             (5, 112, 16, 16, False), (6, 96, 32, 16, False),
+                                                             (6, 96, 32, 32, False)])
 def test_narrow_codes_give_the_bits_of_their_8_bit_form(bits, base, zero, group, affine):
     """A GGUF's 5- and 6-bit codes run at their own width, less the base their 8-bit form adds: the
     integer sums are the same integers, so every path gives the same bits as the 8-bit codes do."""

@@ -30,6 +30,7 @@ from larqlpy.kernels.weights import gguf_blocks, matvec
 from larqlpy.kernels.weights.gguf_blocks import HALF_SCALES, LAYOUTS, packed_width, tiled_arrays
 from larqlpy.kernels.weights.qweight import PackedWeight
 from larqlpy.kernels.weights.simd import ROWS as TILE
+from larqlpy.kernels.weights.simd import layout_bits
 
 _helpers: list[subprocess.Popen] = []
 ENV = "LARQLPY_COMPILE_AHEAD"  # "0": no helper process (the tests' fixtures, a process that must stay alone)
@@ -42,7 +43,7 @@ def _product(qtype: str) -> None:
     bits, base = packed_width(qtype)
     codes, scale, minimum, outer, _ = tiled_arrays(qtype, TILE, K)
     w = PackedWeight.from_tiled(codes, (TILE, K), scale, minimum if affine else None, zero - base, bits, 0,
-                                (1 << bits) - 1, halves=qtype in HALF_SCALES, outer=outer)
+                                (1 << layout_bits(bits)) - 1, halves=qtype in HALF_SCALES, outer=outer)
     w.matmul(torch.zeros(1, K))
 
 

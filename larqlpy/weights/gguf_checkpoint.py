@@ -18,7 +18,7 @@ from larqlpy.files import is_gguf
 from larqlpy.kernels.weights.gguf_blocks import (HALF_SCALES, LAYOUTS, TWO_LEVEL, BlockRows, packed_width, tiled_arrays,
                                                  unpack_tiled)
 from larqlpy.kernels.weights.qweight import TILE, PackedWeight
-from larqlpy.kernels.weights.simd import PLANES
+from larqlpy.kernels.weights.simd import PLANES, TABLES
 from larqlpy.model.config import ModelConfig
 from larqlpy.weights.checkpoint import Checkpoint, view_of, wanted_tensors
 from larqlpy.weights.gguf_check import refuse_unused, unused_tensors
@@ -180,7 +180,7 @@ class GGUFCodes:
                 unpack_tiled(raw, qtype, shape, rows[r0:r1], lo + r0, codes, scale, minimum, seen, (bits, base), outer)
                 self.ckpt.release(name, r1)  # copied out: the file's pages behind it are not kept
             lo += shape[0]
-        if n % TILE and not PLANES[bits]:  # the padding rows hold the zero code (5, 6 bits: code 0)
+        if n % TILE and not PLANES[bits] and bits not in TABLES:  # padding: the zero code (5, 6 bits, tables: 0)
             codes[-1, :, n % TILE:TILE, :] = zero if bits == 8 else zero | (zero << 4)
         finite = ((outer & 0x7C00) != 0x7C00).all() if outer is not None else \
             np.isfinite(scale).all() and np.isfinite(minimum).all()

@@ -18,24 +18,24 @@ from larqlpy.kernels.weights.simd import ROWS as TILE
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def rows_int(codes, scale, minimum, outer, zero, bits, idx, out):  # pragma: no cover - jitted
+def rows_int(codes, scale, minimum, outer, zero, bits, table, idx, out):  # pragma: no cover - jitted
     group, affine = out.shape[1] // scale.shape[1], minimum.shape[0] > 0
     for n in prange(idx.shape[0]):
         t, r = idx[n] // TILE, idx[n] % TILE
         for j in range(out.shape[1]):
-            v = group_value(scale, outer, t, j // group, r, 0) * np.float32(code_at(codes, bits, t, j, r) - zero)
+            v = group_value(scale, outer, t, j // group, r, 0) * np.float32(code_at(codes, bits, t, j, r, table) - zero)
             out[n, j] = v + group_value(minimum, outer, t, j // group, r, 1) if affine else v
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def slab_int(codes, scale, minimum, outer, zero, bits, t0, t1, out):  # pragma: no cover - jitted
+def slab_int(codes, scale, minimum, outer, zero, bits, table, t0, t1, out):  # pragma: no cover - jitted
     group, affine = out.shape[0] // scale.shape[1], minimum.shape[0] > 0
     for t in prange(t0, t1):
         c = (t - t0) * TILE
         for j in range(out.shape[0]):
             g = j // group
             for r in range(TILE):
-                v = group_value(scale, outer, t, g, r, 0) * np.float32(code_at(codes, bits, t, j, r) - zero)
+                v = group_value(scale, outer, t, g, r, 0) * np.float32(code_at(codes, bits, t, j, r, table) - zero)
                 out[j, c + r] = v + group_value(minimum, outer, t, g, r, 1) if affine else v
 
 

@@ -29,8 +29,9 @@ from numba import njit, prange
 from larqlpy.kernels import jitcache
 from larqlpy.kernels.weights import gguf_grid, gguf_lowbit, qdot
 from larqlpy.kernels.weights.packing import code_shape
-from larqlpy.kernels.weights.qdot import NO_OUTER, half_bits
+from larqlpy.kernels.weights.qdot import NO_OUTER, NO_TABLE, half_bits
 from larqlpy.kernels.weights.simd import ROWS as TILE
+from larqlpy.kernels.weights.simd import TABLES
 
 # type name -> (block bytes, values per block, code bits, group, zero, affine)
 LAYOUTS = {
@@ -50,7 +51,10 @@ assert KIND["Q2_K"] == gguf_lowbit.FIRST and KIND["IQ3_S"] == gguf_grid.FIRST
 # Types whose 8-bit codes above span 5 or 6 bits: (width, base), run as u - base at that width, zero
 # - base (the same integers u - zero, so the same values bit for bit) -- the file's own bits.
 NARROW = {"Q5_0": (5, 112), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 96), "MXFP4": (5, 112), "IQ3_S": (5, 112),
-          "IQ3_XXS": (6, 96), "IQ1_S": (5, 112), "IQ1_M": (6, 96)}  # 6: no type ran 5 bits in groups of 16
+          "IQ3_XXS": (6, 96), "IQ1_S": (5, 112), "IQ1_M": (6, 96)}  # IQ1_M: measured at 6 (docs/weights.md)
+# Types whose codes are a table's values: run as the file's 4-bit indices, looked up in the kernels (simd.TABLES)
+TABLED = {"IQ4_NL": "iq4", "IQ4_XS": "iq4"}
+INDEX = {name: np.bincount(t, np.arange(16), 256).astype(np.uint8) for name, t in TABLES.items()}  # code -> index
 # Types whose group scales are a block's float16 d times the file's integer sub-block scale: packed
 # as those integers and d apart (the file's own 4.5 / 5.5 / 6.56 bits a weight, where float32 group
 # scales would add 1 to 2 bits); d * sc is exact in float32, so the kernels' scale is the same value.
@@ -61,7 +65,10 @@ HALF_SCALES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "IQ4_NL")
 
 
 def packed_width(qtype: str) -> tuple[int, int]:
-    """(bits, base) a matrix of this type is packed at: its narrow width, else its codes' own."""
+    """(bits, base) a matrix of this type is packed at: its table's name (base 0), its narrow width,
+    else its codes' own."""
+    if qtype in TABLED:
+        return TABLED[qtype], 0
     return NARROW.get(qtype, (LAYOUTS[qtype][2], 0))
 
 
@@ -211,10 +218,11 @@ def _put(codes, t, o, slot, words, eights, per, bits, base):  # pragma: no cover
 
 
 @njit(parallel=True, cache=True)
-def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, outer,
-           seen):  # pragma: no cover
+def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, outer, seen,
+           index):  # pragma: no cover
     """Source row i to destination row lo + i of a tiled matrix (codes as words (tiles, k/4 or k/8,
-    TILE + 16 P) at `bits`, the codes less `base`; zeroed beforehand at 5 and 6 bits); scale /
+    TILE + 16 P) at `bits`, the codes less `base`, or where `index` is not empty (256) each code's
+    index in its table, at 4 bits; zeroed beforehand at 5 and 6 bits); scale /
     minimum tiled too (tiles, groups, TILE): float32, or with `outer` (tiles, blocks, 2, TILE) the
     K-quants' integer sub-block scales, their blocks' d and -dmin in outer; rows: the source row of
     each destination row; seen[t] = (lowest, highest) code written into tile t. A tile's rows go to
@@ -233,6 +241,8 @@ def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, ou
             row = raw[rows[dest - lo]]
             for b in range(bpr):
                 _decode(row, b * size, kind, buf, sc, mn)
+                for j in range(per if index.shape[0] else 0):
+                    buf[j] = index[buf[j]]
                 for j in range(per):
                     low, high = min(low, np.int32(buf[j]) - base), max(high, np.int32(buf[j]) - base)
                 _put(codes, t, b * per // (4 if bits == 8 else 8), slot, words, eights, per, bits, base)
@@ -299,16 +309,17 @@ def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.n
                  codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, seen: np.ndarray,
                  width: tuple[int, int] | None = None, outer: np.ndarray | None = None) -> None:
     """unpack(), written as rows lo + i (source row rows[i]) of a tiled matrix (kernels/weights/qweight.py's
-    layout at width = (bits, base) -- the type's own 8- or 4-bit codes when None -- : codes
-    (tiles, ..., 4) uint8, zeroed at 5 and 6 bits, scale / minimum (tiles, groups, TILE)
-    float32, minimum empty when not affine; or, for a K-quant with `outer` (tiles, blocks, 2, TILE)
-    uint16, its integer sub-block scales as int8 and each block's float16 d and -dmin in outer); seen
-    (tiles, 2) int32 gathers each tile's lowest and highest code."""
+    layout at width = (bits, base) -- the type's own 8- or 4-bit codes when None -- : codes (tiles, ..., 4)
+    uint8, zeroed at 5 and 6 bits, scale / minimum (tiles, groups, TILE) float32, minimum empty when not
+    affine; or, for a K-quant with `outer` (tiles, blocks, 2, TILE) uint16, its integer sub-block scales
+    as int8 and each block's float16 d and -dmin in outer); seen (tiles, 2) int32 gathers each tile's
+    lowest and highest code (a table's: index)."""
     size, per, bits, group, zero, affine = LAYOUTS[qtype]
     bits, base = width or (bits, 0)
-    _tiled(np.asarray(raw).reshape(shape[0], -1), KIND[qtype], per, size, bits, base,
-           np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], scale, minimum,
-           NO_OUTER if outer is None else outer, seen)
+    index = INDEX.get(bits, NO_TABLE)
+    _tiled(np.asarray(raw).reshape(shape[0], -1), KIND[qtype], per, size, 4 if index.size else bits,
+           base, np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], scale, minimum,
+           NO_OUTER if outer is None else outer, seen, index)  # a table's indices at 4 bits
 
 
 class BlockRows:

@@ -22,12 +22,13 @@ import numpy as np
 from numba import njit
 
 from larqlpy.kernels import jitcache
-from larqlpy.kernels.weights import qdot
+from larqlpy.kernels.weights import codebytes, qdot
+from larqlpy.kernels.weights.codebytes import TABLES
 from larqlpy.kernels.weights.qdot import half_bits
 
 FIRST = 8  # gguf_blocks.KIND of Q2_K; Q3_K, IQ4_NL, IQ4_XS, MXFP4 follow in that order
 # IQ4_NL's and IQ4_XS's non-linear grid and MXFP4's doubled e2m1 values, each + 128: the codes
-IQ4 = (np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128).astype(np.uint8)
+IQ4 = TABLES["iq4"]  # the kernels look it up from the file's nibbles (gguf_blocks.TABLED)
 FP4 = (np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]) + 128).astype(np.uint8)
 
 
@@ -130,4 +131,4 @@ def outer(row, at, kind, sc, mn):  # pragma: no cover - jitted
     return np.uint16(_word(row, at)), np.uint16(0)
 
 
-jitcache.tie(globals(), qdot)  # inlines qdot.py's half_bits
+jitcache.tie(globals(), qdot, codebytes)  # inlines qdot.py's half_bits; holds codebytes' IQ4 table

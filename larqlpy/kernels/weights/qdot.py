@@ -23,7 +23,7 @@ from numba.extending import overload
 
 from larqlpy.kernels import jitcache, workshare
 from larqlpy.kernels.jitcache import FASTMATH
-from larqlpy.kernels.weights import simd
+from larqlpy.kernels.weights import codebytes, simd
 from larqlpy.kernels.weights.simd import DOTS
 from larqlpy.kernels.weights.simd import ROWS as TILE
 from larqlpy.kernels.weights.simd import WIDEST as ROWS_PER_CALL
@@ -116,7 +116,7 @@ def quantize_activations(x: np.ndarray, group: int, xq: np.ndarray, xs: np.ndarr
 
 # What `_int_template` reads as globals; each kernel is the template under its own values (`_int_kernel`).
 WIDEST = X_PER = FULL = SPAN = 0
-DOT = DOT_HALF = None
+DOT = DOT_HALF = DOT_LATE = None
 
 
 def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pragma: no cover - jitted
@@ -126,7 +126,8 @@ def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pr
     (`group_value`), or NO_OUTER. The group loop is outside the row loop, so a group's codes are
     read from memory once per tile. Its constants and intrinsics (WIDEST ... DOT_HALF) are globals each
     kernel binds its own way. ahead: how far past each group's codes its first row block prefetches
-    (0: none; kernels/weights/prefetch.py)."""
+    (0: none; kernels/weights/prefetch.py). A half group (of 16) at an odd index runs DOT_LATE: at 5 bits
+    its codes' high words lie before it (codebytes.code_bytes' `first`)."""
     nt, kw, ng, m_rows, nb = codes.shape[0], codes.shape[1], scale.shape[1], x.shape[0], outer.shape[1]
     group = x.shape[1] // ng
     xq8, xs, sxq = np.empty(x.shape, np.int8), np.empty((m_rows, ng), np.float32), np.empty((m_rows, ng), np.int32)
@@ -155,8 +156,10 @@ def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pr
                              oo, xsf, qf, m * ng + g, ng, zc, affine, ahead if m == 0 else 0)
                         if nw == FULL:
                             DOT(*a)
-                        else:
+                        elif g % 2 == 0:
                             DOT_HALF(*a)
+                        else:
+                            DOT_LATE(*a)
                         m += n
                 out[:, t * TILE:(t + 1) * TILE] = acc.reshape(m_rows, TILE)
             c = workshare.take(count)
@@ -170,12 +173,11 @@ def _int_kernel(isa: str, bits: int):
     each one. A function of its own name and globals is cached under that name like any other.
     VNNI takes up to 8 activation rows per intrinsic call, AVX2 2 (simd.WIDEST); a 4-, 5- or 6-bit
     group is half as many code words (of 4 + bits - 4 bytes a row) for as many activations; groups
-    of 16 inputs have their own intrinsics."""
-    def dot(quads):
-        return DOTS.get((isa, bits, quads), DOTS[(isa, bits, 8)])
-
+    of 16 inputs have their own intrinsics. bits: a code width, or a table's name (simd.TABLES)."""
+    late = (isa, bits, 4, 2) if (isa, bits, 4, 2) in DOTS else (isa, bits, 4, 0)
     bound = dict(WIDEST=ROWS_PER_CALL[isa], X_PER=1 if bits == 8 else 2, FULL=8 if bits == 8 else 4,
-                 SPAN=4 + simd.PLANES[bits], DOT=dot(8), DOT_HALF=dot(4))
+                 SPAN=4 + simd.PLANES[bits], DOT=DOTS[(isa, bits, 8, 0)], DOT_HALF=DOTS[(isa, bits, 4, 0)],
+                 DOT_LATE=DOTS[late])
     name = f"_int{bits}_{isa.replace('-', '_')}"
     fn = FunctionType(_int_template.__code__, {**globals(), **bound}, name)
     fn.__qualname__ = name
@@ -262,8 +264,9 @@ def group_sums(x, group, out):  # pragma: no cover - jitted
 
 
 @njit(inline="always", cache=True)
-def code_at(codes, bits, t, j, r):  # pragma: no cover - jitted
-    """Row r of tile t's code for input j, in the tiled layout of `bits` (qweight.py)."""
+def code_at(codes, bits, t, j, r, table):  # pragma: no cover - jitted
+    """Row r of tile t's code for input j, in the tiled layout of `bits` (qweight.py); a nibble stands
+    for table[nibble] where `table` is not empty (simd.TABLES)."""
     if bits == 8:
         return np.int32(codes[t, j // 4, r, j % 4])
     o, half = j // 8, (j % 8) // 4
@@ -275,13 +278,13 @@ def code_at(codes, bits, t, j, r):  # pragma: no cover - jitted
         field = 2 * (o % per) + half
         high = codes[t, o // per * per + r // slots, TILE + r % slots, j % 4]
         u |= np.int32((high >> (field * p)) & ((1 << p) - 1)) << 4
-    return u
+    return np.int32(table[u]) if table.shape[0] else u
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
-def _float_planes(codes, scale, minimum, outer, zero, bits, x, xsum, out):  # pragma: no cover - jitted
-    """5- and 6-bit codes with float activations: each code read on its own (`code_at`). This path
-    runs only where the CPU has no integer one, or when a caller asks for it."""
+def _float_planes(codes, scale, minimum, outer, zero, bits, table, x, xsum, out):  # pragma: no cover - jitted
+    """5- and 6-bit codes and tables with float activations: each code read on its own (`code_at`).
+    This path runs only where the CPU has no integer one, or when a caller asks for it."""
     nt, ng, m_rows, k = codes.shape[0], scale.shape[1], x.shape[0], x.shape[1]
     group, affine, z = k // ng, minimum.shape[0] > 0, np.float32(zero)
     for t in prange(nt):
@@ -291,32 +294,35 @@ def _float_planes(codes, scale, minimum, outer, zero, bits, x, xsum, out):  # pr
                 s[:] = 0.0
                 for j in range(g * group, (g + 1) * group):
                     for r in range(TILE):
-                        s[r] += np.float32(code_at(codes, bits, t, j, r)) * x[m, j]
+                        s[r] += np.float32(code_at(codes, bits, t, j, r, table)) * x[m, j]
                 _add_group(acc, m, s, z, scale, minimum, outer, xsum, t, g, affine)
         for m in range(m_rows):
             out[m, t * TILE:(t + 1) * TILE] = acc[m]
 
 
-INT = {(isa, bits): _int_kernel(isa, bits) for isa in ("vnni512", "avx2") for bits in simd.WIDTHS}
-INT[("avx2-signed", 8)] = _int_kernel("avx2-signed", 8)
+INT = {(isa, bits): _int_kernel(isa, bits) for isa in ("vnni512", "avx2", "avx2-signed") for bits in simd.WIDTHS
+       if simd.fits(isa, bits)}
 FLOAT = {8: _float8, 4: _float4}
+NO_TABLE = np.zeros(0, np.uint8)
 SLOTS = workshare.slots()
 
 
 def gemm(codes, scale, minimum, outer, zero: int, bits: int, x: np.ndarray, path: str, out: np.ndarray,
          ahead: int = 0) -> None:
     """out (M, tiles * TILE) = x (M, k) float32 times the packed codes, on `path`; the integer paths
-    prefetch the codes `ahead` bytes ahead (0: not at all), which changes no number."""
+    prefetch the codes `ahead` bytes ahead (0: not at all), which changes no number. bits: the codes'
+    width, or their table's name (simd.TABLES)."""
     if path == "float":
         xsum = np.empty((x.shape[0], scale.shape[1]), np.float32)
         group_sums(x, x.shape[1] // scale.shape[1], xsum)
         if bits in FLOAT:
             FLOAT[bits](codes, scale, minimum, outer, zero, x, xsum, out)
         else:
-            _float_planes(codes, scale, minimum, outer, zero, bits, x, xsum, out)
+            _float_planes(codes, scale, minimum, outer, zero, simd.layout_bits(bits), simd.TABLES.get(bits, NO_TABLE),
+                          x, xsum, out)
         return
     zc = zero - 128 if path == "avx2-signed" else zero  # its sums are of (u - 128) * xq
     INT[(path, bits)](codes, scale, minimum, outer, zc, x, out, ahead, SLOTS)
 
 
-jitcache.tie(globals(), simd, jitcache, workshare)  # they inline simd.py's intrinsics and workshare's counter
+jitcache.tie(globals(), simd, codebytes, jitcache, workshare)  # they inline simd.py's intrinsics, workshare's counter

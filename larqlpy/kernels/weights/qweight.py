@@ -7,7 +7,8 @@ float32 scale (and minimum) per group of `group` consecutive inputs:
   native       what the GGUF held, exactly (model/native.py), at its own width: Q8_0 as 8-bit codes,
                Q5_0, Q5_1 and Q5_K as 5-bit, Q6_K as 6-bit (in groups of 16), Q4_K, Q4_1 and
                Q4_0 as 4-bit (`narrow`: a matrix stacked with another of a wider type takes its width);
-               Q2_K, Q3_K as 4-bit in groups of 16, IQ4_NL, IQ4_XS as 8-bit, MXFP4 as 5-bit;
+               Q2_K, Q3_K as 4-bit in groups of 16, IQ4_NL, IQ4_XS as their 4-bit indices into
+               their table of codes (kind "iq4": simd.TABLES), MXFP4 as 5-bit;
                IQ3_S, IQ1_S as 5-bit, IQ3_XXS, IQ1_M as 6-bit, IQ2_* as 8-bit (gguf_grid.py)
   bf16         the top 16 bits of the float32 (round to nearest even);              16 bits per weight
 Both formulas round once per operation in float32, as gguf-py's dequantization does, so a GGUF's
@@ -39,7 +40,7 @@ from larqlpy.errors import LarqlError
 from larqlpy.kernels import cpu
 from larqlpy.kernels.weights import dequant, qdot, simd
 from larqlpy.kernels.weights.packing import GROUP, round_codes, search_int4, tile_codes, tile_groups, to_half
-from larqlpy.kernels.weights.qdot import NO_OUTER
+from larqlpy.kernels.weights.qdot import NO_OUTER, NO_TABLE
 from larqlpy.kernels.weights.simd import ROWS as TILE
 
 FORMATS = ("f32", "bf16", "int8", "int4", "native")
@@ -85,9 +86,10 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 class PackedWeight:
     """An (out, in) weight matrix held as bf16 or integer codes in the tiled layout above.
 
-    kind: "bf16", "f16" (a GGUF's float16 matrix as it is), "u8", "u6", "u5" or "u4"; zero, group: the
-    code's zero point and the inputs per scale;
-    lowest, highest: the range of codes present (which kernel paths may take it); outer: a K-quant's
+    kind: "bf16", "f16" (a GGUF's float16 matrix as it is), "u8", "u6", "u5", "u4", or a table's name
+    (simd.TABLES: 4-bit indices into its codes); zero, group: the code's zero point and the inputs per
+    scale; lowest, highest: the range of codes (a table's indices) present (which kernel paths may take
+    it); outer: a K-quant's
     blocks' float16 d and -dmin (tiles, blocks, 2, TILE), beside int8 scale and minimum holding the
     file's sub-block integers (qdot.group_value)."""
 
@@ -97,9 +99,12 @@ class PackedWeight:
         self.kind, self.shape, self.zero, self.group = kind, tuple(shape), int(zero), int(group)
         self.codes, self.scale, self.minimum, self.outer = codes, scale, minimum, outer
         self.lowest, self.highest = int(lowest), int(highest)
-        self.bits = {"u8": 8, "u6": 6, "u5": 5, "u4": 4}.get(kind, 16)
+        self.bits = {"u8": 8, "u6": 6, "u5": 5, "u4": 4, **{t: 4 for t in simd.TABLES}}.get(kind, 16)
         self.half = kind == "f16"  # float16 as a GGUF holds it; bf16 otherwise where bits == 16
-        self.path = "float" if self.bits == 16 else cpu.int_path(self.bits, self.lowest, self.highest)
+        self.table = simd.TABLES.get(kind, NO_TABLE)  # the codes a table's indices stand for
+        self.width = kind if kind in simd.TABLES else self.bits  # the kernels' key (qdot.gemm)
+        self.path = "float" if self.bits == 16 else cpu.int_path(8, int(self.table.min()), int(self.table.max())) \
+            if self.table.size else cpu.int_path(self.bits, self.lowest, self.highest)
         self.ahead = 0  # bytes the CPU kernels prefetch ahead of the codes or rows (prefetch.py sets it)
         # numpy views for the numba kernels, made once: decode calls them for every matrix of every token
         self.arrays = () if codes.device.type != "cpu" else (codes.numpy(),) if self.bits == 16 else \
@@ -109,7 +114,8 @@ class PackedWeight:
     @classmethod
     def from_codes(cls, u: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, zero: int,
                    bits: int) -> "PackedWeight":
-        """Row-major codes u (out, in) uint8 and per-group scale (and minimum) (out, groups), tiled."""
+        """Row-major codes u (out, in) uint8 and per-group scale (and minimum) (out, groups), tiled;
+        bits: a width, or a table's name (u its indices)."""
         n, k = u.shape
         lowest, highest = (int(u.min()), int(u.max())) if u.size else (0, 0)
         pad = -n % TILE  # whole tiles: zero rows (code = zero, scale 0), cut back from outputs
@@ -117,8 +123,8 @@ class PackedWeight:
         def groups(a):
             return None if a is None else tile_groups(np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]))
 
-        return cls.from_tiled(tile_codes(u, bits, zero), (n, k), groups(scale), groups(minimum), zero, bits,
-                              lowest, highest)
+        tiled = tile_codes(u, simd.layout_bits(bits), 0 if bits in simd.TABLES else zero)
+        return cls.from_tiled(tiled, (n, k), groups(scale), groups(minimum), zero, bits, lowest, highest)
 
     @classmethod
     def from_tiled(cls, codes: np.ndarray, shape: tuple[int, int], scale: np.ndarray, minimum: np.ndarray | None,
@@ -133,7 +139,8 @@ class PackedWeight:
             scale, minimum = ([a.astype(np.float16).view(np.uint16) for a in (scale, minimum)] if halves and
                               minimum is not None else (scale.astype(np.float16).view(np.uint16), None) if halves
                               else _halves_if_exact(scale, minimum))
-        return cls(f"u{bits}", shape, torch.from_numpy(codes), _tensor(scale), _tensor(minimum), zero,
+        kind = bits if bits in simd.TABLES else f"u{bits}"
+        return cls(kind, shape, torch.from_numpy(codes), _tensor(scale), _tensor(minimum), zero,
                    shape[1] // scale.shape[1], lowest, highest, _tensor(outer))
 
     @classmethod
@@ -212,7 +219,7 @@ class PackedWeight:
         if self.bits == 16:
             dequant.rows_16(self.arrays[0], ids, out, self.half)
         else:
-            dequant.rows_int(*self.arrays, self.zero, self.bits, ids, out)
+            dequant.rows_int(*self.arrays, self.zero, self.bits, self.table, ids, out)
         return torch.from_numpy(out).view(*idx.shape, self.shape[1])
 
     def _rows_torch(self, idx: torch.Tensor) -> torch.Tensor:
@@ -226,6 +233,8 @@ class PackedWeight:
         if self.bits != 8:
             codes = torch.stack((codes & 15, codes >> 4), dim=2)  # (n, k/8, 2, 4): inputs 8o+i, 8o+4+i
         u = codes.reshape(len(idx), -1).to(torch.int32)
+        if self.table.size:
+            u = torch.from_numpy(self.table).to(device=u.device, dtype=torch.int32)[u.long()]
         if simd.PLANES[self.bits]:
             u = u | (self._high_torch(t, r) << 4)
         g = torch.arange(self.shape[1], device=idx.device) // self.group
@@ -255,7 +264,7 @@ class PackedWeight:
         if self.bits == 16:
             dequant.slab_16(self.arrays[0], t0, t1, slab.numpy(), self.half)
         else:
-            dequant.slab_int(*self.arrays, self.zero, self.bits, t0, t1, slab.numpy())
+            dequant.slab_int(*self.arrays, self.zero, self.bits, self.table, t0, t1, slab.numpy())
         return slab
 
     def matmul(self, x: torch.Tensor, path: str | None = None) -> torch.Tensor:
@@ -273,7 +282,7 @@ class PackedWeight:
                 for i in range(rows):
                     dequant.gemv_16(self.arrays[0], xs[i], out[i], self.ahead, self.half)
             else:
-                qdot.gemm(*self.arrays, self.zero, self.bits, xs, path, out, self.ahead)
+                qdot.gemm(*self.arrays, self.zero, self.width, xs, path, out, self.ahead)
             y = torch.from_numpy(out if out.shape[1] == self.shape[0] else out[:, :self.shape[0]])
             return y if f32 else y.to(x.dtype)
         n, k = self.shape

@@ -8,15 +8,7 @@ intrinsics emit exactly those instructions (checked with `inspect_asm`, tests/te
 Each one computes, for the 64 output rows of one tile and a few activation rows, the exact int32 sums
     dot[m, r] = sum over the group's inputs j of  u[r, j] * xq[m, j]
 with u the weight codes (unsigned bytes) and xq the int8 activations, and adds them, scaled, to the
-float32 outputs (see _make). Layout (qweight.py):
-    8-bit codes: per quad of inputs (4j..4j+3), 64 rows x 4 bytes (row r's four codes adjacent);
-    4-bit codes: per octet (8j..8j+7), 64 rows x 4 bytes, low nibbles inputs 8j..8j+3, high 8j+4..8j+7;
-    5- and 6-bit codes: per octet, the 4-bit layout of their low four bits, then P = 1 (5-bit) or 2
-    (6-bit) x 64 bytes of high bits (`high_at`): a 32-bit word per row for every 4 / P octets, whose
-    byte i holds, in field f = 2 (o mod 4/P) + h (bits f P .. f P + P - 1), the high bits of input
-    8o + 4h + i -- so a shift and a mask put them beside the nibbles of the same byte. The words of
-    an octet group's rows 0 .. 16P - 1 lie after its first octet's nibbles, the next 16P rows after
-    its second's, and so on.
+float32 outputs (see _make). The codes' layouts, and how each is unpacked into bytes: codebytes.py.
 Integer sums are exact, so every path that computes them gives the same numbers bit for bit.
 
 Arguments (flat arrays and offsets into them): acc float32 and the offset of row m0's outputs (rows
@@ -36,36 +28,13 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-ROWS = 64  # the tile: qweight.TILE
-PLANES = {8: 0, 4: 0, 5: 1, 6: 2}  # code width -> its bits above the nibbles (P)
-
-
-def high_at(planes: int, octet: int, row: int) -> tuple[int, int, int]:
-    """Where the high bits of `row`'s codes of `octet` lie in the 5- / 6-bit layout (P = `planes`):
-    (the octet whose area holds the word, the word's slot in that area, the octet's field f in each
-    byte: inputs 8o + i at field f, 8o + 4 + i at f + 1)."""
-    per, slots = 4 // planes, ROWS * planes // 4
-    return octet // per * per + row // slots, row % slots, 2 * (octet % per)
-
-
-def _fn(builder, name: str, ret, args):
-    module = builder.module
-    try:
-        return module.get_global(name)
-    except KeyError:
-        return ir.Function(module, ir.FunctionType(ret, args), name=name)
+from larqlpy.kernels.weights.codebytes import I8, I16, I32, PLANES, ROWS, TABLES, code_bytes, fn, splat
+from larqlpy.kernels.weights.codebytes import high_at, layout_bits  # noqa: F401 - simd.* to the kernels' users
 
 
 def _ptr(context, builder, aty, arr, offset, vty):
     data = context.make_array(aty)(context, builder, arr).data
     return builder.bitcast(builder.gep(data, [offset]), vty.as_pointer())
-
-
-def _splat(builder, value, vty):
-    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined),
-                                  ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
 
 
 class _Args:
@@ -131,12 +100,12 @@ def _add_scaled(a: _Args, sums, affine: bool, registers: int, vectors) -> None:
         rows.append((a.at(12, a.xs, q, 0, ir.FloatType())[1], a.at(13, a.sxq, q, 0, I32)[1]))
     olds = [[a.at(0, a.acc, a.aoff, m * ROWS + v * width, fv) for v in vectors] for m in range(n_rows)] \
         if early else None
-    fma = _fn(b, f"llvm.fma.v{width}f32", fv, [fv, fv, fv])
+    fma = fn(b, f"llvm.fma.v{width}f32", fv, [fv, fv, fv])
     for m in range(n_rows):
         c, s = rows[m]
-        zs = _splat(b, b.mul(a.zc, s), sums[m][0].type)
-        cv = _splat(b, c, fv)
-        xsum = _splat(b, b.fmul(c, b.sitofp(s, ir.FloatType())), fv)
+        zs = splat(b, b.mul(a.zc, s), sums[m][0].type)
+        cv = splat(b, c, fv)
+        xsum = splat(b, b.fmul(c, b.sitofp(s, ir.FloatType())), fv)
         for i, (v, d) in enumerate(zip(vectors, sums[m])):
             f = b.fmul(cv, b.sitofp(b.sub(d, zs), fv))
             p, old = olds[m][i] if early else a.at(0, a.acc, a.aoff, m * ROWS + v * width, fv)
@@ -160,8 +129,8 @@ def prefetch(typingctx, arr, at):
 
 def _hint(builder, at) -> None:
     """llvm.prefetch of the byte `at` points to: a read, into every cache level, of data."""
-    fn = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
-    builder.call(fn, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+    hint = fn(builder, "llvm.prefetch.p0", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+    builder.call(hint, [at, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def _prefetch(a: "_Args", span: int) -> None:
@@ -174,7 +143,7 @@ def _prefetch(a: "_Args", span: int) -> None:
             _hint(b, _ptr(a.context, b, a.ty[2], a.codes, b.add(a.coff, b.add(ahead, ir.Constant(a.idx, line))), I8))
 
 
-def _make(emit, quads: int, width: int, widest: int, registers: int):
+def _make(emit, quads: int, width, widest: int, registers: int, first: int = 0):
     """An intrinsic that sums one group for its first argument's count of activation rows, 1 to
     `widest` (`emit`; a switch over the counts, each its own code), and adds the scaled sums to the
     float32 outputs, in registers:
@@ -184,7 +153,7 @@ def _make(emit, quads: int, width: int, widest: int, registers: int):
     Up to BLOCK rows sum the whole tile at once; more rows sum it two output vectors at a time, each
     code vector still unpacked once for every row, so their sums and the activations stay in
     registers. `registers`: how many vector registers the instruction set has (what may be loaded
-    early)."""
+    early); first: codebytes.code_bytes'."""
 
     @intrinsic
     def dot(typingctx, rows, acc, aoff, codes, coff, x, xoff, xstride, scale, soff, minimum, outer, ooff, xs, sxq,
@@ -203,7 +172,7 @@ def _make(emit, quads: int, width: int, widest: int, registers: int):
                 block = builder.append_basic_block(f"rows_{n}")
                 cases.add_case(ir.Constant(args[0].type, n), block)
                 builder.position_at_end(block)
-                _sum_rows(a, emit, quads, width, n, registers, flag)
+                _sum_rows(a, emit, quads, width, n, registers, flag, first)
                 builder.branch(done)
             builder.position_at_end(done)
             return context.get_dummy_value()
@@ -213,12 +182,12 @@ def _make(emit, quads: int, width: int, widest: int, registers: int):
     return dot
 
 
-def _sum_rows(a: _Args, emit, quads: int, width: int, rows: int, registers: int, affine) -> None:
+def _sum_rows(a: _Args, emit, quads: int, width, rows: int, registers: int, affine, first: int) -> None:
     """One group's sums for `rows` activation rows, added scaled to their outputs (`_make`)."""
     b, lanes = a.builder, 64 // emit.vectors
     per = emit.vectors if rows <= BLOCK else 2
     for vectors in [range(v, v + per) for v in range(0, emit.vectors, per)]:
-        sums = emit(b, a.codes_at, a.x_of, quads, width, rows, vectors, lanes)  # sums[row][i], of vectors[i]
+        sums = emit(b, a.codes_at, a.x_of, quads, width, rows, vectors, lanes, first)  # sums[row][i], of vectors[i]
         with b.if_else(affine) as (with_minimum, without):
             with with_minimum:
                 _add_scaled(a, sums, True, registers, vectors)
@@ -226,45 +195,17 @@ def _sum_rows(a: _Args, emit, quads: int, width: int, rows: int, registers: int,
                 _add_scaled(a, sums, False, registers, vectors)
 
 
-def _parts(builder, codes_at, width: int, octet: int, v: int, lanes: int):
-    """The code bytes of rows v * lanes .. of one octet (4-, 5-, 6-bit) or quad (8-bit) as <lanes x
-    i32> vectors: [the codes] for 8 bits, else [inputs 8j..8j+3, inputs 8j+4..8j+7], each byte one
-    code, its high bits (5, 6 bits) shifted out of the rows' high words and masked into place."""
-    vty = ir.VectorType(I32, lanes)
-    span = 4 + PLANES[width]  # bytes a row takes per octet (or quad)
-    raw = codes_at(octet * ROWS * span + v * lanes * 4, vty)
-    if width == 8:
-        return [raw]
-
-    def const(value):
-        return _splat(builder, ir.Constant(I32, value), vty)
-
-    mask = const(0x0F0F0F0F)
-    parts = [builder.and_(raw, mask), builder.and_(builder.lshr(raw, const(4)), mask)]
-    p = PLANES[width]
-    if p:
-        area, slot, field = high_at(p, octet, v * lanes)
-        word = codes_at(area * ROWS * span + ROWS * 4 + slot * 4, vty)
-        top = const(((1 << p) - 1) * 0x10101010)  # the code's bits 4 .. 3 + P in every byte
-        for h in range(2):
-            shift = 4 - (field + h) * p
-            moved = builder.shl(word, const(shift)) if shift > 0 else \
-                builder.lshr(word, const(-shift)) if shift < 0 else word
-            parts[h] = builder.or_(parts[h], builder.and_(moved, top))
-    return parts
-
-
-def _vnni512(builder, codes_at, x_of, quads, width, rows, vectors, lanes):
+def _vnni512(builder, codes_at, x_of, quads, width, rows, vectors, lanes, first=0):
     """AVX-512 VNNI: 16 rows per zmm, one vpdpbusd per 16 rows x 4 inputs; each code vector loaded
     once for all the activation rows (of `vectors`, the tile's zmm of outputs this pass sums)."""
     v16 = ir.VectorType(I32, lanes)
-    dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
+    dp = fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
     acc = [[ir.Constant(v16, None)] * len(vectors) for _ in range(rows)]
     step = 1 if width == 8 else 2
     for q in range(0, quads, step):
-        xs = [[_splat(builder, x_of(m, q + h), v16) for h in range(step)] for m in range(rows)]
+        xs = [[splat(builder, x_of(m, q + h), v16) for h in range(step)] for m in range(rows)]
         for i, v in enumerate(vectors):
-            parts = _parts(builder, codes_at, width, q // step, v, lanes)
+            parts = code_bytes(builder, codes_at, width, q // step, v, lanes, first)
             for m in range(rows):
                 for part, xb in zip(parts, xs[m]):
                     acc[m][i] = builder.call(dp, [acc[m][i], part, xb])
@@ -281,27 +222,26 @@ def _avx2(signed: bool):
     with `signed` the codes u in 1..255 are taken as u - 128 and the sign of the activation moved onto
     them (llama.cpp's trick), so the unsigned side is |x| <= 127. The caller adds 128 * sum(xq) back."""
 
-    def emit(builder, codes_at, x_of, quads, width, rows, vectors, lanes):
+    def emit(builder, codes_at, x_of, quads, width, rows, vectors, lanes, first=0):
         v8, b32, w16 = ir.VectorType(I32, lanes), ir.VectorType(I8, 32), ir.VectorType(I16, 16)
-        maddubs = _fn(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [b32, b32])
-        maddwd = _fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [w16, w16])
-        sign = _fn(builder, "llvm.x86.avx2.psign.b", b32, [b32, b32])
-        absb = _fn(builder, "llvm.abs.v32i8", b32, [b32, ir.IntType(1)])
+        maddubs = fn(builder, "llvm.x86.avx2.pmadd.ub.sw", w16, [b32, b32])
+        maddwd = fn(builder, "llvm.x86.avx2.pmadd.wd", v8, [w16, w16])
+        sign = fn(builder, "llvm.x86.avx2.psign.b", b32, [b32, b32])
+        absb = fn(builder, "llvm.abs.v32i8", b32, [b32, ir.IntType(1)])
         ones = ir.Constant(w16, [1] * 16)
-        flip = ir.Constant(b32, [0x80] * 32)
         acc = [[ir.Constant(v8, None)] * len(vectors) for _ in range(rows)]
         step = 1 if width == 8 else 2
         for q in range(0, quads, step):
-            xs = [[builder.bitcast(_splat(builder, x_of(m, q + h), v8), b32) for h in range(step)] for m in range(rows)]
+            xs = [[builder.bitcast(splat(builder, x_of(m, q + h), v8), b32) for h in range(step)] for m in range(rows)]
             ax = [[builder.call(absb, [xb, ir.Constant(ir.IntType(1), 0)]) for xb in row] for row in xs] \
                 if signed else None
             for i, v in enumerate(vectors):
-                parts = _parts(builder, codes_at, width, q // step, v, lanes)
+                parts = code_bytes(builder, codes_at, width, q // step, v, lanes, first, signed)
                 for m in range(rows):
                     for h, (part, xb) in enumerate(zip(parts, xs[m])):
                         part = builder.bitcast(part, b32)
                         if signed:
-                            pairs = builder.call(maddubs, [ax[m][h], builder.call(sign, [builder.xor(part, flip), xb])])
+                            pairs = builder.call(maddubs, [ax[m][h], builder.call(sign, [part, xb])])
                         else:
                             pairs = builder.call(maddubs, [part, xb])
                         acc[m][i] = builder.add(acc[m][i], builder.call(maddwd, [pairs, ones]))
@@ -311,17 +251,35 @@ def _avx2(signed: bool):
     return emit
 
 
-# (isa, bits, quads) -> intrinsic over 1 .. WIDEST[isa] rows; quads 8 = groups of 32 inputs, 4 = groups
-# of 16 (Q6_K). VNNI sums up to BLOCK rows over a whole tile (32 zmm hold their sums) and more two
-# output vectors at a time, each code vector unpacked once for them all; AVX2 takes PAIR rows (its 16
-# ymm hold one row's sums, so two spill, but each code byte is unpacked once for both: docs/weights.md
-# has what it bought).
+# (isa, bits, quads, first) -> intrinsic over 1 .. WIDEST[isa] rows; quads 8 = groups of 32 inputs, 4 =
+# groups of 16 (Q6_K); first: where the group starts in its high words' span (codebytes.code_bytes: 0,
+# or 2 for a 5-bit group of 16 at an odd index). VNNI sums up to BLOCK rows over a whole tile (32 zmm hold their
+# sums) and more two output vectors at a time, each code vector unpacked once for them all; AVX2 takes
+# PAIR rows (its 16 ymm hold one row's sums, so two spill, but each code byte is unpacked once for
+# both: docs/weights.md has what it bought).
 BLOCK = 4
 PAIR = 2
 WIDEST = {"vnni512": 8, "avx2": PAIR, "avx2-signed": PAIR}
-WIDTHS = (8, 4, 5, 6)
-DOTS = {(isa, bits, quads): _make(emit, quads, bits, WIDEST[isa], registers)
+WIDTHS = (8, 4, 5, 6, *TABLES)
+
+
+def fits(isa: str, width) -> bool:
+    """Whether `isa` sums codes of `width` exactly: AVX2's unsigned byte products saturate above 127
+    (a table's codes are fixed: it fits where they all do), its signed form takes 8-bit codes and
+    tables of codes 1..255 (cpu.int_path chooses among 8-bit codes by the range present)."""
+    if isa == "avx2-signed":
+        return width == 8 or (width in TABLES and TABLES[width].min() >= 1)
+    return isa != "avx2" or width not in TABLES or TABLES[width].max() <= 127
+
+
+def firsts(width, quads: int) -> tuple[int, ...]:
+    """Where a group of `quads` may start within its high words' span of 4 / P octets."""
+    if width == 8 or not PLANES[width]:
+        return (0,)
+    return tuple(range(0, 4 // PLANES[width], max(1, quads // 2)))
+
+
+DOTS = {(isa, bits, quads, first): _make(emit, quads, bits, WIDEST[isa], registers, first)
         for isa, emit, registers in (("vnni512", _vnni512, 32), ("avx2", _avx2(False), 16),
                                      ("avx2-signed", _avx2(True), 16))
-        for bits in WIDTHS for quads in (8, 4)
-        if not (isa == "avx2-signed" and bits != 8)}
+        for bits in WIDTHS if fits(isa, bits) for quads in (8, 4) for first in firsts(bits, quads)}
