@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import numba
@@ -58,6 +59,39 @@ def test_a_count_the_user_fixed_is_kept_and_sleeping_threads_keep_their_share(mo
     assert [follow.wanted(n) for n in (0, 1, 2, 3)] == [2, 1, 2, 2]
     monkeypatch.delenv("OMP_WAIT_POLICY")  # spinning ones never wait for a partner that shares a core
     assert [threads.LoadFollower().wanted(n) for n in (0, 1, 2, 3)] == [2, 1, 1, 1]
+
+
+def test_a_count_given_wins_over_an_environment_set_after_torch_read_it(monkeypatch, counts):
+    """Ray sets OMP_NUM_THREADS in a worker after torch has read it: `use_cores(1)` there must still
+    run torch and numba on one thread; with no count given, the environment's is kept."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(2)
+    assert threads.use_cores(1) == 1 and torch.get_num_threads() == 1 and numba.get_num_threads() == 1
+    assert threads.planned() == 1
+    torch.set_num_threads(2)
+    threads.use_cores()
+    assert torch.get_num_threads() == 2
+
+
+def test_a_new_stepping_thread_runs_the_planned_count_where_the_load_is_not_followed(monkeypatch, counts):
+    """numba's count is each thread's own: a server's engine thread (a 1-CPU Ray replica's) that never
+    set it ran every CPU, whatever `use_cores` said on the main thread."""
+    for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "LARQLPY_FOLLOW_LOAD"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(threads, "_planned", 1)
+    numba.set_num_threads(1)
+    seen = {}
+
+    def step():
+        seen["before"] = numba.get_num_threads()
+        follow = threads.LoadFollower()
+        seen["follows"], seen["count"] = follow.on, follow()
+        seen["after"] = numba.get_num_threads()
+
+    t = threading.Thread(target=step)
+    t.start()
+    t.join()
+    assert seen == {"before": numba.config.NUMBA_NUM_THREADS, "follows": False, "count": 1, "after": 1}
 
 
 @pytest.mark.skipif(threads.os.cpu_count() != len(threads.os.sched_getaffinity(0)),

@@ -34,15 +34,22 @@ def cores() -> int:
 
 
 def use_cores(n: int | None = None) -> int:
-    """Run torch's and numba's threads on `n` CPUs (default: `cores()`); returns the count."""
+    """Run torch's and numba's threads on `n` CPUs (default: `cores()`, or the counts the environment
+    fixed); returns the count. A count given here wins over the environment's: Ray sets
+    OMP_NUM_THREADS in its workers after torch has read it, so a 1-CPU replica ran torch on every CPU."""
     global _planned
+    given = n is not None
     n = max(1, n or cores())
-    if "OMP_NUM_THREADS" not in os.environ:
+    if given or "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(n)
-    if "NUMBA_NUM_THREADS" not in os.environ:
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(_numba_count(n))
     _planned = torch.get_num_threads()
     return n
+
+
+def _numba_count(n: int) -> int:
+    """numba's threads for `n` planned: within its pool (NUMBA_NUM_THREADS, where the user set one)."""
+    return min(n, numba.config.NUMBA_NUM_THREADS)
 
 
 def planned() -> int:
@@ -78,16 +85,22 @@ class LoadFollower:
     def __init__(self, on: bool = True):
         self.most = planned()
         self.now = 0  # not yet set on the stepping thread (an earlier follower may have left fewer)
+        self.cpu = on
         self.on = on and not pinned() and self.most > 1
         self.sleeping = sleeping()
         self.next_at, self.lower, self.higher = 0.0, 0, 0
 
     def __call__(self) -> int:
-        """Apply the count the load asks for now; returns the count in force."""
-        if not self.on:
+        """Apply the count the load asks for now; returns the count in force. The first call sets the
+        planned count on the stepping thread even where the load is not followed: numba's count is
+        each thread's own, and a thread that never set it runs every CPU (a server's engine thread,
+        a 1-CPU Ray replica's: two such replicas' spinning second threads took a 2-core machine)."""
+        if not self.cpu:
             return self.most
         if not self.now:
             self.set(self.most)
+        if not self.on:
+            return self.now
         t = time.monotonic()
         if t < self.next_at:
             return self.now
@@ -111,4 +124,4 @@ class LoadFollower:
     def set(self, n: int) -> None:
         self.now, self.lower, self.higher = n, 0, 0
         torch.set_num_threads(n)
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(_numba_count(n))
