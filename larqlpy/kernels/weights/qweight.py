@@ -45,7 +45,7 @@ from larqlpy.kernels.weights.simd import ROWS as TILE
 
 FORMATS = ("f32", "bf16", "int8", "int4", "native")
 SLAB_BYTES = 16 << 20  # float32 scratch per dequantized slab in prefill
-PACK_VERSION = 6  # bump when packing changes what a format's codes are: cached packs are rebuilt
+PACK_VERSION = 7  # bump when packing changes what a format's codes are (7: Gemma 4's per-layer inputs)
 GEMV_ROWS = 16  # bf16 / float path: up to this many rows run a GEMV, faster there than a slab
 NO_MINIMUM = np.zeros((0, 1, TILE), np.float32)
 
