@@ -83,6 +83,7 @@ def test_a_sequence_in_a_batch_is_bit_identical_to_alone_with_int8_weights(real_
         assert all(torch.equal(a, b) for a, b in zip(got[job.key][1], logits)), job.key
 
 
+@pytest.mark.heavy  # the suite's 30-minute budget
 def test_native_weights_too(real_dir, long_text):
     loaded = load(real_dir, device="cpu", weights="native")
     jobs = mixed_jobs(loaded.tokenizer, long_text, tokens=6)[:4]

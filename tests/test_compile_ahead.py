@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from larqlpy.kernels import ahead
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +52,7 @@ def test_every_job_name_is_a_job():
     assert set(names) <= set(ahead.jobs())
 
 
+@pytest.mark.heavy  # a helper process compiling: the suite's 30-minute budget
 def test_the_jobs_compile_the_signatures_the_run_calls():
     """Every kernel a job compiles is one the run calls, with the same signature: the run calls none
     of them again with another (it would compile it anew: the helper's work wasted)."""

@@ -36,7 +36,8 @@ def base(long_text, engine, options, **kw) -> dict:
     return {"prompt": long_text[:700], "max_tokens": 4, "temperature": 0.8, **where, **kw}  # past one CHUNK
 
 
-@pytest.mark.parametrize("engine, options", ENGINES, ids=[e or "no-cache" for e, _ in ENGINES])
+@pytest.mark.parametrize("engine, options", [  # codec/v1 heavy: the suite's 30-minute budget
+    pytest.param(e, o, id=e or "no-cache", marks=pytest.mark.heavy if e == "codec/v1" else ()) for e, o in ENGINES])
 def test_each_choice_is_the_request_on_its_own_seed(smol, long_text, engine, options):
     raw = base(long_text, engine, options)
     apart = dict(execute_many(smol, [(i, Request.from_dict({**raw, "seed": 7 + i})) for i in range(3)], parallel=3))

@@ -239,7 +239,7 @@ def test_the_cli_runs_a_gguf_and_says_so(links, smol_dir):
     assert d["model_type"] == "llama" and "Q4_1" in d["dtypes"]
 
 
-@pytest.mark.parametrize("name", TWO_LEVEL)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.heavy) if n == "Q5_K" else n for n in TWO_LEVEL])
 def test_k_quants_held_at_the_files_own_bits_give_the_numbers_of_whole_scales(name):
     """A K-quant packed as the file holds it (integer sub-block scales beside each block's d and
     -dmin) multiplies, on every path this CPU runs, and gathers rows to the bits the same codes give

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 WORK = r"""
 import hashlib, json
 import numpy as np, torch
@@ -66,6 +68,7 @@ print(json.dumps(hashes))
 """
 
 
+@pytest.mark.heavy  # ~90 s compiling into a fresh cache: the suite's 30-minute budget
 def test_a_kernel_from_the_cache_gives_the_bits_it_gave_when_compiled(tmp_path):
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}

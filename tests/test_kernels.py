@@ -110,7 +110,7 @@ def test_narrow_codes_give_the_bits_of_their_8_bit_form(bits, base, zero, group,
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("rows", [1, 3, 5, 9, 40])
+@pytest.mark.parametrize("rows", [1, 3, 5, pytest.param(9, marks=pytest.mark.heavy), 40])  # 9: the suite's budget
 def test_every_path_against_float64(case, rows):
     u, scale, minimum, zero, p = rand_codes(**CASES[case])
     w = weights64(u, scale, minimum, zero)

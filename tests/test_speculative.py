@@ -174,7 +174,8 @@ def test_greedy_output_is_plain_decode_with_a_draft_and_with_lookup(smol_pair, e
         assert drafted["stats"]["acceptance_rate"] > 0.5  # the draft is the target itself
 
 
-@pytest.mark.parametrize("budget", ["1MiB", "4MiB", "16MiB"])
+@pytest.mark.parametrize("budget", ["1MiB", pytest.param("4MiB", marks=pytest.mark.heavy),
+                                    pytest.param("16MiB", marks=pytest.mark.heavy)])  # the suite's budget
 def test_under_a_cells_budget_speculation_keeps_plain_decodes_ids_and_cells(smol_pair, tmp_path, budget):
     """Issue 60: cells/v1 demotes cells as its budget says after every block. A verification's rows are
     proposed only as far as the budget decides nothing at their ends, so trimmed back the state is
