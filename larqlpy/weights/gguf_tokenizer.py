@@ -47,12 +47,7 @@ def byte_level_bpe(m: Meta):
     # llama.cpp keeps the vocabulary in GPT-2's byte alphabet; a token outside it is respelled through it
     vocab = {t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)}
     rules = NAMES[m.get("tokenizer.ggml.pre", "default")]
-    try:  # `tokenizers` checks every merge against the vocabulary as it builds (gguf_check leaves it that)
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(x.split(" ", 1)) for x in merges], dropout=None,
-                                   fuse_unk=False, byte_fallback=False, ignore_merges=rules.ignore_merges))
-    except Exception as e:
-        why = bad_merge(merges, vocab) or f"tokenizer.ggml.merges: {str(e).splitlines()[0]}"
-        raise LarqlError(f"{m.reader.src}: {why}") from None
+    tok = merged_bpe(m, vocab, merges, byte_fallback=False, ignore_merges=rules.ignore_merges)
     # llama.cpp splits with each regex in turn, matches and the text between them each a piece
     tok.pre_tokenizer = pre_tokenizers.Sequence([*(pre_tokenizers.Split(Regex(r), "isolated") for r in rules.regexes),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -64,6 +59,18 @@ def byte_level_bpe(m: Meta):
     tok.add_tokens([AddedToken(t, normalized=False, special=False)
                     for t, ty in zip(tokens, types) if ty == 4 and t in vocab])
     return tok, _config(m, tokens, add_bos_default=rules.add_bos, cls="GPT2Tokenizer")
+
+
+def merged_bpe(m: Meta, vocab: dict[str, int], merges: list[str], **options) -> Tokenizer:
+    """A BPE of the file's vocabulary and "left right" merges; a merge that does not fit the
+    vocabulary is refused in one line (`tokenizers` checks every merge as it builds; gguf_check leaves
+    it that)."""
+    try:
+        return Tokenizer(models.BPE(vocab=vocab, merges=[tuple(x.split(" ", 1)) for x in merges], dropout=None,
+                                    fuse_unk=False, **options))
+    except Exception as e:
+        why = bad_merge(merges, vocab) or f"tokenizer.ggml.merges: {str(e).splitlines()[0]}"
+        raise LarqlError(f"{m.reader.src}: {why}") from None
 
 
 def bad_merge(merges: list[str], vocab: dict[str, int]) -> str | None:
@@ -160,12 +167,7 @@ def gemma4_bpe(m: Meta):
     types = list(m.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     merges = m.get("tokenizer.ggml.merges")
     vocab = {t: i for i, t in enumerate(tokens)}
-    try:  # `tokenizers` checks every merge against the vocabulary as it builds
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(x.split(" ", 1)) for x in merges], dropout=None,
-                                   fuse_unk=False, byte_fallback=True))
-    except Exception as e:
-        why = bad_merge(merges, vocab) or f"tokenizer.ggml.merges: {str(e).splitlines()[0]}"
-        raise LarqlError(f"{m.reader.src}: {why}") from None
+    tok = merged_bpe(m, vocab, merges, byte_fallback=True)
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|\n+"), "isolated")
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
