@@ -62,6 +62,16 @@ def check_output(path: str | os.PathLike, what: str, inputs: Sequence[str | os.P
     return path
 
 
+def check_room(path: str | os.PathLike, need: int, what: str) -> None:
+    """Refuse, before any work, a write of about `need` bytes beside `path` that the disk cannot hold
+    (a tenth more kept free): a full disk found halfway costs the minutes spent and the temp files."""
+    parent = Path(path).parent if str(Path(path).parent) else Path(".")
+    free = shutil.disk_usage(parent).free
+    if need + need // 10 > free:
+        raise LarqlError(f"{what} {path}: needs about {need / 2**30:.1f} GiB, and {parent} has "
+                         f"{free / 2**30:.1f} GiB free")
+
+
 def _open_temp(tmp: Path, what: str, path: Path) -> int:
     """The temp file `tmp`, created and locked; a refusal naming `path` when no file can be made there."""
     try:

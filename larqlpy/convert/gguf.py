@@ -17,11 +17,12 @@ from typing import Callable
 import gguf
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from larqlpy.convert.native import native_codes
 from larqlpy.errors import LarqlError
-from larqlpy.files import atomic_directory, check_output
+from larqlpy.files import atomic_directory, check_output, check_room
 from larqlpy.model.families import config_from_dict, read_config
 from larqlpy.weights import native_file
 from larqlpy.weights.checkpoint import Checkpoint, check_finite, wanted_tensors
@@ -60,6 +61,7 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
     if config_from_dict(config).layout == "gpt2":  # a directory holds GPT-2's Conv1D matrices transposed
         raise LarqlError(f"{src}: gpt2 runs from the GGUF file itself; convert-gguf does not write GPT-2's layout")
     ours = used_tensors(src, meta.reader.tensors, arch, config, allow_unused_tensors)
+    check_room(dest, written_bytes(ours, dtype), "DEST")
     step = progress or (lambda what, done, total: None)
     total = len(ours) + 1
     step("tokenizer", 0, total)
@@ -88,7 +90,10 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
         tensors[name] = stored(arch.hf_values(t.name, w, config, is_norm), t.tensor_type.name, dtype)
 
     with atomic_directory(dest, replace=True) as tmp:  # a crash leaves no half-written model directory
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": src.name})
+        try:
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": src.name})
+        except SafetensorError as e:  # a disk filled by another writer since check_room: one line
+            raise LarqlError(f"DEST {dest}: cannot write model.safetensors ({e})") from None
         write_metadata(tmp, {**config, "torch_dtype": dtype}, *tokenizer)
         fingerprint = Checkpoint(tmp, read_config(tmp)).fingerprint  # not the path
         native_file.write(tmp / native_file.FILE, codes, floats, fingerprint)
@@ -109,6 +114,17 @@ def used_tensors(src: Path, tensors: list, arch: Arch, config: dict, allow_unuse
 
 
 STORED = ("bfloat16", "float32")
+
+
+def written_bytes(ours: list, dtype: str) -> int:
+    """About what convert_gguf writes: each tensor at `dtype` (norms and biases at float32, a float
+    matrix at its own width where dtype is bfloat16), and the quantized ones again as their codes."""
+    total = 0
+    for t, _ in ours:
+        n = int(np.prod(t.shape))
+        wide = dtype == "float32" or len(t.shape) < 2
+        total += n * (4 if wide else 2) + (0 if t.tensor_type.name in OWN else int(t.n_bytes))
+    return total
 OWN = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
 
 
