@@ -19,8 +19,8 @@ import torch
 from larqlpy.convert.native import SUPPORTED, decompose
 from larqlpy.errors import LarqlError
 from larqlpy.kernels import cpu
-from larqlpy.kernels.weights.gguf_blocks import (INDEX, LAYOUTS, TWO_LEVEL, BlockRows, packed_width, tiled_arrays,
-                                                 unpack, unpack_tiled)
+from larqlpy.kernels.weights.gguf_blocks import (INDEX, JOINT, LAYOUTS, TWO_LEVEL, BlockRows, packed_width,
+                                                 tiled_arrays, unpack, unpack_tiled)
 from larqlpy.kernels.weights.qweight import TILE, PackedWeight, tile_codes
 from larqlpy.kernels.weights.simd import fits, layout_bits
 from larqlpy.weights import gguf_file
@@ -243,8 +243,8 @@ def test_the_cli_runs_a_gguf_and_says_so(links, smol_dir):
 def test_k_quants_held_at_the_files_own_bits_give_the_numbers_of_whole_scales(name):
     """A K-quant packed as the file holds it (integer sub-block scales beside each block's d and
     -dmin) multiplies, on every path this CPU runs, and gathers rows to the bits the same codes give
-    with float32 group scales, and takes the bytes the file takes plus 2 per 256 weights (Q2_K and Q3_K
-    run 4-bit codes: their own codes' width, not the file's; IQ4_XS its table's 4-bit indices)."""
+    with float32 group scales, and takes the bytes the file takes plus 2 per 256 weights (Q3_K's 6-bit
+    scales a byte each per 16; IQ4_XS its table's 4-bit indices)."""
     size, per, _, _, zero, affine = LAYOUTS[name]
     n, k = TILE + 9, 3 * 256
     raw = random_blocks(Q[name], n * k // per, seed=11 + len(name)).reshape(n, -1)
@@ -257,11 +257,11 @@ def test_k_quants_held_at_the_files_own_bits_give_the_numbers_of_whole_scales(na
     u, s, m, z, _ = unpack(raw, name, (n, k))
     u = INDEX[bits][u] if bits in INDEX else (u.astype(np.int32) - base).astype(np.uint8)  # a table's: indices
     whole = PackedWeight.from_codes(u, s, m, z - base, bits)
-    assert two.scale.dtype == torch.int8 and whole.scale.dtype == torch.float32
+    assert two.scale.dtype == (torch.uint8 if name in JOINT else torch.int8) and whole.scale.dtype == torch.float32
     group = LAYOUTS[name][3]
     held = two.nbytes * 8 / (nt * TILE * k)  # int8 sub-block integers, d and -dmin per block:
     assert held <= layout_bits(bits) + 8 * (1 + affine) / group + 2 * 16 / per
-    if name in ("Q4_K", "Q5_K", "Q6_K"):  # codes at the file's own width: its bytes + d and -dmin
+    if name in ("Q4_K", "Q5_K", "Q6_K", "Q2_K"):  # codes and scales at the file's own width: its bytes + d and -dmin
         assert held <= 8 * size / per + 2 * 16 / 256
     for a, b in zip(two.group_values(), whole.group_values()):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))

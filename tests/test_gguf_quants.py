@@ -103,7 +103,7 @@ def packed(raw: np.ndarray, name: str, shape: tuple[int, int]) -> PackedWeight:
 
 @pytest.mark.parametrize("name", NEW)
 def test_packed_rows_and_products_on_every_path(name):
-    """Packed at its run width (Q2_K, Q3_K at 4 bits, MXFP4, IQ3_S, IQ1_S at 5, IQ3_XXS, IQ1_M at 6, IQ2 at 8,
+    """Packed at its run width (Q2_K at 2 bits, Q3_K at 3, MXFP4, IQ3_S, IQ1_S at 5, IQ3_XXS, IQ1_M at 6, IQ2 at 8,
     IQ4 as its table's 4-bit indices; two-level where the file's scales are), rows gather to gguf-py's
     values and every path's product equals the same codes' with float32 group scales."""
     per = LAYOUTS[name][1]

@@ -51,6 +51,14 @@ def test_table_codes_give_the_bits_of_their_8_bit_codes(name, kind):
     assert w.kind == "iq4" and w.bits == 4 and w.path == before.path
     held = w.nbytes * 8 / (w.codes.shape[0] * TILE * shape[1])
     assert held == pytest.approx(HELD[name]) and w.nbytes < before.nbytes * 0.6
+    holds_their_bits(w, before, raw, name, shape, kind)
+
+
+def holds_their_bits(w: PackedWeight, before: PackedWeight, raw: np.ndarray, name: str, shape: tuple[int, int],
+                     kind: str) -> None:
+    """w's rows gather to gguf-py's values, every integer path this CPU has gives `before`'s bits for 1,
+    2, 3 and 8 rows, and on random blocks the float path (a GEMV, and slabs past 16 rows) gives gguf-py's
+    values times x."""
     want = reference(raw, name, shape)
     idx = torch.tensor(sorted({0, 3, shape[0] - 1}))
     for rows in (w.rows(idx), w._rows_torch(idx)):
@@ -61,7 +69,7 @@ def test_table_codes_give_the_bits_of_their_8_bit_codes(name, kind):
     for path in ints:
         for rows in (1, 2, 3, 8):
             assert same_bits(w.matmul(x[:rows], path).numpy(), before.matmul(x[:rows], path).numpy()), (path, rows)
-    if kind == "random":  # the float path (a GEMV, and slabs past 16 rows): gguf-py's values times x
+    if kind == "random":
         for xs in (x[:1], x[:8], torch.randn(40, shape[1])):
             exact = xs.double().numpy() @ want.astype(np.float64).T
             assert np.abs(w.matmul(xs, "float").double().numpy() - exact).max() <= 1e-5 * np.abs(exact).max()

@@ -17,6 +17,7 @@ from larqlpy.errors import LarqlError
 from larqlpy.files import is_gguf
 from larqlpy.kernels.weights.gguf_blocks import (HALF_SCALES, LAYOUTS, TWO_LEVEL, BlockRows, packed_width, tiled_arrays,
                                                  unpack_tiled)
+from larqlpy.kernels.weights.packing import fill_byte
 from larqlpy.kernels.weights.qweight import TILE, PackedWeight
 from larqlpy.kernels.weights.simd import PLANES, TABLES
 from larqlpy.model.config import ModelConfig
@@ -180,8 +181,8 @@ class GGUFCodes:
                 unpack_tiled(raw, qtype, shape, rows[r0:r1], lo + r0, codes, scale, minimum, seen, (bits, base), outer)
                 self.ckpt.release(name, r1)  # copied out: the file's pages behind it are not kept
             lo += shape[0]
-        if n % TILE and not PLANES[bits] and bits not in TABLES:  # padding: the zero code (5, 6 bits, tables: 0)
-            codes[-1, :, n % TILE:TILE, :] = zero if bits == 8 else zero | (zero << 4)
+        if n % TILE and not PLANES[bits] and bits not in TABLES:  # padding: the zero code (3, 5, 6 bits, tables: 0)
+            codes[-1, :, n % TILE:TILE, :] = fill_byte(bits, zero)
         finite = ((outer & 0x7C00) != 0x7C00).all() if outer is not None else \
             np.isfinite(scale).all() and np.isfinite(minimum).all()
         if not finite:

@@ -1,15 +1,16 @@
 """Weight codes as the integer kernels find them in memory, and the LLVM IR that turns a vector of them
 into one byte per code for the dot products (simd.py).
 
-The layouts (qweight.py, packing.py):
-    8-bit codes: per quad of inputs (4j..4j+3), 64 rows x 4 bytes (row r's four codes adjacent);
-    4-bit codes: per octet (8j..8j+7), 64 rows x 4 bytes, low nibbles inputs 8j..8j+3, high 8j+4..8j+7;
-    5- and 6-bit codes: per octet, the 4-bit layout of their low four bits, then P = 1 (5-bit) or 2
-    (6-bit) x 64 bytes of high bits (`high_at`): a 32-bit word per row for every 4 / P octets, whose
-    byte i holds, in field f = 2 (o mod 4/P) + h (bits f P .. f P + P - 1), the high bits of input
-    8o + 4h + i -- so a shift and a mask put them beside the nibbles of the same byte. The words of
-    an octet group's rows 0 .. 16P - 1 lie after its first octet's nibbles, the next 16P rows after
-    its second's, and so on;
+The layouts (qweight.py, packing.py), per unit of inputs, 64 rows x 4 bytes (row r's word) each:
+    8-bit codes: per quad of inputs (4j..4j+3), row r's four codes adjacent;
+    4-bit codes: per octet (8j..8j+7), low nibbles inputs 8j..8j+3, high 8j+4..8j+7;
+    2-bit codes: per 16 inputs, byte i holding inputs 16j + 4s + i at bits 2s (s = 0..3: `parts`);
+    5- and 6-bit codes (and 3-bit): the 4-bit (2-bit) layout of their low four (two) bits, then
+    16 P (32 P) rows of high bits (`high_at`), P = 1 (5, 3 bits) or 2 (6 bits): a 32-bit word per row
+    for every `per` = 8 / (P parts) units, whose byte i holds, in field f = parts (o mod per) + s
+    (bits f P .. f P + P - 1), the high bits of input o's part s, byte i -- so a shift and a mask put
+    them beside the low bits of the same byte. The words of a unit group's rows 0 .. 64 / per - 1 lie
+    after its first unit's low bits, the next 64 / per rows after its second's, and so on;
     table codes (`TABLES`: IQ4_NL's and IQ4_XS's non-linear grid): the 4-bit layout of the file's own
     nibbles, each turned into the byte it stands for by a byte shuffle (`vpshufb`, the 16-byte table
     in every 128-bit lane, as llama.cpp does) before the dot product -- the same bytes, so the same
@@ -26,7 +27,9 @@ ROWS = 64  # the tile: qweight.TILE
 # Table widths: 4-bit indices whose codes are these bytes (IQ4_NL's and IQ4_XS's grid + 128, zero 128)
 TABLES = {"iq4": (np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128
                   ).astype(np.uint8)}
-PLANES = {8: 0, 4: 0, 5: 1, 6: 2, **{name: 0 for name in TABLES}}  # code width -> its bits above the nibbles (P)
+# code width -> the bits of each code its words' bytes hold (LOW), and its bits above those (P)
+LOW = {8: 8, 4: 4, 5: 4, 6: 4, 2: 2, 3: 2, **{name: 4 for name in TABLES}}
+PLANES = {8: 0, 4: 0, 5: 1, 6: 2, 2: 0, 3: 1, **{name: 0 for name in TABLES}}
 
 
 def layout_bits(width) -> int:
@@ -34,12 +37,24 @@ def layout_bits(width) -> int:
     return 4 if width in TABLES else width
 
 
-def high_at(planes: int, octet: int, row: int) -> tuple[int, int, int]:
-    """Where the high bits of `row`'s codes of `octet` lie in the 5- / 6-bit layout (P = `planes`):
-    (the octet whose area holds the word, the word's slot in that area, the octet's field f in each
-    byte: inputs 8o + i at field f, 8o + 4 + i at f + 1)."""
-    per, slots = 4 // planes, ROWS * planes // 4
-    return octet // per * per + row // slots, row % slots, 2 * (octet % per)
+def parts(width) -> int:
+    """Codes a byte of the words holds (1, 2 or 4): a unit is 4 x parts inputs, as many int32 words of
+    activations (four int8 each)."""
+    return 8 // LOW[width]
+
+
+def span(width) -> int:
+    """Bytes a row takes per unit: its word, and its high bits' share of a high word."""
+    return 4 + parts(width) * PLANES[width] // 2
+
+
+def high_at(width, unit: int, row: int) -> tuple[int, int, int]:
+    """Where the high bits of `row`'s codes of `unit` lie (`PLANES[width]` > 0): (the unit whose area
+    holds the word, the word's slot in that area, the unit's field f in each byte: its part s at f + s)."""
+    n = parts(width)
+    per = 8 // (PLANES[width] * n)
+    slots = ROWS // per
+    return unit // per * per + row // slots, row % slots, n * (unit % per)
 
 
 def fn(builder, name: str, ret, args):
@@ -57,37 +72,39 @@ def splat(builder, value, vty):
                                   ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
 
 
-def code_bytes(builder, codes_at, width, octet: int, v: int, lanes: int, first: int = 0, signed: bool = False):
-    """The code bytes of rows v * lanes .. of one octet (4-, 5-, 6-bit, tables) or quad (8-bit) as
-    <lanes x i32> vectors: [the codes] for 8 bits, else [inputs 8j..8j+3, inputs 8j+4..8j+7], each
-    byte one code: its high bits (5, 6 bits) shifted out of the rows' high words and masked into place,
-    or a table's value looked up. first: the group's first octet within its high words' span of 4 / P
-    octets (a 5-bit group of 16 may start halfway: its words lie before it). signed: each code less
-    128, as a signed byte (AVX2's signed form)."""
+def code_bytes(builder, codes_at, width, unit: int, v: int, lanes: int, first: int = 0, signed: bool = False):
+    """The code bytes of rows v * lanes .. of one unit as <lanes x i32> vectors, one per part: [the
+    codes] for 8 bits, [inputs 8j..8j+3, 8j+4..8j+7] for nibbles, [16j + 4s .. 16j + 4s + 3 for s =
+    0..3] for crumbs (2, 3 bits), each byte one code: its high bits (3, 5, 6 bits) shifted out of the
+    rows' high words and masked into place, or a table's value looked up. first: the group's first
+    unit within its high words' span (a 5-bit or 3-bit group of 16 may start halfway: its words lie
+    before it). signed: each code less 128, as a signed byte (AVX2's signed form)."""
     vty = ir.VectorType(I32, lanes)
-    span = 4 + PLANES[width]  # bytes a row takes per octet (or quad)
-    raw = codes_at(octet * ROWS * span + v * lanes * 4, vty)
+    size = span(width)
+    raw = codes_at(unit * ROWS * size + v * lanes * 4, vty)
 
     def const(value):
         return splat(builder, ir.Constant(I32, value), vty)
 
+    def shifted(word, shift):  # left for shift > 0, right for shift < 0
+        return builder.shl(word, const(shift)) if shift > 0 else \
+            builder.lshr(word, const(-shift)) if shift < 0 else word
+
     if width == 8:
         return [builder.xor(raw, const(0x80808080)) if signed else raw]
-    mask = const(0x0F0F0F0F)
-    parts = [builder.and_(raw, mask), builder.and_(builder.lshr(raw, const(4)), mask)]
+    low = LOW[width]
+    mask = const(((1 << low) - 1) * 0x01010101)
+    codes = [builder.and_(shifted(raw, -low * s), mask) for s in range(parts(width))]
     if width in TABLES:
-        return [look_up(builder, part, TABLES[width] ^ (0x80 if signed else 0)) for part in parts]
+        return [look_up(builder, part, TABLES[width] ^ (0x80 if signed else 0)) for part in codes]
     p = PLANES[width]
     if p:
-        area, slot, field = high_at(p, first + octet, v * lanes)
-        word = codes_at((area - first) * ROWS * span + ROWS * 4 + slot * 4, vty)
-        top = const(((1 << p) - 1) * 0x10101010)  # the code's bits 4 .. 3 + P in every byte
-        for h in range(2):
-            shift = 4 - (field + h) * p
-            moved = builder.shl(word, const(shift)) if shift > 0 else \
-                builder.lshr(word, const(-shift)) if shift < 0 else word
-            parts[h] = builder.or_(parts[h], builder.and_(moved, top))
-    return [builder.xor(part, const(0x80808080)) for part in parts] if signed else parts
+        area, slot, field = high_at(width, first + unit, v * lanes)
+        word = codes_at((area - first) * ROWS * size + ROWS * 4 + slot * 4, vty)
+        top = const((((1 << p) - 1) << low) * 0x01010101)  # the code's bits low .. low + P - 1 in every byte
+        for s in range(len(codes)):
+            codes[s] = builder.or_(codes[s], builder.and_(shifted(word, low - (field + s) * p), top))
+    return [builder.xor(part, const(0x80808080)) for part in codes] if signed else codes
 
 
 def look_up(builder, nibbles, table: np.ndarray):

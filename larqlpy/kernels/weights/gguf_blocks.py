@@ -27,11 +27,12 @@ import torch
 from numba import njit, prange
 
 from larqlpy.kernels import jitcache
-from larqlpy.kernels.weights import gguf_grid, gguf_lowbit, qdot
+from larqlpy.kernels.weights import gguf_grid, gguf_lowbit, qdot, tiled_put
 from larqlpy.kernels.weights.packing import code_shape
 from larqlpy.kernels.weights.qdot import NO_OUTER, NO_TABLE, half_bits
 from larqlpy.kernels.weights.simd import ROWS as TILE
 from larqlpy.kernels.weights.simd import TABLES
+from larqlpy.kernels.weights.tiled_put import put
 
 # type name -> (block bytes, values per block, code bits, group, zero, affine)
 LAYOUTS = {
@@ -48,10 +49,11 @@ LAYOUTS = {
 }
 KIND = {name: i for i, name in enumerate(LAYOUTS)}
 assert KIND["Q2_K"] == gguf_lowbit.FIRST and KIND["IQ3_S"] == gguf_grid.FIRST
-# Types whose 8-bit codes above span 5 or 6 bits: (width, base), run as u - base at that width, zero
-# - base (the same integers u - zero, so the same values bit for bit) -- the file's own bits.
+# Types whose codes above span fewer bits (2, 3, 5 or 6): (width, base), run as u - base at that width,
+# zero - base (the same integers u - zero, so the same values bit for bit) -- the file's own bits.
 NARROW = {"Q5_0": (5, 112), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 96), "MXFP4": (5, 112), "IQ3_S": (5, 112),
-          "IQ3_XXS": (6, 96), "IQ1_S": (5, 112), "IQ1_M": (6, 96)}  # IQ1_M: measured at 6 (docs/weights.md)
+          "IQ3_XXS": (6, 96), "IQ1_S": (5, 112), "IQ1_M": (6, 96),  # IQ1_M: measured at 6 (docs/weights.md)
+          "Q2_K": (2, 0), "Q3_K": (3, 0)}
 # Types whose codes are a table's values: run as the file's 4-bit indices, looked up in the kernels (simd.TABLES)
 TABLED = {"IQ4_NL": "iq4", "IQ4_XS": "iq4"}
 INDEX = {name: np.bincount(t, np.arange(16), 256).astype(np.uint8) for name, t in TABLES.items()}  # code -> index
@@ -59,6 +61,9 @@ INDEX = {name: np.bincount(t, np.arange(16), 256).astype(np.uint8) for name, t i
 # as those integers and d apart (the file's own 4.5 / 5.5 / 6.56 bits a weight, where float32 group
 # scales would add 1 to 2 bits); d * sc is exact in float32, so the kernels' scale is the same value.
 TWO_LEVEL = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ3_S")
+# Two-level types whose 4-bit sub-block scale and minimum share a byte in the file, held so (uint8,
+# scale in the low nibble): one byte per 16 weights, where a byte each would add 0.5 bits a weight
+JOINT = ("Q2_K",)
 # Types of 32 values a block whose scale is the block's float16 d (held as its bits, no check needed);
 # MXFP4's 2^(e - 128) is a float16 only for some e.
 HALF_SCALES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "IQ4_NL")
@@ -187,46 +192,17 @@ def _rows(raw, kind, per, size, u, scale, minimum):  # pragma: no cover - jitted
                 minimum[r, b * gpb:(b + 1) * gpb] = mn[:gpb]
 
 
-_BYTES = np.uint64(0x0101010101010101)
-_GATHER = np.uint64(0x0102040810204080)  # byte i's low bit to bit 56 + i of the product (no carries)
-
-
-@njit(inline="always", cache=True)
-def _put(codes, t, o, slot, words, eights, per, bits, base):  # pragma: no cover - jitted
-    """One block's codes (the decoder's buffer as `words` uint32 and `eights` uint64, less base) into
-    row `slot` of tile t from octet (or quad) o on: a word per 4 (8 bits) or 8 (nibbles) inputs, and at
-    5 and 6 bits the high bits ORed into the row's high word (simd.high_at). Eight
-    codes at a time as one integer: every code is at least `base`, so subtracting it from each byte
-    borrows nowhere."""
-    if bits == 8:
-        for w in range(per // 4):
-            codes[t, o + w, slot] = words[w]
-        return
-    less = np.uint64(base) * _BYTES
-    for w in range(per // 8):  # inputs 8o+i in the low nibbles, 8o+4+i in the high
-        x = eights[w] - less
-        nib = x & np.uint64(0x0F0F0F0F0F0F0F0F)
-        codes[t, o + w, slot] = np.uint32((nib & np.uint64(0xFFFFFFFF)) | ((nib >> np.uint64(32)) << np.uint64(4)))
-        if bits > 4:  # 5, 6 bits: inputs 8o+i's high bits at field f, 8o+4+i's at f + 1 (simd.high_at)
-            p, ow = bits - 4, o + w
-            per, slots = 4 // p, TILE // (4 // p)
-            f = 2 * (ow % per)
-            high = (x >> np.uint64(4)) & (_BYTES * np.uint64((1 << p) - 1))
-            word = ((high & np.uint64(0xFFFFFFFF)) << np.uint64(f * p)) | \
-                ((high >> np.uint64(32)) << np.uint64((f + 1) * p))
-            codes[t, ow // per * per + slot // slots, TILE + slot % slots] |= np.uint32(word)
-
-
 @njit(parallel=True, cache=True)
-def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, outer, seen,
-           index):  # pragma: no cover
-    """Source row i to destination row lo + i of a tiled matrix (codes as words (tiles, k/4 or k/8,
-    TILE + 16 P) at `bits`, the codes less `base`, or where `index` is not empty (256) each code's
-    index in its table, at 4 bits; zeroed beforehand at 5 and 6 bits); scale /
+def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, outer, seen, index,
+           joint):  # pragma: no cover
+    """Source row i to destination row lo + i of a tiled matrix (codes as words (tiles, units, TILE *
+    span / 4) at `bits`, the codes less `base`, or where `index` is not empty (256) each code's
+    index in its table, at 4 bits; zeroed beforehand at 3, 5 and 6 bits); scale /
     minimum tiled too (tiles, groups, TILE): float32, or with `outer` (tiles, blocks, 2, TILE) the
     K-quants' integer sub-block scales, their blocks' d and -dmin in outer; rows: the source row of
-    each destination row; seen[t] = (lowest, highest) code written into tile t. A tile's rows go to
-    one thread: rows of one tile share cache lines (and 5- / 6-bit rows their high words)."""
+    each destination row (joint: a sub-block's integer scale and minimum as one byte, in scale);
+    seen[t] = (lowest, highest) code written into tile t. A tile's rows go to
+    one thread: rows of one tile share cache lines (and 3- / 5- / 6-bit rows their high words)."""
     n = rows.shape[0]
     bpr = raw.shape[1] // size
     gpb = scale.shape[1] // bpr
@@ -245,10 +221,14 @@ def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, ou
                     buf[j] = index[buf[j]]
                 for j in range(per):
                     low, high = min(low, np.int32(buf[j]) - base), max(high, np.int32(buf[j]) - base)
-                _put(codes, t, b * per // (4 if bits == 8 else 8), slot, words, eights, per, bits, base)
+                unit = 4 if bits == 8 else 8 if bits >= 4 else 16  # inputs a word of a row holds
+                put(codes, t, b * per // unit, slot, words, eights, per, bits, base)
                 if outer.shape[0]:  # the integers in place of the products d * sc, dmin * m
                     outer[t, b, 0, slot], outer[t, b, 1, slot] = _outer(row, b * size, kind, sc, mn)
                 for g in range(gpb):
+                    if joint:  # the file's byte: scale in the low nibble, minimum in the high
+                        scale[t, b * gpb + g, slot] = np.int32(sc[g]) | (np.int32(mn[g]) << 4)
+                        continue
                     scale[t, b * gpb + g, slot] = sc[g]
                     if minimum.shape[0]:
                         minimum[t, b * gpb + g, slot] = mn[g]
@@ -281,13 +261,14 @@ def unpack(raw: np.ndarray, qtype: str, shape: tuple[int, int]):
 def tiled_arrays(qtype: str, n: int, k: int) -> tuple:
     """Zeroed arrays an (n, k) matrix of `qtype` is unpacked into at its packed width (`unpack_tiled`):
     codes, scale, minimum (empty when not affine), outer (None but for a K-quant) and seen. The
-    padding rows keep scale 0."""
+    padding rows keep scale 0. A JOINT type's minimum is its scale array (one byte for both)."""
     _, per, _, group, _, affine = LAYOUTS[qtype]
     bits, _ = packed_width(qtype)
     nt, two = -(-n // TILE), qtype in TWO_LEVEL
-    dtype = np.int8 if two else np.float32
-    return (_zeros(code_shape(nt, k, bits), np.uint8), _zeros((nt, k // group, TILE), dtype),
-            _zeros((nt if affine else 0, k // group, TILE), dtype),
+    dtype = np.uint8 if qtype in JOINT else np.int8 if two else np.float32
+    scale = _zeros((nt, k // group, TILE), dtype)
+    return (_zeros(code_shape(nt, k, bits), np.uint8), scale,
+            scale if qtype in JOINT else _zeros((nt if affine else 0, k // group, TILE), dtype),
             _zeros((nt, k // per, 2, TILE), np.uint16) if two else None,
             np.tile(np.array([[255, 0]], np.int32), (nt, 1)))
 
@@ -310,16 +291,17 @@ def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.n
                  width: tuple[int, int] | None = None, outer: np.ndarray | None = None) -> None:
     """unpack(), written as rows lo + i (source row rows[i]) of a tiled matrix (kernels/weights/qweight.py's
     layout at width = (bits, base) -- the type's own 8- or 4-bit codes when None -- : codes (tiles, ..., 4)
-    uint8, zeroed at 5 and 6 bits, scale / minimum (tiles, groups, TILE) float32, minimum empty when not
+    uint8, zeroed at 3, 5 and 6 bits, scale / minimum (tiles, groups, TILE) float32, minimum empty when not
     affine; or, for a K-quant with `outer` (tiles, blocks, 2, TILE) uint16, its integer sub-block scales
-    as int8 and each block's float16 d and -dmin in outer); seen (tiles, 2) int32 gathers each tile's
-    lowest and highest code (a table's: index)."""
+    as int8 -- JOINT types' scale and minimum as one uint8 array, a byte for both -- and each block's
+    float16 d and -dmin in outer); seen (tiles, 2) int32 gathers each tile's lowest and highest code
+    (a table's: index)."""
     size, per, bits, group, zero, affine = LAYOUTS[qtype]
     bits, base = width or (bits, 0)
     index = INDEX.get(bits, NO_TABLE)
     _tiled(np.asarray(raw).reshape(shape[0], -1), KIND[qtype], per, size, 4 if index.size else bits,
            base, np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], scale, minimum,
-           NO_OUTER if outer is None else outer, seen, index)  # a table's indices at 4 bits
+           NO_OUTER if outer is None else outer, seen, index, scale.dtype == np.uint8)  # a table's indices at 4 bits
 
 
 class BlockRows:
@@ -347,4 +329,5 @@ class BlockRows:
         return torch.from_numpy(values(u, scale, minimum, zero)).view(*idx.shape, self.shape[1])
 
 
-jitcache.tie(globals(), qdot, gguf_lowbit, gguf_grid)  # the decoders inline qdot.py's half_bits and gguf_lowbit.py
+jitcache.tie(globals(), qdot, gguf_lowbit, gguf_grid, tiled_put)  # the decoders inline qdot.py's half_bits and
+# gguf_lowbit.py; _tiled inlines tiled_put

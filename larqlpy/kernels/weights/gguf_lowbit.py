@@ -5,8 +5,8 @@ Every one is an integer times a group scale (plus a minimum for Q2_K), so each b
 scale (and minimum) per group and a zero point, such that scale * (u - zero) (+ minimum), one float32
 operation at a time, is gguf-py's dequantized value (tests/test_gguf_quants.py, bit for bit):
 
-  Q2_K     (d * sc) * q - dmin * m     q 2-bit, group 16, 4-bit sc and m   codes q at 4 bits, affine
-  Q3_K     (d * (sc - 32)) * q         q in -4..3, group 16, 6-bit sc      codes q + 4 at 4 bits, zero 4
+  Q2_K     (d * sc) * q - dmin * m     q 2-bit, group 16, 4-bit sc and m   codes q, affine (packed at 2 bits)
+  Q3_K     (d * (sc - 32)) * q         q in -4..3, group 16, 6-bit sc      codes q + 4, zero 4 (packed at 3 bits)
   IQ4_NL   d * kv[q]                   kv: int8 table of 16, group 32      codes kv + 128, zero 128
   IQ4_XS   (d * (ls - 32)) * kv[q]     group 32, 6-bit ls per 32           codes kv + 128, zero 128
   MXFP4    2^(e - 128) * kv[q]         kv: e2m1 doubled, e an 8-bit exponent  codes kv + 128 (5 bits)

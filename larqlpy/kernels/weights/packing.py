@@ -1,6 +1,7 @@
 """Weights packed for the integer kernels, from float32 or from a GGUF's codes: the load-time
 quantization of `int8` and `int4`, and the tiled layout kernels/weights/qweight.py describes (codes per tile
-input-quad- or octet-major, 5- and 6-bit codes with their high bits beside, per-group values per tile).
+unit-major: quads, octets or 16 inputs; 3-, 5- and 6-bit codes with their high bits beside; per-group
+values per tile).
 Plain numpy and numba: a packed matrix is made here and held by qweight.PackedWeight."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from larqlpy.kernels.weights.simd import PLANES
+from larqlpy.kernels.weights.simd import PLANES, parts, span
 from larqlpy.kernels.weights.simd import ROWS as TILE
 
 GROUP = 32
@@ -68,37 +69,48 @@ def to_half(a: np.ndarray) -> np.ndarray:
 
 @njit(parallel=True, cache=True)
 def _tile_high(u, n, bits, out):  # pragma: no cover - jitted
-    """Row-major 5- or 6-bit codes (n, k) -> their tiled layout (tiles, k/8, TILE + 16 P, 4), zeroed
-    beforehand (the last tile's padding rows stay code 0, scale 0); k a multiple of 32."""
+    """Row-major 3-, 5- or 6-bit codes (n, k) -> their tiled layout (tiles, k / unit, TILE * span / 4, 4),
+    zeroed beforehand (the last tile's padding rows stay code 0, scale 0); k a multiple of 32."""
+    low = 4 if bits > 4 else 2
+    n_parts, p = 8 // low, bits - low
+    unit, per = 4 * n_parts, 8 // (p * n_parts)  # inputs a unit holds; units a high word spans (simd.high_at)
+    slots = TILE // per
     for t in prange(out.shape[0]):
         for r in range(min(TILE, n - t * TILE)):
             row = t * TILE + r
             for o in range(out.shape[1]):
                 for i in range(4):
-                    out[t, o, r, i] = (u[row, 8 * o + i] & 15) | ((u[row, 8 * o + 4 + i] & 15) << 4)
-                p = bits - 4  # the high bits into the row's word for this octet (simd.high_at)
-                per, slots = 4 // p, TILE * p // 4
-                for i in range(8):
-                    field = 2 * (o % per) + i // 4
-                    high = (u[row, 8 * o + i] >> 4) << (field * p)
+                    b = 0
+                    for s in range(n_parts):
+                        b |= (np.int32(u[row, unit * o + 4 * s + i]) & ((1 << low) - 1)) << (low * s)
+                    out[t, o, r, i] = b
+                for i in range(unit):  # the high bits into the row's word for this unit, field parts (o mod per) + s
+                    field = n_parts * (o % per) + i // 4
+                    high = (np.int32(u[row, unit * o + i]) >> low) << (field * p)
                     out[t, o // per * per + r // slots, TILE + r % slots, i % 4] |= high
 
 
 @njit(parallel=True, cache=True)
-def _tile(words, n, bits, zero, out):  # pragma: no cover - jitted
-    """Row-major codes as uint32 words (n, k/4) -> the tiled layout as words (tiles, k/4 or k/8, TILE);
-    rows from n on (the last tile's padding) hold the zero code."""
-    pad = np.uint32(zero * 0x01010101) if bits == 8 else np.uint32((zero | (zero << 4)) * 0x01010101)
+def _tile(words, n, bits, pad, out):  # pragma: no cover - jitted
+    """Row-major codes as uint32 words (n, k/4) -> the tiled layout as words (tiles, k/4, k/8 or k/16,
+    TILE), 8 / bits words to a unit; rows from n on (the last tile's padding) hold the word `pad`."""
+    n_parts = 8 // bits
     for t in prange(out.shape[0]):
         for r in range(TILE):
             row = t * TILE + r
             for o in range(out.shape[1]):
                 if row >= n:
                     out[t, o, r] = pad
-                elif bits == 8:
-                    out[t, o, r] = words[row, o]
-                else:  # nibbles: inputs 8o+i low, 8o+4+i high (every code < 16, so no byte spills)
-                    out[t, o, r] = words[row, 2 * o] | (words[row, 2 * o + 1] << np.uint32(4))
+                    continue
+                w = words[row, n_parts * o]
+                for s in range(1, n_parts):  # part s's codes bits * s up (every code < 2^bits: no byte spills)
+                    w |= words[row, n_parts * o + s] << np.uint32(bits * s)
+                out[t, o, r] = w
+
+
+def fill_byte(bits: int, zero: int) -> int:
+    """A byte of the layout at `bits` (8, 4, 2) whose every code is `zero`."""
+    return sum(zero << (bits * s) for s in range(8 // bits))
 
 
 def tile_codes(u: np.ndarray, bits: int, zero: int = 0) -> np.ndarray:
@@ -110,13 +122,15 @@ def tile_codes(u: np.ndarray, bits: int, zero: int = 0) -> np.ndarray:
         _tile_high(np.ascontiguousarray(u), n, bits, out)
         return out
     out = np.empty(code_shape(nt, k, bits), np.uint8)
-    _tile(np.ascontiguousarray(u).view(np.uint32), n, bits, zero, out.view(np.uint32)[..., 0])
+    _tile(np.ascontiguousarray(u).view(np.uint32), n, bits, np.uint32(fill_byte(bits, zero) * 0x01010101),
+          out.view(np.uint32)[..., 0])
     return out
 
 
-def code_shape(tiles: int, k: int, bits: int) -> tuple[int, int, int, int]:
-    """The tiled codes' shape for `tiles` tiles of `k` inputs at `bits`."""
-    return (tiles, k // 4, TILE, 4) if bits == 8 else (tiles, k // 8, TILE + PLANES[bits] * TILE // 4, 4)
+def code_shape(tiles: int, k: int, bits) -> tuple[int, int, int, int]:
+    """The tiled codes' shape for `tiles` tiles of `k` inputs at `bits` (or a table's name): a unit of
+    4 x parts inputs, span / 4 words of TILE rows (the rows' words, then their high words)."""
+    return (tiles, k // (4 * parts(bits)), TILE * span(bits) // 4, 4)
 
 
 def tile_groups(a: np.ndarray) -> np.ndarray:

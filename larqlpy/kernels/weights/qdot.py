@@ -60,6 +60,19 @@ def _as_float(v):
     return lambda v: v
 
 
+def sub_value(v, which):  # pragma: no cover - replaced by the overload inside jitted code
+    raise NotImplementedError
+
+
+@overload(sub_value, inline="always")
+def _sub_value(v, which):
+    """A K-quant's integer sub-block scale (which 0) or minimum (1): held as int8, or as Q2_K's one
+    byte for both (uint8: the scale in the low nibble, the minimum in the high, as the file has them)."""
+    if isinstance(v, types.Integer) and not v.signed and v.bitwidth == 8:
+        return lambda v, which: (np.int32(v) >> (4 * which)) & 15
+    return lambda v, which: v
+
+
 INT_PATHS = ("vnni512", "avx2", "avx2-signed")
 NO_OUTER = np.zeros((0, 1, 2, TILE), np.uint16)  # a matrix whose scales and minimums are whole values
 
@@ -68,10 +81,11 @@ NO_OUTER = np.zeros((0, 1, 2, TILE), np.uint16)  # a matrix whose scales and min
 def group_value(a, outer, t, g, r, which):  # pragma: no cover - jitted
     """Group g's scale (a = scale, which 0) or minimum (a = minimum, which 1) of row r of tile t: as
     stored, or, beside a K-quant's `outer` (tiles, blocks, 2, TILE), its block's float16 d (or -dmin)
-    times the integer sub-block value -- a product exact in float32, so the value the file's
-    dequantization gives."""
+    times the integer sub-block value (`sub_value`) -- a product exact in float32, so the value the
+    file's dequantization gives."""
     if outer.shape[0]:
-        return half_bits(outer[t, g // (a.shape[1] // outer.shape[1]), which, r]) * np.float32(a[t, g, r])
+        return half_bits(outer[t, g // (a.shape[1] // outer.shape[1]), which, r]) * \
+            np.float32(sub_value(a[t, g, r], which))
     return as_float(a[t, g, r])
 
 @njit(inline="always", cache=True)
@@ -120,7 +134,7 @@ DOT = DOT_HALF = DOT_LATE = None
 
 
 def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pragma: no cover - jitted
-    """The integer kernels' one body (see `_int_kernel`). codes: (tiles, k/4 or k/8, TILE * SPAN / 4, 4) uint8;
+    """The integer kernels' one body (see `_int_kernel`). codes: (tiles, units, TILE * SPAN / 4, 4) uint8;
     x: (M, k) float32, rounded to int8 per group here first (`quantize_activations`' rounding: one
     call where a product of one row is mostly calls); outer: a K-quant's blocks' d and -dmin
     (`group_value`), or NO_OUTER. The group loop is outside the row loop, so a group's codes are
@@ -171,13 +185,12 @@ def _int_kernel(isa: str, bits: int):
     is its own function. Not a closure: numba keys a cached closure on a pickle of what it closes
     over, and a pickled intrinsic differs in every process, so such a kernel would compile afresh in
     each one. A function of its own name and globals is cached under that name like any other.
-    VNNI takes up to 8 activation rows per intrinsic call, AVX2 2 (simd.WIDEST); a 4-, 5- or 6-bit
-    group is half as many code words (of 4 + bits - 4 bytes a row) for as many activations; groups
+    VNNI takes up to 8 activation rows per intrinsic call, AVX2 2 (simd.WIDEST); a unit of codes
+    (simd.parts: 1, 2 or 4 activation words, of simd.span bytes a row) is one code word a row; groups
     of 16 inputs have their own intrinsics. bits: a code width, or a table's name (simd.TABLES)."""
-    late = (isa, bits, 4, 2) if (isa, bits, 4, 2) in DOTS else (isa, bits, 4, 0)
-    bound = dict(WIDEST=ROWS_PER_CALL[isa], X_PER=1 if bits == 8 else 2, FULL=8 if bits == 8 else 4,
-                 SPAN=4 + simd.PLANES[bits], DOT=DOTS[(isa, bits, 8, 0)], DOT_HALF=DOTS[(isa, bits, 4, 0)],
-                 DOT_LATE=DOTS[late])
+    bound = dict(WIDEST=ROWS_PER_CALL[isa], X_PER=simd.parts(bits), FULL=8 // simd.parts(bits),
+                 SPAN=simd.span(bits), DOT=DOTS[(isa, bits, 8, 0)], DOT_HALF=DOTS[(isa, bits, 4, 0)],
+                 DOT_LATE=DOTS[(isa, bits, 4, simd.firsts(bits, 4)[-1])])
     name = f"_int{bits}_{isa.replace('-', '_')}"
     fn = FunctionType(_int_template.__code__, {**globals(), **bound}, name)
     fn.__qualname__ = name
@@ -269,6 +282,13 @@ def code_at(codes, bits, t, j, r, table):  # pragma: no cover - jitted
     for table[nibble] where `table` is not empty (simd.TABLES)."""
     if bits == 8:
         return np.int32(codes[t, j // 4, r, j % 4])
+    if bits < 4:  # crumbs: input 16o + 4s + i at bits 2s of byte i; 3 bits: the third from the row's word
+        o, s = j // 16, (j % 16) // 4
+        u = np.int32(codes[t, o, r, j % 4] >> (2 * s)) & 3
+        if bits == 3:  # a word per row per 2 units, 32 rows an area, field 4 (o mod 2) + s (simd.high_at)
+            high = codes[t, o // 2 * 2 + r // 32, TILE + r % 32, j % 4]
+            u |= np.int32((high >> (4 * (o % 2) + s)) & 1) << 2
+        return u
     o, half = j // 8, (j % 8) // 4
     b = codes[t, o, r, j % 4]
     u = np.int32(b >> 4) if half else np.int32(b & 15)
@@ -283,7 +303,7 @@ def code_at(codes, bits, t, j, r, table):  # pragma: no cover - jitted
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
 def _float_planes(codes, scale, minimum, outer, zero, bits, table, x, xsum, out):  # pragma: no cover - jitted
-    """5- and 6-bit codes and tables with float activations: each code read on its own (`code_at`).
+    """2-, 3-, 5- and 6-bit codes and tables with float activations: each code read on its own (`code_at`).
     This path runs only where the CPU has no integer one, or when a caller asks for it."""
     nt, ng, m_rows, k = codes.shape[0], scale.shape[1], x.shape[0], x.shape[1]
     group, affine, z = k // ng, minimum.shape[0] > 0, np.float32(zero)

@@ -7,7 +7,7 @@ float32 scale (and minimum) per group of `group` consecutive inputs:
   native       what the GGUF held, exactly (model/native.py), at its own width: Q8_0 as 8-bit codes,
                Q5_0, Q5_1 and Q5_K as 5-bit, Q6_K as 6-bit (in groups of 16), Q4_K, Q4_1 and
                Q4_0 as 4-bit (`narrow`: a matrix stacked with another of a wider type takes its width);
-               Q2_K, Q3_K as 4-bit in groups of 16, IQ4_NL, IQ4_XS as their 4-bit indices into
+               Q2_K as 2-bit, Q3_K as 3-bit in groups of 16, IQ4_NL, IQ4_XS as their 4-bit indices into
                their table of codes (kind "iq4": simd.TABLES), MXFP4 as 5-bit;
                IQ3_S, IQ1_S as 5-bit, IQ3_XXS, IQ1_M as 6-bit, IQ2_* as 8-bit (gguf_grid.py)
   bf16         the top 16 bits of the float32 (round to nearest even);              16 bits per weight
@@ -15,15 +15,18 @@ Both formulas round once per operation in float32, as gguf-py's dequantization d
 codes come back as the values it dequantizes to, bit for bit. Scales and minimums are float16
 (2 bytes per group) where every value of a matrix is a float16 exactly, as a GGUF's d and m are and
 our int8 and int4 make theirs; a K-quant's d * sc, never a float16, is held as the file holds it
-(int8 sc per group, float16 d per 256 weights: `outer`), else float32.
+(int8 sc per group -- Q2_K's 4-bit sc and m in one byte --, float16 d per 256 weights: `outer`), else
+float32.
 
-Layout: output rows in tiles of TILE. Integer codes are stored per tile input-quad-major,
-(tiles, k/4, TILE, 4) for 8-bit and (tiles, k/8, TILE, 4) for 4-bit (byte i of a row's word: inputs
-8o+i in the low nibble, 8o+4+i in the high): the four inputs one integer dot-product instruction
-sums sit side by side for each row (qdot.py, simd.py). 5- and 6-bit codes: (tiles, k/8, TILE + 16 P,
-4), the 4-bit layout of their low four bits, then P = 1 or 2 x TILE bytes of their high bits: a
-32-bit word per row for every 4 / P octets, each byte holding its inputs' high bits in P-bit fields
-that a shift and a mask move beside the nibbles (simd.high_at). bf16: (tiles, k, TILE).
+Layout: output rows in tiles of TILE. Integer codes are stored per tile input-unit-major,
+(tiles, k/4, TILE, 4) for 8-bit, (tiles, k/8, TILE, 4) for 4-bit (byte i of a row's word: inputs
+8o+i in the low nibble, 8o+4+i in the high) and (tiles, k/16, TILE, 4) for 2-bit (byte i: inputs
+16o+4s+i at bits 2s): the four inputs one integer dot-product instruction sums sit side by side for
+each row (qdot.py, simd.py). 5- and 6-bit codes: (tiles, k/8, TILE + 16 P, 4), the 4-bit layout of
+their low four bits, then P = 1 or 2 x TILE bytes of their high bits: a 32-bit word per row for every
+4 / P octets, each byte holding its inputs' high bits in P-bit fields that a shift and a mask move
+beside the nibbles (simd.high_at); 3-bit codes likewise, the 2-bit layout and (tiles, k/16, TILE + 32,
+4). bf16: (tiles, k, TILE).
 
 On the CPU integer codes run the qdot kernels (int8 activations, integer dot products) for any number
 of activation rows. bf16, the float path and CUDA dequantize a slab of tiles at a time into float32
@@ -45,7 +48,7 @@ from larqlpy.kernels.weights.simd import ROWS as TILE
 
 FORMATS = ("f32", "bf16", "int8", "int4", "native")
 SLAB_BYTES = 16 << 20  # float32 scratch per dequantized slab in prefill
-PACK_VERSION = 7  # bump when packing changes what a format's codes are (7: Gemma 4's per-layer inputs)
+PACK_VERSION = 8  # bump when packing changes what a format's codes are (8: Q2_K / Q3_K at 2 / 3 bits)
 GEMV_ROWS = 16  # bf16 / float path: up to this many rows run a GEMV, faster there than a slab
 NO_MINIMUM = np.zeros((0, 1, TILE), np.float32)
 
@@ -71,11 +74,13 @@ def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
     return torch.from_numpy(a.view(np.int16) if a.dtype == np.uint16 else a)  # float16 bits, held as int16
 
 
-def _float_values(a: torch.Tensor, blocks: torch.Tensor | None) -> torch.Tensor:
-    """Scales or minimums as float32, from how they are held: float32, float16 bits, or a K-quant's
-    integers times their blocks' float16 d (or -dmin) `blocks` gathered alike (exact in float32)."""
+def _float_values(a: torch.Tensor, blocks: torch.Tensor | None, which: int) -> torch.Tensor:
+    """Scales (which 0) or minimums (1) as float32, from how they are held: float32, float16 bits, or a
+    K-quant's integers (uint8: Q2_K's scale and minimum in one byte's nibbles, qdot.sub_value) times
+    their blocks' float16 d (or -dmin) `blocks` gathered alike (exact in float32)."""
     if blocks is not None:
-        return blocks.view(torch.float16).float() * a.float()
+        ints = (a >> (4 * which)) & 15 if a.dtype == torch.uint8 else a
+        return blocks.view(torch.float16).float() * ints.float()
     return a.view(torch.float16).float() if a.dtype == torch.int16 else a
 
 
@@ -86,12 +91,12 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 class PackedWeight:
     """An (out, in) weight matrix held as bf16 or integer codes in the tiled layout above.
 
-    kind: "bf16", "f16" (a GGUF's float16 matrix as it is), "u8", "u6", "u5", "u4", or a table's name
-    (simd.TABLES: 4-bit indices into its codes); zero, group: the code's zero point and the inputs per
-    scale; lowest, highest: the range of codes (a table's indices) present (which kernel paths may take
-    it); outer: a K-quant's
-    blocks' float16 d and -dmin (tiles, blocks, 2, TILE), beside int8 scale and minimum holding the
-    file's sub-block integers (qdot.group_value)."""
+    kind: "bf16", "f16" (a GGUF's float16 matrix as it is), "u8", "u6", "u5", "u4", "u3", "u2", or a
+    table's name (simd.TABLES: 4-bit indices into its codes); zero, group: the code's zero point and the
+    inputs per scale; lowest, highest: the range of codes (a table's indices) present (which kernel
+    paths may take it); outer: a K-quant's blocks' float16 d and -dmin (tiles, blocks, 2, TILE), beside
+    int8 scale and minimum holding the file's sub-block integers (qdot.group_value; Q2_K's: one uint8
+    array for both, its nibbles)."""
 
     def __init__(self, kind: str, shape: tuple[int, int], codes: torch.Tensor, scale: torch.Tensor | None = None,
                  minimum: torch.Tensor | None = None, zero: int = 0, group: int = GROUP,
@@ -99,7 +104,7 @@ class PackedWeight:
         self.kind, self.shape, self.zero, self.group = kind, tuple(shape), int(zero), int(group)
         self.codes, self.scale, self.minimum, self.outer = codes, scale, minimum, outer
         self.lowest, self.highest = int(lowest), int(highest)
-        self.bits = {"u8": 8, "u6": 6, "u5": 5, "u4": 4, **{t: 4 for t in simd.TABLES}}.get(kind, 16)
+        self.bits = {**{f"u{b}": b for b in (8, 6, 5, 4, 3, 2)}, **{t: 4 for t in simd.TABLES}}.get(kind, 16)
         self.half = kind == "f16"  # float16 as a GGUF holds it; bf16 otherwise where bits == 16
         self.table = simd.TABLES.get(kind, NO_TABLE)  # the codes a table's indices stand for
         self.width = kind if kind in simd.TABLES else self.bits  # the kernels' key (qdot.gemm)
@@ -184,8 +189,9 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minimum, self.outer)
-                   if t is not None)
+        held = {t.data_ptr(): t.numel() * t.element_size() for t in (self.codes, self.scale, self.minimum, self.outer)
+                if t is not None}  # by address: Q2_K's minimums are its scales' bytes
+        return sum(held.values())
 
     def group_values(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each group's scale and minimum as float32 values (tiles, groups, TILE), however they are
@@ -195,7 +201,7 @@ class PackedWeight:
                 return None
             blocks = None if self.outer is None else \
                 self.outer[:, :, which].repeat_interleave(a.shape[1] // self.outer.shape[1], dim=1)
-            return _float_values(a, blocks)
+            return _float_values(a, blocks, which)
         return values(self.scale, 0), values(self.minimum, 1)
 
     def meta(self) -> dict:
@@ -230,32 +236,35 @@ class PackedWeight:
             return codes.view(torch.float16).float()
         if self.kind == "bf16":
             return (codes.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
-        if self.bits != 8:
-            codes = torch.stack((codes & 15, codes >> 4), dim=2)  # (n, k/8, 2, 4): inputs 8o+i, 8o+4+i
+        low = simd.LOW[self.width]
+        if low != 8:  # (n, units, parts, 4): inputs 8o+i, 8o+4+i (nibbles) or 16o+4s+i (crumbs)
+            codes = torch.stack([(codes >> (low * s)) & ((1 << low) - 1) for s in range(8 // low)], dim=2)
         u = codes.reshape(len(idx), -1).to(torch.int32)
         if self.table.size:
             u = torch.from_numpy(self.table).to(device=u.device, dtype=torch.int32)[u.long()]
         if simd.PLANES[self.bits]:
-            u = u | (self._high_torch(t, r) << 4)
+            u = u | (self._high_torch(t, r) << low)
         g = torch.arange(self.shape[1], device=idx.device) // self.group
 
         def per_group(a: torch.Tensor, which: int) -> torch.Tensor:
             blocks = None if self.outer is None else \
                 self.outer[t[:, None], g[None, :] // (a.shape[1] // self.outer.shape[1]), which, r[:, None]]
-            return _float_values(a[t[:, None], g[None, :], r[:, None]], blocks)
+            return _float_values(a[t[:, None], g[None, :], r[:, None]], blocks, which)
 
         v = per_group(self.scale, 0) * (u - self.zero).float()
         return v if self.minimum is None else v + per_group(self.minimum, 1)
 
     def _high_torch(self, t: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """Rows (t, r)'s codes' bits above the nibbles, (n, k) int32, from their high words (simd.high_at)."""
-        p = simd.PLANES[self.bits]
-        per, slots = 4 // p, TILE * p // 4
+        """Rows (t, r)'s codes' bits above the nibbles (crumbs), (n, k) int32, from their high words
+        (simd.high_at)."""
+        p, n = simd.PLANES[self.bits], simd.parts(self.bits)
+        per = 8 // (p * n)
+        slots = TILE // per
         o = torch.arange(self.codes.shape[1], device=t.device)
-        area = (o // per * per)[None, :] + (r // slots)[:, None]  # (n, k/8): the octet holding the word
-        words = self.codes[t[:, None], area, (TILE + r % slots)[:, None]].to(torch.int32)  # (n, k/8, 4)
-        field = 2 * (o % per)[:, None] + torch.arange(2, device=t.device)[None, :]  # (k/8, 2): inputs 8o+4h+i
-        high = (words[:, :, None, :] >> (field * p)[None, :, :, None]) & ((1 << p) - 1)  # (n, k/8, 2, 4)
+        area = (o // per * per)[None, :] + (r // slots)[:, None]  # (n, units): the unit holding the word
+        words = self.codes[t[:, None], area, (TILE + r % slots)[:, None]].to(torch.int32)  # (n, units, 4)
+        field = n * (o % per)[:, None] + torch.arange(n, device=t.device)[None, :]  # (units, parts)
+        high = (words[:, :, None, :] >> (field * p)[None, :, :, None]) & ((1 << p) - 1)  # (n, units, parts, 4)
         return high.reshape(len(t), -1)
 
     def _slab(self, t0: int, t1: int) -> torch.Tensor:

@@ -14,8 +14,8 @@ Integer sums are exact, so every path that computes them gives the same numbers 
 Arguments (flat arrays and offsets into them): acc float32 and the offset of row m0's outputs (rows
 64 apart); codes uint8 and the group's offset; x int32 (four int8 activations each), offset, row
 stride; scale float32 (or float16 bits as uint16) and offset (the group's 64 scales), minimum likewise;
-or scale and minimum int8 (a K-quant's sub-block values) with outer uint16 and the offset of their
-block's 64 float16 d, then 64 -dmin;
+or scale and minimum int8 (a K-quant's sub-block values; uint8: both in one byte, Q2_K's) with outer
+uint16 and the offset of their block's 64 float16 d, then 64 -dmin;
 xs float32 and sxq int32
 (per activation row and group), offset, row stride; zc, the codes' zero point on this path; affine
 (whether minimum holds anything); ahead, how many bytes past the group's codes to prefetch (0:
@@ -28,8 +28,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from larqlpy.kernels.weights.codebytes import I8, I16, I32, PLANES, ROWS, TABLES, code_bytes, fn, splat
-from larqlpy.kernels.weights.codebytes import high_at, layout_bits  # noqa: F401 - simd.* to the kernels' users
+from larqlpy.kernels.weights.codebytes import I8, I16, I32, PLANES, ROWS, TABLES, code_bytes, fn, parts, span, splat
+from larqlpy.kernels.weights.codebytes import LOW, high_at, layout_bits  # noqa: F401 - simd.* to the kernels' users
 
 
 def _ptr(context, builder, aty, arr, offset, vty):
@@ -66,10 +66,18 @@ class _Args:
     def floats(self, k: int, arr, n: int, fv):
         """A group's scales (k = 7) or minimums (k = 9) as float32 vectors: stored as float32, as
         float16 bits, or as a K-quant's int8 sub-block values times their block's float16 d (or -dmin)
-        from `outer` (an exact product)."""
+        from `outer` (an exact product); uint8: Q2_K's scale (low nibble) and minimum (high) in the one
+        byte the file holds them in, read from the scales for both (one load)."""
         b = self.builder
-        if self.ty[k].dtype == types.int8:
-            ints = b.sitofp(self.at(k, arr, self.soff, n, ir.VectorType(I8, fv.count), align=1)[1], fv)
+        if self.ty[k].dtype in (types.int8, types.uint8):
+            bv = ir.VectorType(I8, fv.count)
+            if self.ty[k].dtype == types.int8:
+                ints = self.at(k, arr, self.soff, n, bv, align=1)[1]
+            else:
+                joint = self.at(7, self.scale, self.soff, n, bv, align=1)[1]
+                ints = b.and_(b.lshr(joint, ir.Constant(bv, [4 if k == 9 else 0] * fv.count)),
+                              ir.Constant(bv, [15] * fv.count))
+            ints = b.sitofp(ints, fv)
             half = ir.VectorType(I16, fv.count)
             h = self.at(10, self.outer, self.ooff, (0 if k == 7 else ROWS) + n, half, align=2)[1]
             return b.fmul(b.fpext(b.bitcast(h, ir.VectorType(ir.HalfType(), fv.count)), fv), ints)
@@ -164,7 +172,7 @@ def _make(emit, quads: int, width, widest: int, registers: int, first: int = 0):
 
         def codegen(context, builder, signature, args):
             a = _Args(context, builder, signature.args[1:], args[1:])
-            _prefetch(a, quads // (1 if width == 8 else 2) * ROWS * (4 + PLANES[width]))
+            _prefetch(a, quads // parts(width) * ROWS * span(width))
             flag = builder.icmp_unsigned("!=", a.affine, ir.Constant(a.affine.type, 0))
             done = builder.append_basic_block("rows_done")
             cases = builder.switch(args[0], done)
@@ -201,13 +209,13 @@ def _vnni512(builder, codes_at, x_of, quads, width, rows, vectors, lanes, first=
     v16 = ir.VectorType(I32, lanes)
     dp = fn(builder, "llvm.x86.avx512.vpdpbusd.512", v16, [v16, v16, v16])
     acc = [[ir.Constant(v16, None)] * len(vectors) for _ in range(rows)]
-    step = 1 if width == 8 else 2
+    step = parts(width)  # activation quads a unit of codes covers
     for q in range(0, quads, step):
         xs = [[splat(builder, x_of(m, q + h), v16) for h in range(step)] for m in range(rows)]
         for i, v in enumerate(vectors):
-            parts = code_bytes(builder, codes_at, width, q // step, v, lanes, first)
+            unpacked = code_bytes(builder, codes_at, width, q // step, v, lanes, first)
             for m in range(rows):
-                for part, xb in zip(parts, xs[m]):
+                for part, xb in zip(unpacked, xs[m]):
                     acc[m][i] = builder.call(dp, [acc[m][i], part, xb])
     return acc
 
@@ -230,15 +238,15 @@ def _avx2(signed: bool):
         absb = fn(builder, "llvm.abs.v32i8", b32, [b32, ir.IntType(1)])
         ones = ir.Constant(w16, [1] * 16)
         acc = [[ir.Constant(v8, None)] * len(vectors) for _ in range(rows)]
-        step = 1 if width == 8 else 2
+        step = parts(width)  # activation quads a unit of codes covers
         for q in range(0, quads, step):
             xs = [[builder.bitcast(splat(builder, x_of(m, q + h), v8), b32) for h in range(step)] for m in range(rows)]
             ax = [[builder.call(absb, [xb, ir.Constant(ir.IntType(1), 0)]) for xb in row] for row in xs] \
                 if signed else None
             for i, v in enumerate(vectors):
-                parts = code_bytes(builder, codes_at, width, q // step, v, lanes, first, signed)
+                unpacked = code_bytes(builder, codes_at, width, q // step, v, lanes, first, signed)
                 for m in range(rows):
-                    for h, (part, xb) in enumerate(zip(parts, xs[m])):
+                    for h, (part, xb) in enumerate(zip(unpacked, xs[m])):
                         part = builder.bitcast(part, b32)
                         if signed:
                             pairs = builder.call(maddubs, [ax[m][h], builder.call(sign, [part, xb])])
@@ -252,15 +260,15 @@ def _avx2(signed: bool):
 
 
 # (isa, bits, quads, first) -> intrinsic over 1 .. WIDEST[isa] rows; quads 8 = groups of 32 inputs, 4 =
-# groups of 16 (Q6_K); first: where the group starts in its high words' span (codebytes.code_bytes: 0,
-# or 2 for a 5-bit group of 16 at an odd index). VNNI sums up to BLOCK rows over a whole tile (32 zmm hold their
-# sums) and more two output vectors at a time, each code vector unpacked once for them all; AVX2 takes
-# PAIR rows (its 16 ymm hold one row's sums, so two spill, but each code byte is unpacked once for
-# both: docs/weights.md has what it bought).
+# groups of 16 (Q6_K, Q2_K, Q3_K); first: where the group starts in its high words' span
+# (codebytes.code_bytes: 0, or the unit a 5- or 3-bit group of 16 at an odd index starts at). VNNI
+# sums up to BLOCK rows over a whole tile (32 zmm hold their sums) and more two output vectors at a
+# time, each code vector unpacked once for them all; AVX2 takes PAIR rows (its 16 ymm hold one row's
+# sums, so two spill, but each code byte is unpacked once for both: docs/weights.md has what it bought).
 BLOCK = 4
 PAIR = 2
 WIDEST = {"vnni512": 8, "avx2": PAIR, "avx2-signed": PAIR}
-WIDTHS = (8, 4, 5, 6, *TABLES)
+WIDTHS = (8, 4, 5, 6, 2, 3, *TABLES)
 
 
 def fits(isa: str, width) -> bool:
@@ -273,10 +281,10 @@ def fits(isa: str, width) -> bool:
 
 
 def firsts(width, quads: int) -> tuple[int, ...]:
-    """Where a group of `quads` may start within its high words' span of 4 / P octets."""
+    """Where a group of `quads` may start within its high words' span of 8 / (P parts) units."""
     if width == 8 or not PLANES[width]:
         return (0,)
-    return tuple(range(0, 4 // PLANES[width], max(1, quads // 2)))
+    return tuple(range(0, 8 // (PLANES[width] * parts(width)), max(1, quads // parts(width))))
 
 
 DOTS = {(isa, bits, quads, first): _make(emit, quads, bits, WIDEST[isa], registers, first)
