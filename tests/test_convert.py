@@ -115,22 +115,25 @@ def test_convert_writes_bfloat16_matrices_by_default(tmp_path, smol_dir):
     assert torch.equal(half.model.layers[3].down_proj.codes, packed.model.layers[3].down_proj.codes)
 
 
-def test_full_disk_is_refused_before_any_work(tmp_path, monkeypatch):
+def test_full_disk_is_refused_before_any_work(tmp_path, smol_dir, monkeypatch):
     """A disk that cannot hold the conversion is one line before anything is dequantized, and leaves
-    nothing behind; the estimate is within the real size (bf16: 2 bytes a weight, plus the codes)."""
+    nothing behind; the estimate is near what make model's float32 conversion of the same file wrote."""
     import shutil
 
     from larqlpy import files
-    from larqlpy.convert.gguf import convert_gguf
+    from larqlpy.convert.gguf import convert_gguf, used_tensors, written_bytes
     from larqlpy.errors import LarqlError
+    from larqlpy.weights.gguf_meta import read_gguf
     from conftest import smol_gguf
 
+    src = smol_gguf()
+    meta, arch = read_gguf(src)
+    ours = used_tensors(src, meta.reader.tensors, arch, arch.config(meta), False)
+    written = sum(f.stat().st_size for f in smol_dir.iterdir() if f.suffix == ".safetensors"
+                  and f.name != "kv_calibration.safetensors")
+    assert 0.9 * written < written_bytes(ours, "float32") < 1.05 * written
     real = shutil.disk_usage
-    dest = convert_gguf(smol_gguf(), tmp_path / "fits")
-    written = sum(f.stat().st_size for f in dest.iterdir())
     monkeypatch.setattr(files.shutil, "disk_usage", lambda p: real(p)._replace(free=written // 2))
     with pytest.raises(LarqlError, match=r"DEST .*full: needs about .* GiB, and .* GiB free"):
-        convert_gguf(smol_gguf(), tmp_path / "full")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fits"]
-    monkeypatch.setattr(files.shutil, "disk_usage", lambda p: real(p)._replace(free=int(written * 1.25)))
-    convert_gguf(smol_gguf(), tmp_path / "room")  # the estimate is not far over what is written
+        convert_gguf(src, tmp_path / "full", dtype="float32")
+    assert list(tmp_path.iterdir()) == []
