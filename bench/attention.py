@@ -67,15 +67,24 @@ def kernel_mode(copies: dict, shape: list[int], rows: list[int], kv: torch.dtype
         print(f"rows {n:6d}: " + " | ".join(cells) + f" | this: {macs:.2f} multiply-adds/ns")
 
 
+def kernels_of(mod) -> tuple[dict, dict, dict]:
+    """A copy's kernels as this checkout's attend_rows reads them, by head size (an older copy's one
+    kernel of every size under each)."""
+    if hasattr(mod, "ONE_CHUNK"):
+        return mod.ROWS, mod.SERIAL, mod.ONE_CHUNK
+    old = (mod._attend_rows, mod._attend_serial, mod._attend_chunk)
+    return tuple(dict.fromkeys(attention.ONE_CHUNK, k) for k in old)
+
+
 def swap(kernels) -> None:
-    attention._attend_rows, attention._attend_chunk = kernels
+    attention.ROWS, attention.SERIAL, attention.ONE_CHUNK = kernels
 
 
 def step_mode(copies: dict, model: Path, weights: str, positions: int, steps: int) -> None:
     runner = Larqlpy(model, weights, "canonical/v1")
     m = runner.loaded.model
     ids = torch.randint(100, 20000, (positions,), generator=torch.Generator().manual_seed(0))
-    kernels = {name: (mod._attend_rows, mod._attend_chunk) for name, mod in copies.items()}
+    kernels = {name: kernels_of(mod) for name, mod in copies.items()}
     runs = {}
     for name in copies:
         swap(kernels[name])

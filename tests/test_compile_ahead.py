@@ -41,15 +41,17 @@ print(json.dumps(calls))
 
 def test_plan_takes_the_last_kernels_first():
     types = ["Q8_0", "Q5_0", "Q8_0", "Q6_K", "Q4_K", "F32"]
-    assert ahead.plan(types, "Q6_K") == ["attend", "norms", "qkv", "product Q4_K", "product Q6_K", "product Q5_0",
+    assert ahead.plan(types, "Q6_K") == ["attend 64", "norms", "qkv", "product Q4_K", "product Q6_K", "product Q5_0",
                                          "product Q8_0", "rows Q6_K"]
-    assert ahead.plan(["Q4_K", "Q6_K"]) == ["attend", "norms", "qkv", "product Q6_K", "product Q4_K"]
+    assert ahead.plan(["Q4_K", "Q6_K"], head=128) == ["attend 128", "norms", "qkv", "product Q6_K", "product Q4_K"]
+    assert ahead.plan(["Q4_K"], head=80)[0] == "attend other"
     assert ahead.plan(["F32", "BF16"]) == []
 
 
 def test_every_job_name_is_a_job():
-    names = ahead.plan(list(ahead.LAYOUTS), "Q8_0")
-    assert set(names) <= set(ahead.jobs())
+    for head in (64, 128, 256, 80):
+        names = ahead.plan(list(ahead.LAYOUTS), "Q8_0", head)
+        assert set(names) <= set(ahead.jobs())
 
 
 @pytest.mark.heavy  # a helper process compiling: the suite's 30-minute budget
@@ -64,8 +66,8 @@ def test_the_jobs_compile_the_signatures_the_run_calls():
     calls = json.loads(done.stdout.strip().splitlines()[-1])
     by_jobs = {k for phase, k in calls if phase == "jobs"}
     by_run = {k for phase, k in calls if phase == "run"}
-    assert {"larqlpy.kernels.attention.decode._attend_chunk", "larqlpy.kernels.weights.matvec._qkv_rope",
-            "larqlpy.kernels.weights.gguf_blocks._rows"} <= by_jobs
+    assert {"larqlpy.kernels.attention.decode._attend_chunk_64", "larqlpy.kernels.weights.matvec._qkv_rope",
+            "larqlpy.kernels.weights.gguf_blocks._rows_gguf_first"} <= by_jobs
     assert sum(".qdot._int" in k for k in by_jobs) == 4  # the file's four code widths, on this CPU's path
     assert not by_jobs & by_run, f"the run compiled again: {sorted(by_jobs & by_run)}"
 
@@ -84,12 +86,12 @@ def test_a_helper_started_is_said_at_once(monkeypatch):
     monkeypatch.setattr(ahead.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or _Done())
     buf = io.StringIO()
     with compile_progress(Console(file=buf, force_terminal=False, width=200), live=False):
-        assert ahead.start(["attend", "norms"]) is not None
-    assert started and started[0][-2:] == ["attend", "norms"]
+        assert ahead.start(["attend 64", "norms"]) is not None
+    assert started and started[0][-2:] == ["attend 64", "norms"]
     assert buf.getvalue().splitlines()[0] == \
         "larqlpy: compiling kernels for this CPU (once: later runs load them from numba's cache)"
     monkeypatch.setenv(ahead.ENV, "0")
-    assert ahead.start(["attend"]) is None
+    assert ahead.start(["attend 64"]) is None
 
 
 class _Done:

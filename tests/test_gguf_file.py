@@ -19,6 +19,7 @@ import torch
 from larqlpy.convert.native import SUPPORTED, decompose
 from larqlpy.errors import LarqlError
 from larqlpy.kernels import cpu
+from larqlpy.kernels.weights import gguf_blocks
 from larqlpy.kernels.weights.gguf_blocks import (INDEX, JOINT, LAYOUTS, TWO_LEVEL, BlockRows, packed_width,
                                                  tiled_arrays, unpack, unpack_tiled)
 from larqlpy.kernels.weights.qweight import TILE, PackedWeight, tile_codes
@@ -237,6 +238,22 @@ def test_the_cli_runs_a_gguf_and_says_so(links, smol_dir):
     info = subprocess.run([*cmd, "info", str(links["smol"]), "--json"], capture_output=True, text=True, check=True)
     d = json.loads(info.stdout)
     assert d["model_type"] == "llama" and "Q4_1" in d["dtypes"]
+
+
+def test_k_quants_and_float_scaled_blocks_repack_through_one_compiled_kernel():
+    """Q4_K and Q6_K (integer sub-block scales) and Q8_0 and Q5_0 (float32 scales) -- a Q4_K_M file's
+    types -- repack through one kernel, their family's, of one signature: a cold run's first need is
+    compiled once (the float32 and the int8 arrays are both passed, one pair empty)."""
+    names = ("Q4_K", "Q6_K", "Q8_0", "Q5_0")
+    assert max(gguf_blocks.KIND[n] for n in names) < gguf_blocks.gguf_lowbit.FIRST  # one family: gguf_first's
+    for name in names:
+        size, per, *_ = LAYOUTS[name]
+        codes, scale, minimum, outer, seen = tiled_arrays(name, 8, 256)
+        unpack_tiled(np.zeros((8, 256 // per * size), np.uint8), name, (8, 256), np.arange(8), 0, codes, scale,
+                     minimum, seen, packed_width(name), outer)
+    kernel = gguf_blocks.TILED_KERNELS[gguf_blocks.gguf_first.FIRST]
+    scales = {tuple(a.dtype.name for a in sig[9:13]) for sig in kernel.signatures}
+    assert scales == {("float32", "float32", "int8", "int8")}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.heavy) if n == "Q5_K" else n for n in TWO_LEVEL])

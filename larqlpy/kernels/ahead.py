@@ -26,6 +26,7 @@ import torch
 
 from larqlpy.kernels import compiles
 from larqlpy.kernels.attention import decode
+from larqlpy.kernels.attention.rowdots import HEAD_DIMS
 from larqlpy.kernels.weights import gguf_blocks, matvec
 from larqlpy.kernels.weights.gguf_blocks import HALF_SCALES, LAYOUTS, packed_width, tiled_arrays
 from larqlpy.kernels.weights.qweight import PackedWeight
@@ -35,6 +36,7 @@ from larqlpy.kernels.weights.simd import layout_bits
 _helpers: list[subprocess.Popen] = []
 ENV = "LARQLPY_COMPILE_AHEAD"  # "0": no helper process (the tests' fixtures, a process that must stay alone)
 K, HEADS, KV, D = 256, 2, 1, 64  # tiny shapes: a kernel's signature holds dtypes and layouts, not sizes
+OTHER_HEAD = 80  # a head size outside rowdots.HEAD_DIMS: their one kernel
 
 
 def _product(qtype: str) -> None:
@@ -66,32 +68,38 @@ def _qkv() -> None:
                     1e-6, 0.0, cos, cos)
 
 
-def _attend() -> None:
-    """A decode step's attention over one short chunk, the step's own row written by the kernel."""
-    k, v = torch.zeros(KV, 4, D), torch.zeros(KV, 4, D)
-    new = torch.zeros(KV, 1, D)
-    decode.attend_rows(torch.zeros(1, HEADS, D), [decode.Span(k, v, 0, 1, write=True)], 0.125, new=(new, new),
+def _attend(d: int) -> None:
+    """A decode step's attention over one short chunk, the step's own row written by the kernel, at
+    head size d (each of rowdots.HEAD_DIMS has its own kernel, every other size one)."""
+    k, v = torch.zeros(KV, 4, d), torch.zeros(KV, 4, d)
+    new = torch.zeros(KV, 1, d)
+    decode.attend_rows(torch.zeros(1, HEADS, d), [decode.Span(k, v, 0, 1, write=True)], 0.125, new=(new, new),
                        cols=[0])
 
 
 def jobs() -> dict[str, Callable[[], None]]:
-    """Every job by name: `product Q8_0`, `rows Q6_K`, `norms`, `qkv`, `attend`."""
-    out: dict[str, Callable[[], None]] = {"attend": _attend, "norms": _norms, "qkv": _qkv}
+    """Every job by name: `product Q8_0`, `rows Q6_K`, `norms`, `qkv`, `attend 64` (a head size of
+    rowdots.HEAD_DIMS, or `attend other`)."""
+    out: dict[str, Callable[[], None]] = {"norms": _norms, "qkv": _qkv, "attend other": lambda: _attend(OTHER_HEAD)}
+    for d in HEAD_DIMS:
+        out[f"attend {d}"] = lambda d=d: _attend(d)
     for qtype in LAYOUTS:
         out[f"product {qtype}"] = lambda q=qtype: _product(q)
         out[f"rows {qtype}"] = lambda q=qtype: _rows(q)
     return out
 
 
-def plan(qtypes: Iterable[str], gathered: str | None = None) -> list[str]:
+def plan(qtypes: Iterable[str], gathered: str | None = None, head: int = D) -> list[str]:
     """The helper's jobs for a GGUF whose quantized matrices have these types in load order
-    (`gathered`: its embedding's type, when its rows are gathered from the blocks): the kernels the
+    (`gathered`: its embedding's type, when its rows are gathered from the blocks; `head`: its
+    attention's head size): the kernels the
     run reaches last first. Not the block repackers: the run needs them within seconds of starting,
     before the helper could have one ready (it would compile the same one beside the run)."""
     types = list(dict.fromkeys(q for q in qtypes if q in LAYOUTS))
     if not types:
         return []
-    return ["attend", "norms", "qkv", *(f"product {q}" for q in reversed(types)),
+    attend = f"attend {head}" if head in HEAD_DIMS else "attend other"
+    return [attend, "norms", "qkv", *(f"product {q}" for q in reversed(types)),
             *([f"rows {gathered}"] if gathered in LAYOUTS else [])]  # the prompt's embedding: the run's first need
 
 
@@ -99,7 +107,7 @@ def cold() -> bool:
     """Whether numba's cache holds no decode attention kernel, which every run on the CPU compiles: a
     fresh machine or cache. (Its index file alone says nothing: jitcache.tie writes it empty.)"""
     try:
-        return not decode._attend_chunk._cache._cache_file._load_index()
+        return not any(k._cache._cache_file._load_index() for k in decode.ONE_CHUNK.values())
     except AttributeError:  # another numba's insides: no helper, as before
         return False
 

@@ -116,7 +116,7 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     reads = [*ckpt.handles, *([path / native_file.FILE] if weights == "native" and not own_codes else [])]
     sources = {f.name: checks.digest(f) for f in reads if f.is_file()}  # from the record while unchanged
     if weights == "native" and own_codes:  # unpacked from the file's blocks: nothing kept on disk
-        _compile_ahead(ckpt, dev)
+        _compile_ahead(ckpt, dev, cfg.head_dim)
         matrices = _install_packed(model, _pack_native(ckpt, ckpt.native(gather=dev.type == "cpu"), cfg), dev)
         packed_from = "file"
     elif weights != "f32":
@@ -228,12 +228,12 @@ def _pack_native(ckpt: Checkpoint | GGUFCheckpoint, native: NativeFile | GGUFCod
     return out
 
 
-def _compile_ahead(ckpt: GGUFCheckpoint | MXFP4Checkpoint, dev: torch.device) -> None:
+def _compile_ahead(ckpt: GGUFCheckpoint | MXFP4Checkpoint, dev: torch.device, head: int) -> None:
     """On a cold kernel cache, a second process compiles what this load and run will need
     (kernels/ahead.py)."""
     if dev.type == "cpu":
         gathered = ckpt.dtypes.get("embed_tokens") if "lm_head" in ckpt.wanted else None
-        ahead.start(ahead.plan(ckpt.dtypes.values(), gathered))
+        ahead.start(ahead.plan(ckpt.dtypes.values(), gathered, head))
 
 
 def _stacks(native: NativeFile | GGUFCodes, parts: list[tuple[str, str | None]], prefix: str) -> dict:

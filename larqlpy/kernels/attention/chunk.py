@@ -139,9 +139,11 @@ def _exponentials(sc, softcap, top, total):  # pragma: no cover - jitted
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def chunk(q, where, s, c, kv, lo, hi, scale, softcap, m, total, acc):  # pragma: no cover - jitted
+def chunk(q, where, s, c, kv, lo, hi, scale, softcap, m, total, acc, head):  # pragma: no cover - jitted
     """Piece s's readable rows [lo, hi), KV head kv, for that head's query heads (of row where[s, 9]
-    of q): chunk c's running maximum, sum and weighted values."""
+    of q): chunk c's running maximum, sum and weighted values. head: q's head size where it is one of
+    rowdots.HEAD_DIMS, else 0 -- a constant of the calling kernel, so numba drops the other sizes'
+    branches and a kernel compiles one head size's code (decode.py)."""
     h, d = q.shape[1], q.shape[2]
     n_kv, stride, kind = where[s, 4], where[s, 3], where[s, 8]
     rows = where[s, 6] if where[s, 6] > 0 else where[s, 5] + where[s, 2]  # the buffer's rows read from
@@ -161,11 +163,11 @@ def chunk(q, where, s, c, kv, lo, hi, scale, softcap, m, total, acc):  # pragma:
     v16 = carray(u16_at(where[s, 1] + 2 * kv * stride), (rows, d))
     kv_rows = (k, k16, v, v16, at, kind, wide)
     top, sums = m[c, h0:h0 + group], total[c, h0:h0 + group]
-    if d == 64:  # the head size a literal, so LLVM unrolls its loops
+    if head == 64:  # the head size a literal, so LLVM unrolls its loops
         _softmax16(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, 64)
-    elif d == 128:
+    elif head == 128:
         _softmax16(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, 128)
-    elif d == 256:
+    elif head == 256:
         _softmax16(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, 256)
     else:  # only here the rowdots intrinsics are not compiled in: a kernel's size is memory once loaded
         _softmax_pairs(qq, h0, group, kv_rows, n, scale, softcap, sc, top, sums, out, d)

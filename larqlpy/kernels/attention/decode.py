@@ -20,6 +20,7 @@ reads back the same whichever path stored it.
 
 from __future__ import annotations
 
+from types import FunctionType
 from typing import NamedTuple
 
 import numpy as np
@@ -113,12 +114,13 @@ def _plan(where, n_q):  # pragma: no cover - jitted
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _item(q, where, first, owner, w, scale, softcap, m, total, acc):  # pragma: no cover - jitted
-    """Work item w: chunk w // Hkv, KV head w % Hkv (every piece of a call is one layer's: same Hkv)."""
+def _item(q, where, first, owner, w, scale, softcap, m, total, acc, head):  # pragma: no cover - jitted
+    """Work item w: chunk w // Hkv, KV head w % Hkv (every piece of a call is one layer's: same Hkv);
+    head: chunk.chunk's."""
     c, kv = w // where[0, 4], w % where[0, 4]
     s = owner[c]
     lo = (c - first[s]) * CHUNK
-    chunk(q, where, s, c, kv, lo, min(where[s, 2], lo + CHUNK), scale, softcap, m, total, acc)
+    chunk(q, where, s, c, kv, lo, min(where[s, 2], lo + CHUNK), scale, softcap, m, total, acc, head)
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -131,7 +133,9 @@ def _start(q, knew, vnew, where):  # pragma: no cover - jitted
         np.zeros((nc, h, d), np.float32)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, error_model="numpy")
+HEAD = 0  # what the kernels' templates read: the head size they are made for (`_kernels`)
+
+
 def _attend_rows(q, knew, vnew, where, scale, softcap, sinks, out, slots):  # pragma: no cover - jitted
     """q (S, H, D) -> out (S, H, D); where (P, 10) int64 per piece of rows (a sequence's own rows, or
     a prompt's rows its branches share): K and V buffer addresses (row 0 of KV head 0), readable rows
@@ -145,24 +149,22 @@ def _attend_rows(q, knew, vnew, where, scale, softcap, sinks, out, slots):  # pr
     for _ in prange(slots):
         w = workshare.take(count)
         while w < items:
-            _item(q, where, first, owner, w, scale, softcap, m, total, acc)
+            _item(q, where, first, owner, w, scale, softcap, m, total, acc, HEAD)
             w = workshare.take(count)
     for s in range(q.shape[0]):  # a few (H, D) sums: not worth waking the threads a second time
         _merge(m, total, acc, by_query[s], by_query[s + 1], out[s], sinks)
 
 
-@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _attend_serial(q, knew, vnew, where, scale, softcap, sinks, out):  # pragma: no cover - jitted
     """`_attend_rows` on the calling thread: the same work items and merge, so the
     same bits, for a call too small to pay for waking the thread pool."""
     first, owner, by_query, m, total, acc = _start(q, knew, vnew, where)
     for w in range(m.shape[0] * where[0, 4]):
-        _item(q, where, first, owner, w, scale, softcap, m, total, acc)
+        _item(q, where, first, owner, w, scale, softcap, m, total, acc, HEAD)
     for s in range(q.shape[0]):
         _merge(m, total, acc, by_query[s], by_query[s + 1], out[s], sinks)
 
 
-@njit(fastmath=FASTMATH, cache=True, error_model="numpy")
 def _attend_chunk(q, knew, vnew, where, scale, softcap, sinks, out):  # pragma: no cover - jitted
     """A single chunk in all (one sequence, <= CHUNK rows): the same arithmetic, bit for bit, without
     waking the thread pool (which costs more than such a chunk takes)."""
@@ -171,8 +173,26 @@ def _attend_chunk(q, knew, vnew, where, scale, softcap, sinks, out):  # pragma: 
     h, d = q.shape[1], q.shape[2]
     m, total, acc = np.empty((1, h), np.float32), np.empty((1, h), np.float32), np.zeros((1, h, d), np.float32)
     for w in range(where[0, 4]):
-        _item(q, where, first, owner, w, scale, softcap, m, total, acc)
+        _item(q, where, first, owner, w, scale, softcap, m, total, acc, HEAD)
     _merge(m, total, acc, 0, 1, out[0], sinks)
+
+
+def _kernels(template, parallel: bool = False) -> dict:
+    """`template` as one kernel per head size (rowdots.HEAD_DIMS, and 0 for any other), each of its
+    own name (a function, not a closure: qdot._int_kernel says why): a model compiles its own head
+    size's code only, where one kernel of all four compiled them all (docs/benchmarks.md, cold start)."""
+    out = {}
+    for head in (*rowdots.HEAD_DIMS, 0):
+        name = f"{template.__name__}_{head or 'any'}"
+        fn = FunctionType(template.__code__, {**globals(), "HEAD": head}, name)
+        fn.__qualname__ = name
+        out[head] = njit(parallel=parallel, fastmath=FASTMATH, cache=True, error_model="numpy")(fn)
+    return out
+
+
+ROWS = _kernels(_attend_rows, parallel=True)
+SERIAL = _kernels(_attend_serial)
+ONE_CHUNK = _kernels(_attend_chunk)
 
 
 def takes(q: torch.Tensor) -> bool:
@@ -224,10 +244,11 @@ def attend_rows(q: torch.Tensor, spans: list[Span | tuple[Span, ...]], scale: fl
     out = np.empty((n_seq, q.shape[1], d), np.float32)
     total = int(where[:, 2].sum())
     args = (q.contiguous().numpy(), knew, vnew, where, np.float32(scale), np.float32(softcap), sinks, out)
+    head = d if d in rowdots.HEAD_DIMS else 0
     if total > SERIAL_ROWS:
-        _attend_rows(*args, SLOTS)
+        ROWS[head](*args, SLOTS)
     else:
-        (_attend_chunk if len(rows) == 1 and total <= CHUNK else _attend_serial)(*args)
+        (ONE_CHUNK if len(rows) == 1 and total <= CHUNK else SERIAL)[head](*args)
     return torch.from_numpy(out)
 
 

@@ -21,15 +21,16 @@ scales, and each block's d and -dmin apart.
 from __future__ import annotations
 
 import mmap
+from types import FunctionType, ModuleType
 
 import numpy as np
 import torch
 from numba import njit, prange
 
 from larqlpy.kernels import jitcache
-from larqlpy.kernels.weights import gguf_grid, gguf_lowbit, qdot, tiled_put
+from larqlpy.kernels.weights import gguf_first, gguf_grid, gguf_lowbit, qdot, tiled_put
 from larqlpy.kernels.weights.packing import code_shape
-from larqlpy.kernels.weights.qdot import NO_OUTER, NO_TABLE, half_bits
+from larqlpy.kernels.weights.qdot import NO_OUTER, NO_TABLE
 from larqlpy.kernels.weights.simd import ROWS as TILE
 from larqlpy.kernels.weights.simd import TABLES
 from larqlpy.kernels.weights.tiled_put import put
@@ -77,106 +78,10 @@ def packed_width(qtype: str) -> tuple[int, int]:
     return NARROW.get(qtype, (LAYOUTS[qtype][2], 0))
 
 
-@njit(inline="always", cache=True)
-def _scale_min_k4(s, at, j):  # pragma: no cover - jitted
-    """Sub-block j's 6-bit scale and minimum of a Q4_K / Q5_K block at byte `at` (12 bytes at at + 4)."""
-    if j < 4:
-        return np.int32(s[at + 4 + j] & 63), np.int32(s[at + 8 + j] & 63)
-    sc = np.int32((s[at + 8 + j] & 15) | ((s[at + j] >> 6) << 4))
-    m = np.int32((s[at + 8 + j] >> 4) | ((s[at + 4 + j] >> 6) << 4))
-    return sc, m
+# What the kernels' templates (`_rows`, `_tiled`) read as globals: one family's decoders (`_kernel`).
+_decode = _outer = None
 
 
-@njit(inline="always", cache=True)
-def _half_at(row, at):  # pragma: no cover - jitted
-    return half_bits(np.int32(row[at]) | (np.int32(row[at + 1]) << 8))
-
-
-@njit(inline="always", cache=True)
-def _outer(row, at, kind, sc, mn):  # pragma: no cover - jitted
-    """A K-quant block's sub-block scales (and minimums) as the file's integers into sc / mn, and its
-    float16 d and dmin as bits, dmin's sign flipped (a minimum is -(dmin * m))."""
-    if kind >= gguf_grid.FIRST:
-        return gguf_grid.outer(row, at, kind, sc, mn)
-    if kind >= gguf_lowbit.FIRST:
-        return gguf_lowbit.outer(row, at, kind, sc, mn)
-    if kind == 7:  # Q6_K: signed 8-bit scales, d at 208
-        for j in range(16):
-            sc[j] = np.float32(np.int8(row[at + 192 + j]))
-        return np.uint16(np.int32(row[at + 208]) | (np.int32(row[at + 209]) << 8)), np.uint16(0)
-    for j in range(8):
-        s, m = _scale_min_k4(row, at, j)
-        sc[j], mn[j] = np.float32(s), np.float32(m)
-    d = np.int32(row[at]) | (np.int32(row[at + 1]) << 8)
-    return np.uint16(d), np.uint16((np.int32(row[at + 2]) | (np.int32(row[at + 3]) << 8)) ^ 0x8000)
-
-
-@njit(inline="always", cache=True)
-def _decode(row, at, kind, buf, sc, mn):  # pragma: no cover - jitted
-    """The block at byte `at` of `row`: its codes into buf, its groups' scales (and minimums) into
-    sc / mn."""
-    if kind >= gguf_grid.FIRST:
-        gguf_grid.decode(row, at, kind, buf, sc, mn)
-    elif kind >= gguf_lowbit.FIRST:
-        gguf_lowbit.decode(row, at, kind, buf, sc, mn)
-    else:
-        _decode_first(row, at, kind, buf, sc, mn)
-
-
-@njit(inline="always", cache=True)
-def _decode_first(row, at, kind, buf, sc, mn):  # pragma: no cover - jitted
-    """_decode of the types before gguf_lowbit.FIRST."""
-    d = _half_at(row, at + 208 if kind == 7 else at)
-    d2 = _half_at(row, at + 2)  # m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K); unused by the others
-    if kind == 0:  # Q8_0: int8 q + 128
-        for j in range(32):
-            buf[j] = row[at + 2 + j] ^ 128
-        sc[0] = d
-    elif kind == 2 or kind == 3:  # Q4_0 (qs at 2), Q4_1 (m at 2, qs at 4)
-        q = at + (2 if kind == 2 else 4)
-        for j in range(16):
-            buf[j] = row[q + j] & 15
-            buf[j + 16] = row[q + j] >> 4
-        sc[0], mn[0] = d, d2
-    elif kind == 1 or kind == 4:  # Q5_0 (qh at 2, qs at 6; q - 16 + 128), Q5_1 (m at 2, qh at 4, qs at 8)
-        h = at + (2 if kind == 1 else 4)
-        qh = np.uint32(row[h]) | (np.uint32(row[h + 1]) << 8) | (np.uint32(row[h + 2]) << 16) | \
-            (np.uint32(row[h + 3]) << 24)
-        shift = 112 if kind == 1 else 0
-        for j in range(16):
-            b = np.int32(row[h + 4 + j])
-            buf[j] = (b & 15) + (((qh >> j) & 1) << 4) + shift
-            buf[j + 16] = (b >> 4) + (((qh >> (j + 16)) & 1) << 4) + shift
-        sc[0], mn[0] = d, d2
-    elif kind == 5 or kind == 6:  # Q4_K / Q5_K: 8 sub-blocks of 32, low nibbles then high per 64
-        qs = at + (48 if kind == 6 else 16)
-        for j in range(8):
-            s, m = _scale_min_k4(row, at, j)
-            sc[j] = d * np.float32(s)
-            mn[j] = -(d2 * np.float32(m))
-            c, half = j // 2, j % 2
-            for v in range(32):
-                b = np.int32(row[qs + 32 * c + v])
-                q = (b >> 4) if half else (b & 15)
-                if kind == 6:
-                    q |= ((np.int32(row[at + 16 + v]) >> j) & 1) << 4
-                buf[32 * j + v] = q if s > 0 else 0  # a scale of 0: the codes are undefined
-    else:  # Q6_K: q + 128 in 16 sub-blocks of 16
-        for j in range(16):
-            sc[j] = d * np.float32(np.int32(np.int8(row[at + 192 + j])))
-        for n in range(2):
-            for v in range(32):
-                low = np.int32(row[at + 64 * n + v])
-                high = np.int32(row[at + 64 * n + v + 32])
-                h = np.int32(row[at + 128 + 32 * n + v])
-                q = ((low & 15) | ((h & 3) << 4), (high & 15) | (((h >> 2) & 3) << 4),
-                     (low >> 4) | (((h >> 4) & 3) << 4), (high >> 4) | (((h >> 6) & 3) << 4))
-                for t in range(4):
-                    p = 128 * n + 32 * t + v
-                    buf[p] = np.uint8(q[t] + 96) if row[at + 192 + p // 16] != 0 else np.uint8(128)
-
-
-@njit(parallel=True, cache=True)
 def _rows(raw, kind, per, size, u, scale, minimum):  # pragma: no cover - jitted
     """Row-major: u (n, k), scale / minimum (n, groups)."""
     bpr = raw.shape[1] // size
@@ -192,20 +97,21 @@ def _rows(raw, kind, per, size, u, scale, minimum):  # pragma: no cover - jitted
                 minimum[r, b * gpb:(b + 1) * gpb] = mn[:gpb]
 
 
-@njit(parallel=True, cache=True)
-def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, outer, seen, index,
-           joint):  # pragma: no cover
+def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, scale8, minimum8, outer, seen,
+           index, joint):  # pragma: no cover
     """Source row i to destination row lo + i of a tiled matrix (codes as words (tiles, units, TILE *
     span / 4) at `bits`, the codes less `base`, or where `index` is not empty (256) each code's
-    index in its table, at 4 bits; zeroed beforehand at 3, 5 and 6 bits); scale /
-    minimum tiled too (tiles, groups, TILE): float32, or with `outer` (tiles, blocks, 2, TILE) the
-    K-quants' integer sub-block scales, their blocks' d and -dmin in outer; rows: the source row of
-    each destination row (joint: a sub-block's integer scale and minimum as one byte, in scale);
-    seen[t] = (lowest, highest) code written into tile t. A tile's rows go to
-    one thread: rows of one tile share cache lines (and 3- / 5- / 6-bit rows their high words)."""
+    index in its table, at 4 bits; zeroed beforehand at 3, 5 and 6 bits); scale / minimum tiled too
+    (tiles, groups, TILE) float32, or, where scale8 is not empty, in scale8 / minimum8 (int8) with
+    `outer` (tiles, blocks, 2, TILE): the K-quants' integer sub-block scales, their blocks' d and -dmin
+    in outer (either pair empty: one signature, compiled once, serves both; joint: a sub-block's
+    integer scale and minimum as one byte, in a uint8 scale8); rows: the source row of each
+    destination row; seen[t] = (lowest, highest) code written into tile t. A tile's rows go to one
+    thread: rows of one tile share cache lines (and 3- / 5- / 6-bit rows their high words)."""
     n = rows.shape[0]
     bpr = raw.shape[1] // size
-    gpb = scale.shape[1] // bpr
+    ints = scale8.shape[0] > 0
+    gpb = (scale8.shape[1] if ints else scale.shape[1]) // bpr
     t0, t1 = lo // TILE, (lo + n - 1) // TILE + 1
     for t in prange(t0, t1):
         buf = np.empty(256, np.uint8)
@@ -227,12 +133,41 @@ def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, ou
                     outer[t, b, 0, slot], outer[t, b, 1, slot] = _outer(row, b * size, kind, sc, mn)
                 for g in range(gpb):
                     if joint:  # the file's byte: scale in the low nibble, minimum in the high
-                        scale[t, b * gpb + g, slot] = np.int32(sc[g]) | (np.int32(mn[g]) << 4)
-                        continue
-                    scale[t, b * gpb + g, slot] = sc[g]
-                    if minimum.shape[0]:
-                        minimum[t, b * gpb + g, slot] = mn[g]
+                        scale8[t, b * gpb + g, slot] = np.int32(sc[g]) | (np.int32(mn[g]) << 4)
+                    elif ints:
+                        scale8[t, b * gpb + g, slot] = sc[g]
+                        if minimum8.shape[0]:
+                            minimum8[t, b * gpb + g, slot] = mn[g]
+                    else:
+                        scale[t, b * gpb + g, slot] = sc[g]
+                        if minimum.shape[0]:
+                            minimum[t, b * gpb + g, slot] = mn[g]
         seen[t, 0], seen[t, 1] = min(seen[t, 0], low), max(seen[t, 1], high)
+
+
+FAMILIES = (gguf_first, gguf_lowbit, gguf_grid)  # modules of decoders, each from its kind FIRST on
+
+
+def _kernel(template, family: ModuleType):
+    """`template` over one family's decoders, as a kernel of its own name (a function, not a closure:
+    qdot._int_kernel says why): a file compiles the decoders of its own types only, where one kernel
+    of every family's compiled them all (docs/benchmarks.md, cold start)."""
+    name = f"{template.__name__}_{family.__name__.rsplit('.', 1)[-1]}"
+    fn = FunctionType(template.__code__, {**globals(), "_decode": family.decode, "_outer": family.outer}, name)
+    fn.__qualname__ = name
+    return njit(parallel=True, cache=True)(fn)
+
+
+ROW_KERNELS = {f.FIRST: _kernel(_rows, f) for f in FAMILIES}
+TILED_KERNELS = {f.FIRST: _kernel(_tiled, f) for f in FAMILIES}
+
+
+def _by_kind(kernels: dict) -> list:
+    """Each kind's kernel: its family's (a list, so a row read one token at a time looks it up fast)."""
+    return [kernels[max(first for first in kernels if first <= kind)] for kind in range(len(LAYOUTS))]
+
+
+_ROWS_OF, _TILED_OF = _by_kind(ROW_KERNELS), _by_kind(TILED_KERNELS)
 
 
 def values(u: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, zero: int) -> np.ndarray:
@@ -254,7 +189,7 @@ def unpack(raw: np.ndarray, qtype: str, shape: tuple[int, int]):
     u = np.empty((n, k), np.uint8)
     scale = np.empty((n, k // group), np.float32)
     minimum = np.empty((n if affine else 0, k // group), np.float32)
-    _rows(np.asarray(raw).reshape(n, -1), KIND[qtype], per, size, u, scale, minimum)
+    _ROWS_OF[KIND[qtype]](np.asarray(raw).reshape(n, -1), KIND[qtype], per, size, u, scale, minimum)
     return u, scale, minimum if affine else None, zero, bits
 
 
@@ -286,6 +221,9 @@ def _zeros(shape: tuple, dtype) -> np.ndarray:
     return np.frombuffer(m, dtype).reshape(shape)
 
 
+_NO_F32, _NO_I8 = np.zeros((0, 1, TILE), np.float32), np.zeros((0, 1, TILE), np.int8)  # the pair a matrix has not
+
+
 def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.ndarray, lo: int,
                  codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, seen: np.ndarray,
                  width: tuple[int, int] | None = None, outer: np.ndarray | None = None) -> None:
@@ -299,9 +237,11 @@ def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.n
     size, per, bits, group, zero, affine = LAYOUTS[qtype]
     bits, base = width or (bits, 0)
     index = INDEX.get(bits, NO_TABLE)
-    _tiled(np.asarray(raw).reshape(shape[0], -1), KIND[qtype], per, size, 4 if index.size else bits,
-           base, np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], scale, minimum,
-           NO_OUTER if outer is None else outer, seen, index, scale.dtype == np.uint8)  # a table's indices at 4 bits
+    kind, ints = KIND[qtype], scale.dtype != np.float32  # a K-quant's integers (tiled_arrays), else float32 values
+    scales = (_NO_F32, _NO_F32, scale, minimum) if ints else (scale, minimum, _NO_I8, _NO_I8)
+    _TILED_OF[kind](np.asarray(raw).reshape(shape[0], -1), kind, per, size, 4 if index.size else bits, base,
+                    np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], *scales,
+                    NO_OUTER if outer is None else outer, seen, index, scale.dtype == np.uint8)  # a table's: 4 bits
 
 
 class BlockRows:
@@ -329,5 +269,5 @@ class BlockRows:
         return torch.from_numpy(values(u, scale, minimum, zero)).view(*idx.shape, self.shape[1])
 
 
-jitcache.tie(globals(), qdot, gguf_lowbit, gguf_grid, tiled_put)  # the decoders inline qdot.py's half_bits and
-# gguf_lowbit.py; _tiled inlines tiled_put
+jitcache.tie(globals(), qdot, gguf_first, gguf_lowbit, gguf_grid, tiled_put)  # the kernels inline the decoders
+# (and qdot's half_bits) and tiled_put's writer

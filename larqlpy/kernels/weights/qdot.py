@@ -129,8 +129,9 @@ def quantize_activations(x: np.ndarray, group: int, xq: np.ndarray, xs: np.ndarr
 
 
 # What `_int_template` reads as globals; each kernel is the template under its own values (`_int_kernel`).
-WIDEST = X_PER = FULL = SPAN = 0
+WIDEST = X_PER = SPAN = 0
 DOT = DOT_HALF = DOT_LATE = None
+HALVES = LATE_APART = False  # constants: numba prunes the branches on them, so a kernel holds one group size's code
 
 
 def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pragma: no cover - jitted
@@ -145,9 +146,8 @@ def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pr
     nt, kw, ng, m_rows, nb = codes.shape[0], codes.shape[1], scale.shape[1], x.shape[0], outer.shape[1]
     group = x.shape[1] // ng
     xq8, xs, sxq = np.empty(x.shape, np.int8), np.empty((m_rows, ng), np.float32), np.empty((m_rows, ng), np.int32)
-    if m_rows > THREADED_ROWS:
-        for m in prange(m_rows):
-            _quantize_row(x, m, group, xq8, xs, sxq)
+    if m_rows > THREADED_ROWS:  # the one compiled kernel every width calls, not a parallel loop of each's own
+        _quantize_many(x, group, xq8, xs, sxq)
     else:
         for m in range(m_rows):
             _quantize_row(x, m, group, xq8, xs, sxq)
@@ -168,18 +168,19 @@ def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pr
                         n = min(m_rows - m, WIDEST)
                         a = (n, acc, m * TILE, cf, base, xf, X_PER * (m * kw + g * nw), X_PER * kw, sf, so, mf, of,
                              oo, xsf, qf, m * ng + g, ng, zc, affine, ahead if m == 0 else 0)
-                        if nw == FULL:
-                            DOT(*a)
-                        elif g % 2 == 0:
-                            DOT_HALF(*a)
+                        if HALVES:
+                            if LATE_APART and g % 2:
+                                DOT_LATE(*a)
+                            else:
+                                DOT_HALF(*a)
                         else:
-                            DOT_LATE(*a)
+                            DOT(*a)
                         m += n
                 out[:, t * TILE:(t + 1) * TILE] = acc.reshape(m_rows, TILE)
             c = workshare.take(count)
 
 
-def _int_kernel(isa: str, bits: int):
+def _int_kernel(isa: str, bits: int, halves: bool):
     """The kernel of one instruction set and code width, made from `_int_template` with its own
     globals: a kernel that names an instruction the CPU lacks is never compiled there, so each pair
     is its own function. Not a closure: numba keys a cached closure on a pickle of what it closes
@@ -187,11 +188,14 @@ def _int_kernel(isa: str, bits: int):
     each one. A function of its own name and globals is cached under that name like any other.
     VNNI takes up to 8 activation rows per intrinsic call, AVX2 2 (simd.WIDEST); a unit of codes
     (simd.parts: 1, 2 or 4 activation words, of simd.span bytes a row) is one code word a row; groups
-    of 16 inputs have their own intrinsics. bits: a code width, or a table's name (simd.TABLES)."""
-    bound = dict(WIDEST=ROWS_PER_CALL[isa], X_PER=simd.parts(bits), FULL=8 // simd.parts(bits),
-                 SPAN=simd.span(bits), DOT=DOTS[(isa, bits, 8, 0)], DOT_HALF=DOTS[(isa, bits, 4, 0)],
-                 DOT_LATE=DOTS[(isa, bits, 4, simd.firsts(bits, 4)[-1])])
-    name = f"_int{bits}_{isa.replace('-', '_')}"
+    of 16 inputs have their own intrinsics, and kernels (`halves`): a matrix has one group size, and
+    one kernel of both compiled twice the code a file runs. bits: a code width, or a table's name
+    (simd.TABLES)."""
+    firsts = simd.firsts(bits, 4)
+    bound = dict(WIDEST=ROWS_PER_CALL[isa], X_PER=simd.parts(bits), SPAN=simd.span(bits),
+                 DOT=DOTS[(isa, bits, 8, 0)], DOT_HALF=DOTS[(isa, bits, 4, 0)],
+                 DOT_LATE=DOTS[(isa, bits, 4, firsts[-1])], HALVES=halves, LATE_APART=len(firsts) > 1)
+    name = f"_int{bits}_{isa.replace('-', '_')}{'_halves' if halves else ''}"
     fn = FunctionType(_int_template.__code__, {**globals(), **bound}, name)
     fn.__qualname__ = name
     return njit(parallel=True, cache=True, error_model="numpy")(fn)
@@ -320,10 +324,11 @@ def _float_planes(codes, scale, minimum, outer, zero, bits, table, x, xsum, out)
             out[m, t * TILE:(t + 1) * TILE] = acc[m]
 
 
-INT = {(isa, bits): _int_kernel(isa, bits) for isa in ("vnni512", "avx2", "avx2-signed") for bits in simd.WIDTHS
-       if simd.fits(isa, bits)}
+INT = {(isa, bits): _int_kernel(isa, bits, False) for isa in INT_PATHS for bits in simd.WIDTHS if simd.fits(isa, bits)}
+HALVES_INT = {key: _int_kernel(*key, True) for key in INT}  # groups of 16 inputs (Q6_K, Q2_K, Q3_K, ...)
 FLOAT = {8: _float8, 4: _float4}
 NO_TABLE = np.zeros(0, np.uint8)
+HALF_GROUP = 16  # inputs a group of the `halves` kernels; every other matrix's groups are of 32
 SLOTS = workshare.slots()
 
 
@@ -342,7 +347,8 @@ def gemm(codes, scale, minimum, outer, zero: int, bits: int, x: np.ndarray, path
                           x, xsum, out)
         return
     zc = zero - 128 if path == "avx2-signed" else zero  # its sums are of (u - 128) * xq
-    INT[(path, bits)](codes, scale, minimum, outer, zc, x, out, ahead, SLOTS)
+    halves = x.shape[1] // scale.shape[1] == HALF_GROUP
+    (HALVES_INT if halves else INT)[(path, bits)](codes, scale, minimum, outer, zc, x, out, ahead, SLOTS)
 
 
 jitcache.tie(globals(), simd, codebytes, jitcache, workshare)  # they inline simd.py's intrinsics, workshare's counter
