@@ -75,7 +75,7 @@ def group_value(a, outer, t, g, r, which):  # pragma: no cover - jitted
     return as_float(a[t, g, r])
 
 @njit(inline="always", cache=True)
-def _quantize_row(x, m, group, xq, xs, sxq):  # pragma: no cover - jitted
+def quantize_row(x, m, group, xq, xs, sxq):  # pragma: no cover - jitted
     for g in range(x.shape[1] // group):
         amax = np.float32(0.0)
         for j in range(g * group, (g + 1) * group):
@@ -92,13 +92,13 @@ def _quantize_row(x, m, group, xq, xs, sxq):  # pragma: no cover - jitted
 @njit(cache=True, error_model="numpy")
 def _quantize_few(x, group, xq, xs, sxq):  # pragma: no cover - jitted
     for m in range(x.shape[0]):
-        _quantize_row(x, m, group, xq, xs, sxq)
+        quantize_row(x, m, group, xq, xs, sxq)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _quantize_many(x, group, xq, xs, sxq):  # pragma: no cover - jitted
     for m in prange(x.shape[0]):
-        _quantize_row(x, m, group, xq, xs, sxq)
+        quantize_row(x, m, group, xq, xs, sxq)
 
 
 # Chunks a thread takes in a product, on average: runs of contiguous tiles stream like a thread's fixed
@@ -133,10 +133,10 @@ def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pr
     xq8, xs, sxq = np.empty(x.shape, np.int8), np.empty((m_rows, ng), np.float32), np.empty((m_rows, ng), np.int32)
     if m_rows > THREADED_ROWS:
         for m in prange(m_rows):
-            _quantize_row(x, m, group, xq8, xs, sxq)
+            quantize_row(x, m, group, xq8, xs, sxq)
     else:
         for m in range(m_rows):
-            _quantize_row(x, m, group, xq8, xs, sxq)
+            quantize_row(x, m, group, xq8, xs, sxq)
     nw, cf, xf, sf, mf, of, xsf, qf = kw // ng, codes.reshape(-1), xq8.view(np.int32).reshape(-1), \
         scale.reshape(-1), minimum.reshape(-1), outer.reshape(-1), xs.reshape(-1), sxq.reshape(-1)
     affine, per_block, count = minimum.shape[0] > 0, ng // nb, workshare.counter()
@@ -165,10 +165,11 @@ def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pr
             c = workshare.take(count)
 
 
-def _int_kernel(isa: str, bits: int):
-    """The kernel of one instruction set and code width, made from `_int_template` with its own
-    globals: a kernel that names an instruction the CPU lacks is never compiled there, so each pair
-    is its own function. Not a closure: numba keys a cached closure on a pickle of what it closes
+def int_kernel(template, isa: str, bits, prefix: str = "_int"):
+    """The kernel of one instruction set and code width, made from `template` (`_int_template`, or
+    another reading the same globals: qmany.py's) with its own globals, named prefix + width + isa:
+    a kernel that names an instruction the CPU lacks is never compiled there, so each pair is its
+    own function. Not a closure: numba keys a cached closure on a pickle of what it closes
     over, and a pickled intrinsic differs in every process, so such a kernel would compile afresh in
     each one. A function of its own name and globals is cached under that name like any other.
     VNNI takes up to 8 activation rows per intrinsic call, AVX2 2 (simd.WIDEST); a 4-, 5- or 6-bit
@@ -178,8 +179,8 @@ def _int_kernel(isa: str, bits: int):
     bound = dict(WIDEST=ROWS_PER_CALL[isa], X_PER=1 if bits == 8 else 2, FULL=8 if bits == 8 else 4,
                  SPAN=4 + simd.PLANES[bits], DOT=DOTS[(isa, bits, 8, 0)], DOT_HALF=DOTS[(isa, bits, 4, 0)],
                  DOT_LATE=DOTS[late])
-    name = f"_int{bits}_{isa.replace('-', '_')}"
-    fn = FunctionType(_int_template.__code__, {**globals(), **bound}, name)
+    name = f"{prefix}{bits}_{isa.replace('-', '_')}"
+    fn = FunctionType(template.__code__, {**template.__globals__, **bound}, name)
     fn.__qualname__ = name
     return njit(parallel=True, cache=True, error_model="numpy")(fn)
 
@@ -300,8 +301,8 @@ def _float_planes(codes, scale, minimum, outer, zero, bits, table, x, xsum, out)
             out[m, t * TILE:(t + 1) * TILE] = acc[m]
 
 
-INT = {(isa, bits): _int_kernel(isa, bits) for isa in ("vnni512", "avx2", "avx2-signed") for bits in simd.WIDTHS
-       if simd.fits(isa, bits)}
+INT = {(isa, bits): int_kernel(_int_template, isa, bits) for isa in ("vnni512", "avx2", "avx2-signed")
+       for bits in simd.WIDTHS if simd.fits(isa, bits)}
 FLOAT = {8: _float8, 4: _float4}
 NO_TABLE = np.zeros(0, np.uint8)
 SLOTS = workshare.slots()
