@@ -138,13 +138,13 @@ def _exponentials(sc, softcap, top, total):  # pragma: no cover - jitted
         total[g] = tot
 
 
-HEAD_VALUES = 2048  # query values an item takes at most, where a KV head's query heads are split
+HEAD_VALUES = 4096  # query values an item takes at most, where a KV head's query heads are split
 
 
 @njit(inline="always", cache=True, error_model="numpy")
 def parts(h, n_kv, d):  # pragma: no cover - jitted
     """How many work items share one KV head's query heads: one, unless the heads' rows are wide
-    (latent attention's 16 heads of 576 values on one KV head: 6 items of 3 heads), then at most
+    (latent attention's 16 heads of 576 values on one KV head: 3 items of 6, 6 and 4 heads), then at most
     HEAD_VALUES query values each. One item of 16 such heads ran a 128-row chunk on one thread."""
     most = max(1, HEAD_VALUES // d)
     return (h // n_kv + most - 1) // most
