@@ -6,7 +6,8 @@ it at load for bf16/int8/int4, and native runs the GGUF's own codes) or the .ggu
 2 threads) runs the GGUF. Two prompts: a short one and ~1,500 tokens of
 larqlpy/data/long.txt; decode continues greedily after each; runners take turns within every repeat.
 Prints the CPU and the features that choose kernels, tokens/s, ratios, the bandwidth decode achieves
-(weight bytes read per token x tokens/s) beside a plain streaming read measured in the same run,
+(weight bytes read per token -- of a mixture's routed experts, the top k a token runs: moe_bytes.py --
+x tokens/s) beside a plain streaming read measured in the same run,
 the issue-17 aims against this run's figures, and where one decode step's time goes per kernel.
 Asserts nothing.
 
@@ -33,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+import moe_bytes  # noqa: E402  (bench/ on the path first)
 SHORT = "The history of the printing press begins"
 COLUMNS = ("prefill short", "prefill long", "decode short", "decode long")
 
@@ -55,12 +57,13 @@ def stream_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 def larqlpy_bytes_per_token(loaded) -> int:
     """Weight bytes a decoded token reads: every matrix once, the tied LM head included; an untied
-    embedding is only gathered from (one row a token), so it is not counted."""
+    embedding is only gathered from (one row a token), so it is not counted; of a mixture's routed
+    experts only the top k a token runs (moe_bytes.py)."""
     m = loaded.model
     untied = m.head is not m.embed_tokens
     embed = m.embed_tokens.nbytes if hasattr(m.embed_tokens, "nbytes") else \
         m.embed_tokens.numel() * m.embed_tokens.element_size()
-    return loaded.weight_bytes - (embed if untied else 0)
+    return loaded.weight_bytes - (embed if untied else 0) - moe_bytes.larqlpy_unread(loaded)
 
 
 def hf_bytes_per_token(hf) -> int:
@@ -68,7 +71,7 @@ def hf_bytes_per_token(hf) -> int:
     embed = hf.get_input_embeddings().weight
     untied = embed is not hf.get_output_embeddings().weight
     return sum(p.numel() * p.element_size() for p in hf.parameters()) - \
-        (embed.numel() * embed.element_size() if untied else 0)
+        (embed.numel() * embed.element_size() if untied else 0) - moe_bytes.hf_unread(hf)
 
 
 class Larqlpy:
@@ -135,7 +138,8 @@ class LlamaCpp:
 
         from gguf import GGUFReader
 
-        tensors = GGUFReader(str(gguf)).tensors
+        reader = GGUFReader(str(gguf))
+        tensors = reader.tensors
         label = gguf.stem.rsplit(".", 1)[-1].rsplit("-", 1)[-1].upper()  # Q4_K_M, Q4_1 in the shipped names
         if not label.startswith("Q"):  # else the file's types, most bytes first
             sizes: dict[str, int] = {}
@@ -147,7 +151,8 @@ class LlamaCpp:
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=2, n_threads_batch=2,
                                    n_batch=512, verbose=False)
         untied = any(t.name == "output.weight" for t in tensors)  # then token_embd is only gathered from
-        self.bytes_per_token = sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight"))
+        self.bytes_per_token = sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight")) \
+            - moe_bytes.gguf_unread(reader)
 
     def last_logits(self) -> np.ndarray:
         # llama-cpp-python 0.3 no longer copies logits into `scores` unless logits_all: read the context's

@@ -290,6 +290,21 @@ def test_decode_attention_at_every_head_size_and_row_dtype(dtype, d):
         assert torch.equal(attend_rows(q[s:s + 1], [Span(k, v, 0, k.shape[1])], scale)[0], together[s])
 
 
+@pytest.mark.parametrize("n", [7, 128, 300])
+def test_wide_heads_split_over_work_items_keep_each_heads_bits(n):
+    """Latent attention's shape (16 query heads of 576 on one KV head, f16 rows): the heads are split
+    over work items (chunk.parts), so a short sequence spreads over the threads; each head's numbers
+    agree with float64 and are the bits that head gets alone (one item), on the one-chunk, serial and
+    parallel kernels alike."""
+    g = torch.Generator().manual_seed(n)
+    k = torch.randn(1, n, 576, generator=g).to(torch.float16)
+    q = torch.randn(1, 16, 576, generator=g)
+    together = attend_rows(q, [Span(k, k, 0, n)], 0.05)[0]
+    assert (together.double() - _attention64(q[0], k.float(), k.float(), 0.05)).abs().max() < 1e-5
+    for h in range(16):
+        assert torch.equal(attend_rows(q[:, h:h + 1], [Span(k, k, 0, n)], 0.05)[0, 0], together[h]), h
+
+
 @pytest.mark.parametrize("split", [128, 256, 77, 1])
 def test_a_query_over_pieces_of_rows_is_one_sequence(split):
     """A branch's query reads its prompt's shared rows, then its own (two buffers): split at a whole

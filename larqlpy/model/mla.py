@@ -27,7 +27,9 @@ import torch.nn as nn
 
 from larqlpy.engines.stores.base import AttentionParams
 from larqlpy.engines.stores.dispatch import attend_block
+from larqlpy.kernels.weights import qmany
 from larqlpy.kernels.weights.matvec import FEW_ROWS, gated, linear, residual_norm, rms_norm, stacked
+from larqlpy.kernels.weights.qweight import TILE
 from larqlpy.model.config import ModelConfig
 from larqlpy.model.moe import experts_of
 from larqlpy.model.tensors import block_weights
@@ -43,6 +45,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bo
         x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def per_head(w, heads: int) -> torch.Tensor:
+    """A (heads, rows, inputs) matrix as float32: a packed one (every head's rows) dequantized."""
+    if isinstance(w, torch.Tensor):
+        return w.float()
+    return w.rows(torch.arange(w.shape[0], device=w.device)).view(heads, -1, w.shape[1])
 
 
 def per_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -75,13 +84,18 @@ class MLABlock(nn.Module):
             w = SimpleNamespace(**{n: getattr(self, n) for n in block_weights(c, self.layer) if "." not in n})
             w.experts = experts_of(self, c.moe, c.activation) if c.is_sparse(self.layer) else None
             w.first = (w.q_proj if m.q_lora_rank is None else w.q_a_proj, w.kv_a_proj)
-            if m.kv_b_split:  # a GGUF's k_b (H, r, nope) and v_b (H, v, r)
-                uk, uv = w.k_b_proj.float().transpose(1, 2), w.v_b_proj.float()
-            else:
-                kv_b = w.kv_b_proj.float().view(c.num_attention_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
-                uk, uv = kv_b[:, :m.qk_nope_head_dim], kv_b[:, m.qk_nope_head_dim:]
-            w.uk = uk.to(w.kv_a_norm.dtype)  # (H, nope, r)
-            w.uv_t = uv.transpose(1, 2).to(w.kv_a_norm.dtype)  # (H, r, v)
+            heads = c.num_attention_heads
+            # a GGUF's codes of k_b and v_b, where each head's rows are whole tiles: run on them (qmany)
+            w.heads = (w.k_b_proj, w.v_b_proj) if m.kv_b_split and all(
+                qmany.one_kind([p]) and p.shape[0] // heads % TILE == 0 for p in (w.k_b_proj, w.v_b_proj)) else None
+            if w.heads is None:  # float: per-head matmuls
+                if m.kv_b_split:  # a GGUF's k_b (H, r, nope) and v_b (H, v, r)
+                    uk, uv = per_head(w.k_b_proj, heads).transpose(1, 2), per_head(w.v_b_proj, heads)
+                else:
+                    kv_b = w.kv_b_proj.float().view(heads, m.qk_nope_head_dim + m.v_head_dim, -1)
+                    uk, uv = kv_b[:, :m.qk_nope_head_dim], kv_b[:, m.qk_nope_head_dim:]
+                w.uk = uk.to(w.kv_a_norm.dtype)  # (H, nope, r)
+                w.uv_t = uv.transpose(1, 2).to(w.kv_a_norm.dtype)  # (H, r, v)
             self.__dict__["_hot"] = w
         return w
 
@@ -98,11 +112,21 @@ class MLABlock(nn.Module):
         latent = rms_norm(ckv[:, :r].contiguous(), w.kv_a_norm, LATENT_EPS, 0.0)  # (T, r)
         k_rope = rotate(ckv[:, r:], cos, sin, m.rope_interleave)  # (T, rope): one for every head
         q_rope = rotate(q[..., m.qk_nope_head_dim:], cos, sin, m.rope_interleave)
-        query = torch.cat((per_row(q[..., :m.qk_nope_head_dim], w.uk), q_rope), dim=-1)  # (H, T, r + rope)
+        query = torch.cat((self.absorbed(q[..., :m.qk_nope_head_dim], 0), q_rope), dim=-1)  # (H, T, r + rope)
         row = torch.cat((latent, k_rope), dim=-1).unsqueeze(0)  # (1, T, r + rope): what the engines keep
         a = attend_block(query.contiguous(), row, row, stores, sizes, self.attn, stepped)
-        out = per_row(a[..., :r], w.uv_t)  # (H, T, v)
+        out = self.absorbed(a[..., :r], 1)  # (H, T, v)
         return out.transpose(0, 1).reshape(t, -1)
+
+    def absorbed(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        """Each head's rows x (H, T, a) times its W_UK transposed (which 0: nope -> r) or W_UV (1: r -> v):
+        on the file's codes, one call for every head (every row's numbers its own, whatever T), or
+        float per-head matmuls."""
+        w = self.hot()
+        if w.heads is None:
+            return per_row(x, w.uv_t if which else w.uk)
+        y = torch.from_numpy(qmany.gemm_heads(w.heads[which], x.float().contiguous().numpy(), x.shape[0]))
+        return y if x.dtype is torch.float32 else y.to(x.dtype)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor | None, next_norm, cos: torch.Tensor, sin: torch.Tensor,
                 stores: list, sizes: list[int], stepped: Sequence[bool] = ()) -> tuple[torch.Tensor, object]:

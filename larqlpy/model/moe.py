@@ -15,9 +15,12 @@ integer kernels; float32's few-row loop against its GEMM differs in rounding).""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from larqlpy.kernels.weights import qmany
 from larqlpy.kernels.weights.matvec import gated, gemm_few_f32, linear, stacked
+from larqlpy.kernels.weights.qweight import PackedPart
 from larqlpy.model.config import MoeConfig
 from larqlpy.model.routing import choose
 
@@ -36,6 +39,7 @@ class Experts:
         self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
         # DeepSeek: its way of choosing (model/routing.py), the choice-only bias, the shared experts' MLP
         self.moe, self.score_bias, self.shared = (moe if moe.topk_method != "topk" else None), score_bias, shared
+        self.fused = self._fusable()
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's k weights (float32) and experts (T, k), in torch.topk's order. On the CPU in
@@ -68,7 +72,21 @@ class Experts:
         y = linear(act, down)
         return y if self.biases is None else y + self.biases[e][1]
 
+    def _fusable(self) -> tuple | None:
+        """Each expert's gate|up and down (and the shared experts' gate|up, where it is of their kind)
+        as packed matrices a decode step runs in two calls (kernels/weights/qmany.py); None where
+        they are not (float weights, biases, GPT-OSS's clamp, mixed kinds): one call per matrix."""
+        if self.biases is not None or self.limit is not None:
+            return None
+        gate_ups, downs = [_whole(g, u) for g, u, _ in self.experts], [d for _, _, d in self.experts]
+        if not (qmany.one_kind(gate_ups) and qmany.one_kind(downs)):
+            return None
+        shared = None if self.shared is None else _whole(*self.shared[:2])
+        return gate_ups, downs, shared if qmany.one_kind([gate_ups[0], shared]) else None
+
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] == 1 and self.fused is not None and h.dtype is torch.float32:
+            return self.step(h, *self.route(h))
         routed = self.routed(h)
         if self.shared is None:
             return routed
@@ -85,6 +103,27 @@ class Experts:
             return out
         return self.grouped(h, weights, chosen)
 
+    def step(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """A decode step's k experts (and the shared experts) in two kernel calls: every gate|up, then
+        every down, each expert's numbers those its own products give; their weighted sum in
+        increasing expert order, the shared experts' output added last, as `routed` and `__call__` add."""
+        gate_ups, downs, shared_gu = self.fused
+        ids = chosen[0].tolist()
+        order = sorted(range(self.top_k), key=ids.__getitem__)
+        mats = [gate_ups[ids[p]] for p in order] + ([shared_gu] if shared_gu is not None else [])
+        y = qmany.gemm_each(mats, h.contiguous().numpy(), [0] * len(mats))
+        k, width = self.top_k, mats[0].shape[0]
+        act = gated(torch.from_numpy(np.ascontiguousarray(y[:k, :width])), self.activation)
+        d = qmany.gemm_each([downs[ids[p]] for p in order], act.numpy(), range(k))[:, :downs[0].shape[0]]
+        shared = None
+        if self.shared is not None:
+            gate, up, down = self.shared
+            gu = torch.from_numpy(np.ascontiguousarray(y[k:, :shared_gu.shape[0]])) if shared_gu is not None \
+                else stacked(h, gate, up)
+            shared = linear(gated(gu, self.activation), down)[0].numpy()
+        w = weights[0, order].float().contiguous().numpy()
+        return torch.from_numpy(qmany.weighted_sum(d, w, shared)).view(1, -1)
+
     def grouped(self, h: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Rows grouped by expert: each expert's rows gathered (in row order) and run as one block,
         its weighted output added into them; experts taken in increasing order."""
@@ -99,6 +138,14 @@ class Experts:
                 out.index_add_(0, idx, (self.expert(e, h.index_select(0, idx)) * w[at:at + n, None]).to(h.dtype))
                 at += n
         return out
+
+
+def _whole(gate, up):
+    """The one packed matrix gate and up are the two halves of, in order; None if they are not."""
+    if isinstance(gate, PackedPart) and isinstance(up, PackedPart) and gate.whole is up.whole and gate.lo == 0 and \
+            gate.hi == up.lo and up.hi == gate.whole.shape[0]:
+        return gate.whole
+    return None
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:

@@ -146,6 +146,12 @@ def _mla(cfg: ModelConfig, out: dict) -> dict:
     return out
 
 
+def head_matrices(cfg: ModelConfig, layer: int) -> tuple[str, ...]:
+    """Matrices held per head (heads, rows, inputs) that `native` runs on their own codes, every
+    head's rows one packed matrix: DeepSeek's W_UK and W_UV as a GGUF splits them (model/mla.py)."""
+    return ("k_b_proj", "v_b_proj") if cfg.mla is not None and cfg.mla.kv_b_split else ()
+
+
 def matrix_groups(cfg: ModelConfig, layer: int) -> list[tuple[str, tuple[str, ...]]]:
     """A block's matrices as packed weights hold them, (owner under the block, names): the ones
     reading one input stacked into one matrix (q|k|v, gate|up, each expert's gate|up), decode calling

@@ -115,7 +115,7 @@ class GGUFCheckpoint:
         is read again from the file when they are."""
         _, shape, offset, nbytes = self.file.tensors[name]
         lo = offset // mmap.PAGESIZE * mmap.PAGESIZE
-        self.map.madvise(mmap.MADV_DONTNEED, lo, offset + rows * (nbytes // shape[0]) - lo)
+        self.map.madvise(mmap.MADV_DONTNEED, lo, offset + rows * (nbytes // matrix_shape(shape)[0]) - lo)
 
 
 class GGUFCodes:
@@ -125,15 +125,17 @@ class GGUFCodes:
 
     def __init__(self, ckpt: GGUFCheckpoint, gather: bool = True):
         self.ckpt, self.gather = ckpt, gather
-        self.matrices = {hf for hf, (name, plus_one) in ckpt.names.items()
-                         if not plus_one and ckpt.file.tensors[name][0] in (*LAYOUTS, *FLOAT16)
-                         and len(ckpt.file.tensors[name][1]) == 2}
+        # 3-D and quantized: DeepSeek's per-head attn_k_b / attn_v_b, packed as one matrix of every head's rows
+        self.matrices = {hf for hf, (name, plus_one) in ckpt.names.items() if not plus_one and (
+            (ckpt.file.tensors[name][0] in (*LAYOUTS, *FLOAT16) and len(ckpt.file.tensors[name][1]) == 2) or
+            (ckpt.file.tensors[name][0] in LAYOUTS and len(ckpt.file.tensors[name][1]) == 3))}
 
     def _chunks(self, name: str, rows: np.ndarray) -> list[tuple[int, int]]:
         """Row ranges to unpack at a time, each's file pages dropped before the next is read, so a
         large matrix (a tied embedding) is never held both as the file's blocks and as codes. A
         matrix whose rows are permuted (llama's q, k) goes whole."""
         _, shape, _, nbytes = self.ckpt.file.tensors[name]
+        shape = matrix_shape(shape)
         if not np.array_equal(rows, np.arange(shape[0])):
             return [(0, shape[0])]
         step = max(TILE, CHUNK_BYTES // max(1, nbytes // shape[0]) // TILE * TILE)
@@ -163,18 +165,20 @@ class GGUFCodes:
         blocks straight into the tiled layout (rows un-permuted on the way: llama's q and k)."""
         file, config = self.ckpt.file, self.ckpt.raw_config
         names = [self.ckpt.names[hf][0] for hf in hfs]
-        qtype, (_, k), _, _ = file.tensors[names[0]]
+        qtype, first, _, _ = file.tensors[names[0]]
+        k = first[-1]
         if qtype in FLOAT16:
             return self._pack_16bit(names, FLOAT16[qtype])
         _, _, _, _, zero, affine = LAYOUTS[qtype]
         bits, base = packed_width(qtype)  # one kind stacks: every part's width is the first's
         zero -= base
-        n = sum(file.tensors[name][1][0] for name in names)
+        n = sum(matrix_shape(file.tensors[name][1])[0] for name in names)
         halves = all(file.tensors[name][0] in HALF_SCALES for name in names)  # MXFP4 stacks beside Q5_0
         codes, scale, minimum, outer, seen = tiled_arrays(qtype, n, k)  # K-quants: the file's integer scales
         lo = 0
         for name in names:
             qtype, shape, _, _ = file.tensors[name]
+            shape = matrix_shape(shape)
             rows = file.arch.restore(name, np.arange(shape[0]), config)  # destination row i takes source row rows[i]
             raw = self.ckpt.raw(name)
             for r0, r1 in self._chunks(name, rows):
@@ -199,6 +203,11 @@ class GGUFCodes:
             parts.append(self.ckpt.raw(name).view(np.uint16).reshape(shape)[rows])
             self.ckpt.release(name, shape[0])
         return PackedWeight.from_16bit(np.concatenate(parts) if len(parts) > 1 else parts[0], kind)
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """A tensor's (rows, inputs): a 3-D one's outer dims as rows (heads x rows each)."""
+    return int(np.prod(shape[:-1])), int(shape[-1])
 
 
 def checkpoint(path: Path, cfg: ModelConfig, allow_unused_tensors: bool = False) -> Checkpoint | GGUFCheckpoint:

@@ -23,7 +23,7 @@ from larqlpy.model.config import ModelConfig
 from larqlpy.model.decoder import Decoder
 from larqlpy.model.families import read_config
 from larqlpy.model.shaped_tensors import top_matrices
-from larqlpy.model.tensors import block_weights, matrix_groups, top_weights
+from larqlpy.model.tensors import block_weights, head_matrices, matrix_groups, top_weights
 from larqlpy.text.tokenizer import Tokenizer
 from larqlpy.text.tokenizer_process import TokenizerProcess
 from larqlpy.weights import calibration_file, native_file, packed_cache
@@ -225,6 +225,9 @@ def _pack_native(ckpt: Checkpoint | GGUFCheckpoint, native: NativeFile | GGUFCod
         for owner, names in matrix_groups(cfg, i):  # a single matrix is a stack of one
             prefix = f"layers.{i}.{owner}"
             out.update(_stacks(native, [(n, hf(prefix + n)) for n in names], prefix))
+        for name in head_matrices(cfg, i):  # per head, one matrix of every head's rows (model/mla.py)
+            if hf(f"layers.{i}.{name}") is not None:
+                out[f"layers.{i}.{name}"] = native.pack([hf(f"layers.{i}.{name}")])
     return out
 
 

@@ -138,17 +138,34 @@ def _exponentials(sc, softcap, top, total):  # pragma: no cover - jitted
         total[g] = tot
 
 
+HEAD_VALUES = 4096  # query values an item takes at most, where a KV head's query heads are split
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def parts(h, n_kv, d):  # pragma: no cover - jitted
+    """How many work items share one KV head's query heads: one, unless the heads' rows are wide
+    (latent attention's 16 heads of 576 values on one KV head: 3 items of 6, 6 and 4 heads), then at most
+    HEAD_VALUES query values each. One item of 16 such heads ran a 128-row chunk on one thread."""
+    most = max(1, HEAD_VALUES // d)
+    return (h // n_kv + most - 1) // most
+
+
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def chunk(q, where, s, c, kv, lo, hi, scale, softcap, m, total, acc, head):  # pragma: no cover - jitted
-    """Piece s's readable rows [lo, hi), KV head kv, for that head's query heads (of row where[s, 9]
-    of q): chunk c's running maximum, sum and weighted values. head: q's head size where it is one of
-    rowdots.HEAD_DIMS, else 0 -- a constant of the calling kernel, so numba drops the other sizes'
-    branches and a kernel compiles one head size's code (decode.py)."""
+def chunk(q, where, s, c, kv, part, lo, hi, scale, softcap, m, total, acc, head):  # pragma: no cover - jitted
+    """Piece s's readable rows [lo, hi), KV head kv, for part `part` of that head's query heads (of
+    row where[s, 9] of q; `parts`): chunk c's running maximum, sum and weighted values. A head's
+    numbers are the same whichever heads share its item: each is scored, exponentiated and summed
+    on its own. head: q's head size where it is one of rowdots.HEAD_DIMS, else 0 -- a constant of the
+    calling kernel, so numba drops the other sizes' branches and a kernel compiles one head size's
+    code (decode.py)."""
     h, d = q.shape[1], q.shape[2]
     n_kv, stride, kind = where[s, 4], where[s, 3], where[s, 8]
     rows = where[s, 6] if where[s, 6] > 0 else where[s, 5] + where[s, 2]  # the buffer's rows read from
-    group = h // n_kv
-    h0, qq, out = kv * group, q[where[s, 9]], acc[c]
+    per = (h // n_kv + parts(h, n_kv, d) - 1) // parts(h, n_kv, d)
+    group = min(h // n_kv, (part + 1) * per) - part * per
+    if group <= 0:
+        return
+    h0, qq, out = kv * (h // n_kv) + part * per, q[where[s, 9]], acc[c]
     n = hi - lo
     padded = (n + LANES - 1) // LANES * LANES
     at = np.empty(padded, np.int64)

@@ -115,12 +115,19 @@ def _plan(where, n_q):  # pragma: no cover - jitted
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
 def _item(q, where, first, owner, w, scale, softcap, m, total, acc, head):  # pragma: no cover - jitted
-    """Work item w: chunk w // Hkv, KV head w % Hkv (every piece of a call is one layer's: same Hkv);
-    head: chunk.chunk's."""
-    c, kv = w // where[0, 4], w % where[0, 4]
+    """Work item w: chunk w // (Hkv P), KV head w // P % Hkv, part w % P of its query heads (P =
+    chunks.parts; every piece of a call is one layer's: same Hkv); head: chunk.chunk's."""
+    p = chunks.parts(q.shape[1], where[0, 4], q.shape[2])
+    c, kv, part = w // (where[0, 4] * p), w // p % where[0, 4], w % p
     s = owner[c]
     lo = (c - first[s]) * CHUNK
-    chunk(q, where, s, c, kv, lo, min(where[s, 2], lo + CHUNK), scale, softcap, m, total, acc, head)
+    chunk(q, where, s, c, kv, part, lo, min(where[s, 2], lo + CHUNK), scale, softcap, m, total, acc, head)
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def _items(q, where, m):  # pragma: no cover - jitted
+    """A call's work items: chunks x KV heads x parts of their query heads."""
+    return m.shape[0] * where[0, 4] * chunks.parts(q.shape[1], where[0, 4], q.shape[2])
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
@@ -145,7 +152,7 @@ def _attend_rows(q, knew, vnew, where, scale, softcap, sinks, out, slots):  # pr
     (piece, chunk) pairs, so one long sequence spreads over the threads as well as many short ones;
     a free thread takes the next (workshare.py)."""
     first, owner, by_query, m, total, acc = _start(q, knew, vnew, where)
-    items, count = m.shape[0] * where[0, 4], workshare.counter()
+    items, count = _items(q, where, m), workshare.counter()
     for _ in prange(slots):
         w = workshare.take(count)
         while w < items:
@@ -159,7 +166,7 @@ def _attend_serial(q, knew, vnew, where, scale, softcap, sinks, out):  # pragma:
     """`_attend_rows` on the calling thread: the same work items and merge, so the
     same bits, for a call too small to pay for waking the thread pool."""
     first, owner, by_query, m, total, acc = _start(q, knew, vnew, where)
-    for w in range(m.shape[0] * where[0, 4]):
+    for w in range(_items(q, where, m)):
         _item(q, where, first, owner, w, scale, softcap, m, total, acc, HEAD)
     for s in range(q.shape[0]):
         _merge(m, total, acc, by_query[s], by_query[s + 1], out[s], sinks)
@@ -172,14 +179,14 @@ def _attend_chunk(q, knew, vnew, where, scale, softcap, sinks, out):  # pragma: 
     first, owner, _ = _plan(where, 1)
     h, d = q.shape[1], q.shape[2]
     m, total, acc = np.empty((1, h), np.float32), np.empty((1, h), np.float32), np.zeros((1, h, d), np.float32)
-    for w in range(where[0, 4]):
+    for w in range(_items(q, where, m)):
         _item(q, where, first, owner, w, scale, softcap, m, total, acc, HEAD)
     _merge(m, total, acc, 0, 1, out[0], sinks)
 
 
 def _kernels(template, parallel: bool = False) -> dict:
     """`template` as one kernel per head size (rowdots.HEAD_DIMS, and 0 for any other), each of its
-    own name (a function, not a closure: qdot._int_kernel says why): a model compiles its own head
+    own name (a function, not a closure: qdot.int_kernel says why): a model compiles its own head
     size's code only, where one kernel of all four compiled them all (docs/benchmarks.md, cold start)."""
     out = {}
     for head in (*rowdots.HEAD_DIMS, 0):
@@ -243,9 +250,10 @@ def attend_rows(q: torch.Tensor, spans: list[Span | tuple[Span, ...]], scale: fl
     knew, vnew = (t.numpy() for t in new) if new is not None else (_NONE, _NONE)
     out = np.empty((n_seq, q.shape[1], d), np.float32)
     total = int(where[:, 2].sum())
+    work = total * chunks.parts(q.shape[1], int(where[0, 4]), d)  # wide heads: a row is several items' work
     args = (q.contiguous().numpy(), knew, vnew, where, np.float32(scale), np.float32(softcap), sinks, out)
     head = d if d in rowdots.HEAD_DIMS else 0
-    if total > SERIAL_ROWS:
+    if work > SERIAL_ROWS:
         ROWS[head](*args, SLOTS)
     else:
         (ONE_CHUNK if len(rows) == 1 and total <= CHUNK else SERIAL)[head](*args)

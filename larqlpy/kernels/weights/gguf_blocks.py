@@ -150,7 +150,7 @@ FAMILIES = (gguf_first, gguf_lowbit, gguf_grid)  # modules of decoders, each fro
 
 def _kernel(template, family: ModuleType):
     """`template` over one family's decoders, as a kernel of its own name (a function, not a closure:
-    qdot._int_kernel says why): a file compiles the decoders of its own types only, where one kernel
+    qdot.int_kernel says why): a file compiles the decoders of its own types only, where one kernel
     of every family's compiled them all (docs/benchmarks.md, cold start)."""
     name = f"{template.__name__}_{family.__name__.rsplit('.', 1)[-1]}"
     fn = FunctionType(template.__code__, {**globals(), "_decode": family.decode, "_outer": family.outer}, name)

@@ -89,7 +89,7 @@ def group_value(a, outer, t, g, r, which):  # pragma: no cover - jitted
     return as_float(a[t, g, r])
 
 @njit(inline="always", cache=True)
-def _quantize_row(x, m, group, xq, xs, sxq):  # pragma: no cover - jitted
+def quantize_row(x, m, group, xq, xs, sxq):  # pragma: no cover - jitted
     for g in range(x.shape[1] // group):
         amax = np.float32(0.0)
         for j in range(g * group, (g + 1) * group):
@@ -106,13 +106,24 @@ def _quantize_row(x, m, group, xq, xs, sxq):  # pragma: no cover - jitted
 @njit(cache=True, error_model="numpy")
 def _quantize_few(x, group, xq, xs, sxq):  # pragma: no cover - jitted
     for m in range(x.shape[0]):
-        _quantize_row(x, m, group, xq, xs, sxq)
+        quantize_row(x, m, group, xq, xs, sxq)
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def _quantize_many(x, group, xq, xs, sxq):  # pragma: no cover - jitted
     for m in prange(x.shape[0]):
-        _quantize_row(x, m, group, xq, xs, sxq)
+        quantize_row(x, m, group, xq, xs, sxq)
+
+
+@njit(inline="always", cache=True)
+def quantize_all(x, group, xq, xs, sxq):  # pragma: no cover - jitted
+    """Every activation row to int8 per group: many rows by one compiled parallel kernel every width's
+    product calls (not a parallel loop of each's own, compiled into each), a few inline."""
+    if x.shape[0] > THREADED_ROWS:
+        _quantize_many(x, group, xq, xs, sxq)
+    else:
+        for m in range(x.shape[0]):
+            quantize_row(x, m, group, xq, xs, sxq)
 
 
 # Chunks a thread takes in a product, on average: runs of contiguous tiles stream like a thread's fixed
@@ -128,14 +139,14 @@ def quantize_activations(x: np.ndarray, group: int, xq: np.ndarray, xs: np.ndarr
     (_quantize_many if x.shape[0] > THREADED_ROWS else _quantize_few)(x, group, xq, xs, sxq)
 
 
-# What `_int_template` reads as globals; each kernel is the template under its own values (`_int_kernel`).
+# What `_int_template` reads as globals; each kernel is the template under its own values (`int_kernel`).
 WIDEST = X_PER = SPAN = 0
 DOT = DOT_HALF = DOT_LATE = None
 HALVES = LATE_APART = False  # constants: numba prunes the branches on them, so a kernel holds one group size's code
 
 
 def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pragma: no cover - jitted
-    """The integer kernels' one body (see `_int_kernel`). codes: (tiles, units, TILE * SPAN / 4, 4) uint8;
+    """The integer kernels' one body (see `int_kernel`). codes: (tiles, units, TILE * SPAN / 4, 4) uint8;
     x: (M, k) float32, rounded to int8 per group here first (`quantize_activations`' rounding: one
     call where a product of one row is mostly calls); outer: a K-quant's blocks' d and -dmin
     (`group_value`), or NO_OUTER. The group loop is outside the row loop, so a group's codes are
@@ -146,11 +157,7 @@ def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pr
     nt, kw, ng, m_rows, nb = codes.shape[0], codes.shape[1], scale.shape[1], x.shape[0], outer.shape[1]
     group = x.shape[1] // ng
     xq8, xs, sxq = np.empty(x.shape, np.int8), np.empty((m_rows, ng), np.float32), np.empty((m_rows, ng), np.int32)
-    if m_rows > THREADED_ROWS:  # the one compiled kernel every width calls, not a parallel loop of each's own
-        _quantize_many(x, group, xq8, xs, sxq)
-    else:
-        for m in range(m_rows):
-            _quantize_row(x, m, group, xq8, xs, sxq)
+    quantize_all(x, group, xq8, xs, sxq)
     nw, cf, xf, sf, mf, of, xsf, qf = kw // ng, codes.reshape(-1), xq8.view(np.int32).reshape(-1), \
         scale.reshape(-1), minimum.reshape(-1), outer.reshape(-1), xs.reshape(-1), sxq.reshape(-1)
     affine, per_block, count = minimum.shape[0] > 0, ng // nb, workshare.counter()
@@ -180,10 +187,11 @@ def _int_template(codes, scale, minimum, outer, zc, x, out, ahead, slots):  # pr
             c = workshare.take(count)
 
 
-def _int_kernel(isa: str, bits: int, halves: bool):
-    """The kernel of one instruction set and code width, made from `_int_template` with its own
-    globals: a kernel that names an instruction the CPU lacks is never compiled there, so each pair
-    is its own function. Not a closure: numba keys a cached closure on a pickle of what it closes
+def int_kernel(template, isa: str, bits, halves: bool = False, prefix: str = "_int"):
+    """The kernel of one instruction set and code width, made from `template` (`_int_template`, or
+    another reading the same globals: qmany.py's) with its own globals, named prefix + width + isa:
+    a kernel that names an instruction the CPU lacks is never compiled there, so each pair is its
+    own function. Not a closure: numba keys a cached closure on a pickle of what it closes
     over, and a pickled intrinsic differs in every process, so such a kernel would compile afresh in
     each one. A function of its own name and globals is cached under that name like any other.
     VNNI takes up to 8 activation rows per intrinsic call, AVX2 2 (simd.WIDEST); a unit of codes
@@ -192,11 +200,11 @@ def _int_kernel(isa: str, bits: int, halves: bool):
     one kernel of both compiled twice the code a file runs. bits: a code width, or a table's name
     (simd.TABLES)."""
     firsts = simd.firsts(bits, 4)
-    bound = dict(WIDEST=ROWS_PER_CALL[isa], X_PER=simd.parts(bits), SPAN=simd.span(bits),
+    bound = dict(WIDEST=ROWS_PER_CALL[isa], X_PER=simd.parts(bits), FULL=8 // simd.parts(bits), SPAN=simd.span(bits),
                  DOT=DOTS[(isa, bits, 8, 0)], DOT_HALF=DOTS[(isa, bits, 4, 0)],
                  DOT_LATE=DOTS[(isa, bits, 4, firsts[-1])], HALVES=halves, LATE_APART=len(firsts) > 1)
-    name = f"_int{bits}_{isa.replace('-', '_')}{'_halves' if halves else ''}"
-    fn = FunctionType(_int_template.__code__, {**globals(), **bound}, name)
+    name = f"{prefix}{bits}_{isa.replace('-', '_')}{'_halves' if halves else ''}"
+    fn = FunctionType(template.__code__, {**template.__globals__, **bound}, name)
     fn.__qualname__ = name
     return njit(parallel=True, cache=True, error_model="numpy")(fn)
 
@@ -324,8 +332,9 @@ def _float_planes(codes, scale, minimum, outer, zero, bits, table, x, xsum, out)
             out[m, t * TILE:(t + 1) * TILE] = acc[m]
 
 
-INT = {(isa, bits): _int_kernel(isa, bits, False) for isa in INT_PATHS for bits in simd.WIDTHS if simd.fits(isa, bits)}
-HALVES_INT = {key: _int_kernel(*key, True) for key in INT}  # groups of 16 inputs (Q6_K, Q2_K, Q3_K, ...)
+INT = {(isa, bits): int_kernel(_int_template, isa, bits) for isa in INT_PATHS for bits in simd.WIDTHS
+       if simd.fits(isa, bits)}
+HALVES_INT = {key: int_kernel(_int_template, *key, True) for key in INT}  # groups of 16 (Q6_K, Q2_K, Q3_K, ...)
 FLOAT = {8: _float8, 4: _float4}
 NO_TABLE = np.zeros(0, np.uint8)
 HALF_GROUP = 16  # inputs a group of the `halves` kernels; every other matrix's groups are of 32
