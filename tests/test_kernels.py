@@ -89,10 +89,13 @@ CASES = {  # name -> rand_codes arguments: every format the packers and the GGUF
 }
 
 
-@pytest.mark.parametrize("bits, base, zero, group, affine", [(5, 112, 16, 32, False), (5, 0, 0, 32, True),
-                                                             (5, 112, 16, 16, False), (6, 96, 32, 16, False),
-                                                             (6, 96, 32, 32, False), (2, 0, 0, 16, True),
-                                                             (3, 0, 4, 16, False), (3, 0, 4, 32, False)])
+HEAVY = pytest.mark.heavy  # a second group size of 6 and 3 bits: the suite's 30 minutes
+
+
+@pytest.mark.parametrize("bits, base, zero, group, affine", [
+    (5, 112, 16, 32, False), (5, 0, 0, 32, True), (5, 112, 16, 16, False), (6, 96, 32, 16, False),
+    pytest.param(6, 96, 32, 32, False, marks=HEAVY), (2, 0, 0, 16, True), (3, 0, 4, 16, False),
+    pytest.param(3, 0, 4, 32, False, marks=HEAVY)])
 def test_narrow_codes_give_the_bits_of_their_8_bit_form(bits, base, zero, group, affine):
     """A GGUF's 2-, 3-, 5- and 6-bit codes run at their own width, less the base their 8-bit form adds:
     the integer sums are the same integers, so every path gives the same bits as the 8-bit codes do."""

@@ -219,8 +219,8 @@ def test_a_forced_call_masks_all_but_a_valid_call(qwen):
 
 # -- the real models ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("choice, name", [("required", None), ({"type": "function", "function": {
-    "name": "get_time"}}, "get_time")])
+@pytest.mark.parametrize("choice, name", [("required", None), pytest.param({"type": "function", "function": {
+    "name": "get_time"}}, "get_time", marks=pytest.mark.heavy)])  # a named choice: test_serve_tools' too
 def test_qwen_makes_a_forced_call_that_validates_sampled_or_greedy(qwen, choice, name):
     for seed in (None, 0):  # the server's test samples more (test_serve_tools.py)
         sampling = {"temperature": 1.0, "seed": seed} if seed is not None else {}
@@ -245,7 +245,8 @@ def test_qwen_calls_the_tool_on_its_own_and_answers_from_the_result(qwen):
     assert "tool_calls" not in none["text"] and none["tool_calls"] == [] and none["finish_reason"] != "tool_calls"
 
 
-@pytest.mark.parametrize("engine, options", [("canonical/v1", []), ("codec/v1", ["bits=4"])])
+@pytest.mark.parametrize("engine, options", [("canonical/v1", []),
+                                             pytest.param("codec/v1", ["bits=4"], marks=pytest.mark.heavy)])
 def test_a_template_without_tools_still_makes_a_valid_forced_call(smol, engine, options):
     r = execute(smol, Request.from_dict({"messages": ASK, "tools": TOOLS, "tool_choice": "required",
                                          "max_tokens": 80, "continuation": engine, "options": options}))
