@@ -23,7 +23,8 @@ from numba.extending import overload
 
 from larqlpy.kernels import jitcache, workshare
 from larqlpy.kernels.jitcache import FASTMATH
-from larqlpy.kernels.weights import codebytes, simd
+from larqlpy.kernels.weights import codebytes, rounding, simd
+from larqlpy.kernels.weights.rounding import quantize_activations, quantize_all  # noqa: F401 (qdot's API)
 from larqlpy.kernels.weights.simd import DOTS
 from larqlpy.kernels.weights.simd import ROWS as TILE
 from larqlpy.kernels.weights.simd import WIDEST as ROWS_PER_CALL
@@ -88,55 +89,10 @@ def group_value(a, outer, t, g, r, which):  # pragma: no cover - jitted
             np.float32(sub_value(a[t, g, r], which))
     return as_float(a[t, g, r])
 
-@njit(inline="always", cache=True)
-def quantize_row(x, m, group, xq, xs, sxq):  # pragma: no cover - jitted
-    for g in range(x.shape[1] // group):
-        amax = np.float32(0.0)
-        for j in range(g * group, (g + 1) * group):
-            amax = max(amax, abs(x[m, j]))
-        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
-        total = 0
-        for j in range(g * group, (g + 1) * group):
-            q = np.int32(min(127.0, max(-127.0, np.rint(x[m, j] * inv))))
-            xq[m, j] = q
-            total += q
-        xs[m, g], sxq[m, g] = amax / np.float32(127.0), total
-
-
-@njit(cache=True, error_model="numpy")
-def _quantize_few(x, group, xq, xs, sxq):  # pragma: no cover - jitted
-    for m in range(x.shape[0]):
-        quantize_row(x, m, group, xq, xs, sxq)
-
-
-@njit(parallel=True, cache=True, error_model="numpy")
-def _quantize_many(x, group, xq, xs, sxq):  # pragma: no cover - jitted
-    for m in prange(x.shape[0]):
-        quantize_row(x, m, group, xq, xs, sxq)
-
-
-@njit(inline="always", cache=True)
-def quantize_all(x, group, xq, xs, sxq):  # pragma: no cover - jitted
-    """Every activation row to int8 per group: many rows by one compiled parallel kernel every width's
-    product calls (not a parallel loop of each's own, compiled into each), a few inline."""
-    if x.shape[0] > THREADED_ROWS:
-        _quantize_many(x, group, xq, xs, sxq)
-    else:
-        for m in range(x.shape[0]):
-            quantize_row(x, m, group, xq, xs, sxq)
-
-
 # Chunks a thread takes in a product, on average: runs of contiguous tiles stream like a thread's fixed
 # half did (one tile a chunk cost 9% of int4 decode's products on the 0.5B, docs/benchmarks.md), and a
 # thread that loses its core still holds up only its one chunk.
 CHUNKS_PER_SLOT = 4
-THREADED_ROWS = 16  # past this many rows activations are rounded on threads: starting them costs more below
-
-
-def quantize_activations(x: np.ndarray, group: int, xq: np.ndarray, xs: np.ndarray, sxq: np.ndarray) -> None:
-    """x (M, k) float32 -> xq (M, k) int8, xs (M, k/group) float32 = max|x| / 127, sxq (M, k/group)
-    int32 = sum(xq): what the integer kernels do first (`_int_template`), on its own."""
-    (_quantize_many if x.shape[0] > THREADED_ROWS else _quantize_few)(x, group, xq, xs, sxq)
 
 
 # What `_int_template` reads as globals; each kernel is the template under its own values (`int_kernel`).
@@ -360,4 +316,5 @@ def gemm(codes, scale, minimum, outer, zero: int, bits: int, x: np.ndarray, path
     (HALVES_INT if halves else INT)[(path, bits)](codes, scale, minimum, outer, zc, x, out, ahead, SLOTS)
 
 
-jitcache.tie(globals(), simd, codebytes, jitcache, workshare)  # they inline simd.py's intrinsics, workshare's counter
+# they inline simd.py's intrinsics, workshare's counter, rounding's activations
+jitcache.tie(globals(), simd, codebytes, jitcache, workshare, rounding)

@@ -18,8 +18,9 @@ import numpy as np
 from numba import njit, prange
 
 from larqlpy.kernels import jitcache, workshare
-from larqlpy.kernels.weights import codebytes, qdot, simd
-from larqlpy.kernels.weights.qdot import CHUNKS_PER_SLOT, INT_PATHS, int_kernel, quantize_all
+from larqlpy.kernels.weights import codebytes, qdot, rounding, simd
+from larqlpy.kernels.weights.qdot import CHUNKS_PER_SLOT, INT_PATHS, int_kernel
+from larqlpy.kernels.weights.rounding import quantize_all
 from larqlpy.kernels.weights.qweight import TILE, PackedWeight
 
 # What `_many_template` reads as globals; each kernel binds its own (qdot.int_kernel).
@@ -157,4 +158,5 @@ def weighted_sum(d: np.ndarray, w: np.ndarray, shared: np.ndarray | None) -> np.
     return out
 
 
-jitcache.tie(globals(), simd, codebytes, jitcache, workshare, qdot)  # they inline simd's intrinsics, qdot's rounding
+# they inline simd's intrinsics, qdot's and rounding's jitted helpers
+jitcache.tie(globals(), simd, codebytes, jitcache, workshare, qdot, rounding)
