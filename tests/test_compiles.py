@@ -5,6 +5,7 @@ compiles a kernel defined afresh (cache=False), so it compiles whatever numba's 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 import json
 
 import pytest
@@ -189,3 +190,23 @@ def test_a_cold_cache_run_says_it_compiles_and_a_warm_one_does_not(tmp_path):
     assert "larqlpy: compiled 1: " in cold.stderr and "| compile " in cold.stderr
     assert cold.stdout == warm.stdout and cold.stdout.strip()
     assert "compil" not in warm.stderr and "| compile " not in warm.stderr
+
+
+def test_a_cold_cache_is_seen_from_the_files_alone(tmp_path, monkeypatch):
+    """`looks_cold`: no compiled decode attention where numba caches it (a user-provided directory
+    here) is cold; one data file of it there is warm -- and plain lines say so before any compile."""
+    from numba.core import config
+    from numba.core.caching import UserProvidedCacheLocator
+
+    monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
+    assert compiles.looks_cold()
+    buf = io.StringIO()
+    with compile_progress(Console(file=buf, force_terminal=False, width=200), live=False):
+        assert buf.getvalue().startswith("larqlpy: compiling kernels for this CPU (once")
+    source = str(Path(compiles.__file__).parent / "attention" / "decode.py")
+    where = Path(UserProvidedCacheLocator(compiles.looks_cold, source).get_cache_path())
+    where.mkdir(parents=True)
+    (where / "decode._attend_chunk_64-150.py311.nbi").touch()  # an index alone: tie writes it empty
+    assert compiles.looks_cold()
+    (where / "decode._attend_chunk_64-150.py311.1.nbc").touch()
+    assert not compiles.looks_cold()

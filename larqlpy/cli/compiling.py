@@ -92,7 +92,7 @@ class CompileProgress:
 @contextmanager
 def compile_progress(console: Console = err, live: bool | None = None) -> Iterator[CompileProgress]:
     """Show kernel compiles while the block runs; `live`: a rich status (default: on a terminal)."""
-    from larqlpy.kernels.compiles import on_progress
+    from larqlpy.kernels.compiles import announce, looks_cold, on_progress
 
     live = console.is_terminal if live is None else live
     printer = CompileProgress(console, live, live and sys.stdout.isatty())
@@ -100,6 +100,8 @@ def compile_progress(console: Console = err, live: bool | None = None) -> Iterat
         yield printer
         return
     with on_progress(printer):
+        if looks_cold():  # said now, not after the model's header is read and torch imported (seconds)
+            announce("kernels for this CPU")
         try:
             yield printer
         finally:

@@ -18,9 +18,11 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
-from numba.core import event
+from numba.core import config, event
+from numba.core.caching import InTreeCacheLocator, UserProvidedCacheLocator, UserWideCacheLocator
 
 
 @dataclass(frozen=True)
@@ -146,3 +148,18 @@ def on_progress(callback: Callable[[Progress], None]) -> Iterator[None]:
         yield
     finally:
         _callbacks.remove(callback)
+
+
+def looks_cold() -> bool:
+    """Whether no compiled decode attention (every run on the CPU compiles one) lies where numba
+    caches it: read from the file system alone, so a command can say compiling is ahead before it
+    reads a model or imports torch (kernels/ahead.py's `cold` asks numba's index, which needs the
+    kernels imported). Stale files of an older source count as warm: the line then comes later, as
+    the first compile starts."""
+    source = str(Path(__file__).parent / "attention" / "decode.py")
+    kinds = (UserProvidedCacheLocator,) if config.CACHE_DIR else (InTreeCacheLocator, UserWideCacheLocator)
+    for kind in kinds:
+        where = Path(kind(looks_cold, source).get_cache_path())
+        if where.is_dir() and any(where.glob("decode._attend*.nbc")):
+            return False
+    return True
