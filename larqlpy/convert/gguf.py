@@ -55,11 +55,7 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
         check_name(pre_tokenizer)
     meta, arch = read_gguf(src, pre_tokenizer)
     config = arch.config(meta)
-    if config_from_dict(config).moe is not None:
-        raise LarqlError(f"{src}: a mixture of experts ({config['model_type']}) runs from the GGUF file itself; "
-                         "convert-gguf does not write experts")
-    if config_from_dict(config).layout == "gpt2":  # a directory holds GPT-2's Conv1D matrices transposed
-        raise LarqlError(f"{src}: gpt2 runs from the GGUF file itself; convert-gguf does not write GPT-2's layout")
+    refuse_unwritten(src, config)
     ours = used_tensors(src, meta.reader.tensors, arch, config, allow_unused_tensors)
     check_room(dest, written_bytes(ours, dtype), "DEST")
     step = progress or (lambda what, done, total: None)
@@ -89,16 +85,33 @@ def convert_gguf(src: str | Path, dest: str | Path, progress: Progress | None = 
                                zero, bits, t.tensor_type.name)
         tensors[name] = stored(arch.hf_values(t.name, w, config, is_norm), t.tensor_type.name, dtype)
 
-    with atomic_directory(dest, replace=True) as tmp:  # a crash leaves no half-written model directory
+    write_directory(src, dest, tensors, {**config, "torch_dtype": dtype}, tokenizer, codes, floats)
+    step("done", total, total)
+    return dest
+
+
+def refuse_unwritten(src: Path, config: dict) -> None:
+    """The architectures that run from the GGUF file itself and have no directory form here."""
+    parsed = config_from_dict(config)
+    if parsed.moe is not None:
+        raise LarqlError(f"{src}: a mixture of experts ({config['model_type']}) runs from the GGUF file itself; "
+                         "convert-gguf does not write experts")
+    if parsed.layout == "gpt2":  # a directory holds GPT-2's Conv1D matrices transposed
+        raise LarqlError(f"{src}: gpt2 runs from the GGUF file itself; convert-gguf does not write GPT-2's layout")
+
+
+def write_directory(src: Path, dest: Path, tensors: dict, config: dict, tokenizer: tuple, codes: dict,
+                    floats: dict) -> None:
+    """The converted directory, written whole into a temp directory and renamed: a crash leaves no
+    half-written model directory."""
+    with atomic_directory(dest, replace=True) as tmp:
         try:
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": src.name})
         except SafetensorError as e:  # a disk filled by another writer since check_room: one line
             raise LarqlError(f"DEST {dest}: cannot write model.safetensors ({e})") from None
-        write_metadata(tmp, {**config, "torch_dtype": dtype}, *tokenizer)
+        write_metadata(tmp, config, *tokenizer)
         fingerprint = Checkpoint(tmp, read_config(tmp)).fingerprint  # not the path
         native_file.write(tmp / native_file.FILE, codes, floats, fingerprint)
-    step("done", total, total)
-    return dest
 
 
 def used_tensors(src: Path, tensors: list, arch: Arch, config: dict, allow_unused_tensors: bool) -> list:
