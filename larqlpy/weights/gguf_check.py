@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import gguf
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from larqlpy.errors import LarqlError
@@ -47,6 +48,16 @@ class Reader(gguf.GGUFReader):
     def __init__(self, src: Path):
         self.src = src
         super().__init__(str(src))
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        """gguf-py's own step on a plain array over the map: a memmap's Python-level slicing hooks,
+        run per vocabulary entry, were most of a header read (7.7 s against 2.1 s for 151k tokens)."""
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        dtype = np.dtype(dtype)
+        arr = plain[offset:offset + dtype.itemsize * int(count)].view(dtype)[:int(count)]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:  # gguf-py's own step, after the metadata
         check_places(self.src, start_offs, fields, int(self.alignment), len(self.data))
