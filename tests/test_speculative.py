@@ -180,14 +180,16 @@ def test_under_a_cells_budget_speculation_keeps_plain_decodes_ids_and_cells(smol
     """Issue 60: cells/v1 demotes cells as its budget says after every block. A verification's rows are
     proposed only as far as the budget decides nothing at their ends, so trimmed back the state is
     the one plain decode leaves: every token's logits bit for bit (native weights), the same ids, the
-    same cells in the same states. The prompt is past every budget and its decode crosses into a new
-    cell, where the budget demotes one; at 1 MiB cells of 32 positions, 16 of them kept ACTIVE."""
+    same cells in the same states. The prompt is past its budget and its decode crosses into a new
+    cell, where the budget demotes one; at 1 MiB cells of 32 positions, 16 of them kept ACTIVE (its
+    prompt 300 tokens: every step reads each demoted cell, so its length is most of the test's time)."""
     rules = tmp_path / "rules.yaml"
     rules.write_text(DEFAULT_RULES.read_text().replace("keep_active_recent: 128", "keep_active_recent: 16")
                      .replace("cell_size: 64", "cell_size: 32"))
     options = [f"budget={budget}"] + ([f"rules={rules}"] if budget == "1MiB" else [])
-    ids = smol_pair.tokenizer.encode(CODE * 30)[:1000]  # the cell of positions 1024.. opens 24 tokens in
-    assert len(ids) * sum(g.row_bytes for g in smol_pair.model.geometries()) > 16 * 2**20
+    # the cell of positions 320.. (1024..) opens 20 (24) tokens in
+    ids = smol_pair.tokenizer.encode(CODE * 30)[:300 if budget == "1MiB" else 1000]
+    assert len(ids) * sum(g.row_bytes for g in smol_pair.model.geometries()) > int(budget[:-3]) * 2**20
 
     def run(**how):
         seq = prepare(smol_pair, Request(ids=tuple(ids), continuation="cells/v1", options=tuple(options),
