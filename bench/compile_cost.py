@@ -29,7 +29,7 @@ from larqlpy.kernels.weights.simd import ROWS
 
 ROOT = Path(__file__).resolve().parent.parent
 # The kernels a Q4_K_M GGUF's run compiles (qwen2.5-coder-0.5b-instruct: Q4_K, Q6_K, Q5_0, Q8_0).
-DEFAULT = ["tiled Q4_K,Q6_K,Q8_0,Q5_0", "rows Q6_K", "product Q8_0", "product Q5_0", "product Q6_K",
+DEFAULT = ["tiled Q4_K,Q6_K,Q8_0,Q5_0", "product Q8_0", "product Q5_0", "product Q6_K",
            "product Q4_K", "norms", "qkv", "attend"]
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from larqlpy.kernels import cpu
-from larqlpy.kernels.weights.gguf_blocks import (HALF_SCALES, INDEX, LAYOUTS, TWO_LEVEL, packed_width, tiled_arrays,
-                                                 unpack, unpack_tiled, values)
+from larqlpy.kernels.weights.gguf_blocks import (HALF_SCALES, INDEX, LAYOUTS, TWO_LEVEL, BlockRows, packed_width,
+                                                 tiled_arrays, unpack, unpack_tiled, values)
 from larqlpy.kernels.weights.qweight import TILE, PackedWeight
 from larqlpy.kernels.weights.simd import fits
 from larqlpy.weights.gguf_file import GGUFFile
@@ -234,3 +234,17 @@ def test_a_type_without_codes_is_reported_with_its_cost(requantized, cli):
     assert fb["f32_bytes_per_token"] * 2.0625 == 32 * fb["file_bytes_per_token"]
     code, _, err = cli("run", path, "Hello", "-n", "2", "--stats")
     assert code == 0 and f"{tq} matrices (TQ2_0 x{tq}) read as float32" in err
+
+
+def test_an_embedding_left_in_the_file_gathers_the_values_its_codes_give():
+    """gguf_blocks.BlockRows gathers rows by gguf-py's dequantizer: for every type, the numbers the
+    codes give (a zero's sign may differ where a Q6_K sub-block's scale is 0, as test_native says)."""
+    for name, (_, per, *_) in LAYOUTS.items():
+        n, k = 5, 512
+        raw = random_blocks(Q[name], n * k // per, seed=7).reshape(n, -1)
+        idx = torch.tensor([[4, 0], [2, 2]])
+        got = BlockRows(raw, name, (n, k)).rows(idx)
+        u, scale, minimum, zero, _ = unpack(raw[idx.reshape(-1).numpy()], name, (4, k))
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = torch.from_numpy(values(u, scale, minimum, zero)).view(2, 2, k)
+        assert got.dtype == torch.float32 and torch.equal(got, want), name

@@ -21,13 +21,12 @@ import sys
 import time
 from typing import Callable, Iterable
 
-import numpy as np
 import torch
 
 from larqlpy.kernels import compiles
 from larqlpy.kernels.attention import decode
 from larqlpy.kernels.attention.rowdots import HEAD_DIMS
-from larqlpy.kernels.weights import gguf_blocks, matvec
+from larqlpy.kernels.weights import matvec
 from larqlpy.kernels.weights.gguf_blocks import HALF_SCALES, LAYOUTS, packed_width, tiled_arrays
 from larqlpy.kernels.weights.qweight import PackedWeight
 from larqlpy.kernels.weights.simd import ROWS as TILE
@@ -47,12 +46,6 @@ def _product(qtype: str) -> None:
     w = PackedWeight.from_tiled(codes, (TILE, K), scale, minimum if affine else None, zero - base, bits, 0,
                                 (1 << layout_bits(bits)) - 1, halves=qtype in HALF_SCALES, outer=outer)
     w.matmul(torch.zeros(1, K))
-
-
-def _rows(qtype: str) -> None:
-    """A GGUF embedding's rows gathered from its blocks (one a token)."""
-    size, per, *_ = LAYOUTS[qtype]
-    gguf_blocks.BlockRows(np.zeros((2, K // per * size), np.uint8), qtype, (2, K)).rows(torch.tensor([0]))
 
 
 def _norms() -> None:
@@ -78,29 +71,26 @@ def _attend(d: int) -> None:
 
 
 def jobs() -> dict[str, Callable[[], None]]:
-    """Every job by name: `product Q8_0`, `rows Q6_K`, `norms`, `qkv`, `attend 64` (a head size of
+    """Every job by name: `product Q8_0`, `norms`, `qkv`, `attend 64` (a head size of
     rowdots.HEAD_DIMS, or `attend other`)."""
     out: dict[str, Callable[[], None]] = {"norms": _norms, "qkv": _qkv, "attend other": lambda: _attend(OTHER_HEAD)}
     for d in HEAD_DIMS:
         out[f"attend {d}"] = lambda d=d: _attend(d)
     for qtype in LAYOUTS:
         out[f"product {qtype}"] = lambda q=qtype: _product(q)
-        out[f"rows {qtype}"] = lambda q=qtype: _rows(q)
     return out
 
 
-def plan(qtypes: Iterable[str], gathered: str | None = None, head: int = D) -> list[str]:
-    """The helper's jobs for a GGUF whose quantized matrices have these types in load order
-    (`gathered`: its embedding's type, when its rows are gathered from the blocks; `head`: its
-    attention's head size): the kernels the
-    run reaches last first. Not the block repackers: the run needs them within seconds of starting,
-    before the helper could have one ready (it would compile the same one beside the run)."""
+def plan(qtypes: Iterable[str], head: int = D) -> list[str]:
+    """The helper's jobs for a GGUF whose quantized matrices have these types in load order (`head`:
+    its attention's head size): the kernels the run reaches last first. Not the block repackers: the
+    run needs them within seconds of starting, before the helper could have one ready (it would
+    compile the same one beside the run); an embedding's rows need none (gguf_blocks.BlockRows)."""
     types = list(dict.fromkeys(q for q in qtypes if q in LAYOUTS))
     if not types:
         return []
     attend = f"attend {head}" if head in HEAD_DIMS else "attend other"
-    return [attend, "norms", "qkv", *(f"product {q}" for q in reversed(types)),
-            *([f"rows {gathered}"] if gathered in LAYOUTS else [])]  # the prompt's embedding: the run's first need
+    return [attend, "norms", "qkv", *(f"product {q}" for q in reversed(types))]
 
 
 def cold() -> bool:

@@ -235,8 +235,7 @@ def _compile_ahead(ckpt: GGUFCheckpoint | MXFP4Checkpoint, dev: torch.device, he
     """On a cold kernel cache, a second process compiles what this load and run will need
     (kernels/ahead.py)."""
     if dev.type == "cpu":
-        gathered = ckpt.dtypes.get("embed_tokens") if "lm_head" in ckpt.wanted else None
-        ahead.start(ahead.plan(ckpt.dtypes.values(), gathered, head))
+        ahead.start(ahead.plan(ckpt.dtypes.values(), head))
 
 
 def _stacks(native: NativeFile | GGUFCodes, parts: list[tuple[str, str | None]], prefix: str) -> dict:

@@ -25,6 +25,8 @@ from types import FunctionType, ModuleType
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 from numba import njit, prange
 
 from larqlpy.kernels import jitcache
@@ -264,9 +266,12 @@ class BlockRows:
         return self
 
     def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """By gguf-py's dequantizer, whose values the codes give bit for bit (tests/test_gguf_quants.py,
+        test_gguf_file.py): numpy, so a cold run compiles no row decoder to embed its prompt."""
         flat = idx.reshape(-1).to(torch.int64).numpy()
-        u, scale, minimum, zero, _ = unpack(self.raw[flat], self.qtype, (len(flat), self.shape[1]))
-        return torch.from_numpy(values(u, scale, minimum, zero)).view(*idx.shape, self.shape[1])
+        with np.errstate(over="ignore", invalid="ignore"):  # a damaged scale: inf / NaN, as the codes give
+            got = dequantize(self.raw[flat], GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(np.asarray(got, np.float32)).view(*idx.shape, self.shape[1])
 
 
 jitcache.tie(globals(), qdot, gguf_first, gguf_lowbit, gguf_grid, tiled_put)  # the kernels inline the decoders
