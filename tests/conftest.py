@@ -20,6 +20,10 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # says so on stderr: the tests that read a command's stderr (one-line refusals) would read those lines
 # too. Commands here keep them off; tests/test_compiles.py turns them on where it tests them.
 os.environ.setdefault("LARQLPY_COMPILE_PROGRESS", "0")
+# Nor does a cold cache start kernels/ahead.py's helper process from this process or a command's: it
+# would compile beside the suite on a 2-core machine. tests/test_compile_ahead.py starts it where it
+# tests it.
+os.environ.setdefault("LARQLPY_COMPILE_AHEAD", "0")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from larqlpy.kernels import ahead
+from larqlpy.kernels import ahead, compiles
 
 ROOT = Path(__file__).resolve().parent.parent
 GGUF = ROOT / "models" / "gguf" / "qwen2.5-coder-0.5b-instruct.gguf"
@@ -81,6 +81,8 @@ def test_a_helper_started_is_said_at_once(monkeypatch):
     from larqlpy.cli.compiling import compile_progress
 
     monkeypatch.setenv("LARQLPY_COMPILE_PROGRESS", "1")
+    monkeypatch.delenv(ahead.ENV, raising=False)
+    monkeypatch.setattr(compiles, "looks_cold", lambda: False)  # none begun early: this one starts its own
     started = []
     monkeypatch.setattr(ahead, "cold", lambda: True)
     monkeypatch.setattr(ahead.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or _Done())
@@ -97,5 +99,70 @@ def test_a_helper_started_is_said_at_once(monkeypatch):
 class _Done:
     """A helper process that has ended."""
 
+    stdin = None
+
     def poll(self):
         return 0
+
+
+class _Pipe:
+    """A helper's stdin, kept as written."""
+
+    def __init__(self):
+        self.data, self.closed = b"", False
+
+    def write(self, b: bytes) -> None:
+        self.data += b
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Waiting(_Done):
+    """A helper process still at work, its stdin a _Pipe."""
+
+    def __init__(self, cmd):
+        self.cmd, self.stdin = cmd, _Pipe()
+
+    def poll(self):
+        return None
+
+
+def test_a_helper_begun_early_is_told_the_models_jobs_and_a_run_that_has_none_lets_it_end(monkeypatch):
+    """compiles.begin_ahead starts the helper on the jobs every CPU run needs before the model is read;
+    ahead.start hands it the model's jobs on its stdin, ended by a blank line (a forked child may
+    hold the pipe open, so no end of file comes), and starts no second process."""
+    started = []
+    monkeypatch.delenv(ahead.ENV, raising=False)
+    monkeypatch.setattr(compiles, "looks_cold", lambda: True)
+    monkeypatch.setattr(ahead, "cold", lambda: True)
+    monkeypatch.setattr(compiles.subprocess, "Popen", lambda cmd, **kw: started.append(_Waiting(cmd)) or started[-1])
+    monkeypatch.setattr(compiles, "_early", [])
+    monkeypatch.setattr(compiles.atexit, "register", lambda *a: None)
+    monkeypatch.setattr(ahead, "_helpers", [])
+    compiles.begin_ahead()
+    compiles.begin_ahead()  # once
+    assert len(started) == 1 and started[0].cmd[-3:] == ["--more", *compiles.EARLY]
+    assert ahead.start(["attend 64", "norms", "product Q4_K"]) is started[0] and len(started) == 1
+    assert started[0].stdin.data == b"attend 64\nnorms\nproduct Q4_K\n\n" and started[0].stdin.closed
+    assert compiles.early_helper() is None and ahead.busy()
+    monkeypatch.setattr(compiles, "_early", [])
+    compiles.begin_ahead()
+    assert ahead.start([]) is None  # told nothing: it ends after its early jobs
+    assert started[-1].stdin.closed and started[-1].stdin.data == b""
+
+
+def test_the_helper_reads_its_later_jobs_to_a_blank_line(tmp_path):
+    """The helper's own side: the early jobs, then the lines up to a blank one, while its stdin stays
+    open (a job already done is not run twice)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), ahead.ENV: "0", "NUMBA_CACHE_DIR": str(tmp_path)}
+    helper = subprocess.Popen([sys.executable, "-m", "larqlpy.kernels.ahead", "--more", "norms"], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        helper.stdin.write("norms\nqkv\n\n")
+        helper.stdin.flush()  # not closed
+        lines = [helper.stdout.readline().split(":")[0] for _ in range(2)]
+        assert lines == ["norms", "qkv"]
+        assert helper.wait(timeout=120) == 0
+    finally:
+        helper.kill()

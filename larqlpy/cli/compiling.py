@@ -92,7 +92,7 @@ class CompileProgress:
 @contextmanager
 def compile_progress(console: Console = err, live: bool | None = None) -> Iterator[CompileProgress]:
     """Show kernel compiles while the block runs; `live`: a rich status (default: on a terminal)."""
-    from larqlpy.kernels.compiles import announce, looks_cold, on_progress
+    from larqlpy.kernels.compiles import announce, begin_ahead, looks_cold, on_progress
 
     live = console.is_terminal if live is None else live
     printer = CompileProgress(console, live, live and sys.stdout.isatty())
@@ -102,6 +102,7 @@ def compile_progress(console: Console = err, live: bool | None = None) -> Iterat
     with on_progress(printer):
         if looks_cold():  # said now, not after the model's header is read and torch imported (seconds)
             announce("kernels for this CPU")
+            begin_ahead()  # a helper process imports and compiles meanwhile (kernels/ahead.py)
         try:
             yield printer
         finally:

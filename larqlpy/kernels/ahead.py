@@ -2,8 +2,10 @@
 
 numba compiles a kernel on its first call and, in one process, one kernel at a time (its compiler
 lock, under the GIL), so a run on a cold cache compiled a dozen kernels one after another on one core
-while the other waited. A run that finds the cache cold (`cold`) starts this module as a helper
-process (`start`): it calls each kernel the run will reach last, first (`plan`), once, on tiny arrays
+while the other waited. A command that finds the cache cold starts this module as a helper process
+at once (compiles.begin_ahead: the kernels every CPU run needs, while the command reads the model's
+header), and tells it the model's own once it knows them (`start`, else a helper starts then): it
+calls each kernel the run will reach last, first (`plan`), once, on tiny arrays
 of the types the run passes, so numba compiles it with the run's own signature into the same cache
 (NUMBA_CACHE_DIR, else beside the sources). When the run reaches a kernel the helper has saved, numba
 loads it from the cache instead of compiling it; the two meet about halfway. The helper compiles the
@@ -33,7 +35,7 @@ from larqlpy.kernels.weights.simd import ROWS as TILE
 from larqlpy.kernels.weights.simd import layout_bits
 
 _helpers: list[subprocess.Popen] = []
-ENV = "LARQLPY_COMPILE_AHEAD"  # "0": no helper process (the tests' fixtures, a process that must stay alone)
+ENV = compiles.AHEAD_ENV
 K, HEADS, KV, D = 256, 2, 1, 64  # tiny shapes: a kernel's signature holds dtypes and layouts, not sizes
 OTHER_HEAD = 80  # a head size outside rowdots.HEAD_DIMS: their one kernel
 
@@ -103,13 +105,25 @@ def cold() -> bool:
 
 
 def start(names: list[str]) -> subprocess.Popen | None:
-    """Start the helper on `names` when the cache is cold; ended when this process exits."""
+    """Have a helper compile `names` when the cache is cold: the one the command began early
+    (compiles.begin_ahead), told them on its stdin, else a new one; ended when this process exits."""
+    early = compiles.early_helper()
     if not names or os.environ.get(ENV) == "0" or not cold():
+        if early is not None:
+            early.stdin.close()  # nothing more for it: it ends after its early jobs
         return None
+    if early is not None:
+        try:
+            early.stdin.write("".join(f"{n}\n" for n in names).encode() + b"\n")  # a blank line ends them
+            early.stdin.close()
+            _helpers.append(early)
+            return early
+        except OSError:  # it has gone: start another
+            pass
     helper = subprocess.Popen([sys.executable, "-m", __name__, *names], stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               env={**os.environ, ENV: "0"})
-    atexit.register(_end, helper)
+    atexit.register(compiles.end_helper, helper)
     _helpers.append(helper)
     compiles.announce(f"{len(names)} groups of kernels ahead, in a second process")
     return helper
@@ -126,26 +140,31 @@ def busy() -> bool:
     return any(h.poll() is None for h in _helpers)
 
 
-def _end(helper: subprocess.Popen) -> None:
-    if helper.poll() is None:
-        helper.terminate()
-        helper.wait()
-
-
-def run(names: list[str]) -> list[tuple[str, float]]:
-    """Compile `names` in order, each's seconds; stops at the first that compiled nothing (the run
-    got there first: the rest it has passed too)."""
+def run(names: list[str], tell: Callable[[str, float], None] | None = None) -> list[tuple[str, float]]:
+    """Compile `names` in order, each's seconds (told as each ends); stops at the first that
+    compiled nothing (the run got there first: the rest it has passed too)."""
     compiles.watch()
     table, done = jobs(), []
     for name in names:
         t0, before = time.perf_counter(), compiles.count()
         table[name]()
         done.append((name, time.perf_counter() - t0))
+        if tell is not None:
+            tell(*done[-1])
         if compiles.count() == before:
             break
     return done
 
 
+def _say(job: str, took: float) -> None:
+    print(f"{job}: {took:.1f} s", flush=True)
+
+
 if __name__ == "__main__":
-    for job, took in run(sys.argv[1:]):
-        print(f"{job}: {took:.1f} s")
+    more = sys.argv[1:2] == ["--more"]  # then the model's own jobs on stdin, once its header is read
+    first = sys.argv[2:] if more else sys.argv[1:]
+    run(first, _say)
+    if more:
+        # to a blank line, not to the end: a child this process's parent forks holds the pipe open
+        later = list(iter(lambda: sys.stdin.readline().strip(), ""))
+        run([n for n in later if n not in first], _say)

@@ -14,6 +14,10 @@ outermost compile's start and end to a callback (the CLI's progress line).
 
 from __future__ import annotations
 
+import atexit
+import os
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -163,3 +167,38 @@ def looks_cold() -> bool:
         if where.is_dir() and any(where.glob("decode._attend*.nbc")):
             return False
     return True
+
+
+AHEAD_ENV = "LARQLPY_COMPILE_AHEAD"  # "0": no helper process (the tests' fixtures, a process that must stay alone)
+EARLY = ("norms", "qkv")  # kernels/ahead.py's jobs that every model on the CPU runs, known before its file is read
+_early: list[subprocess.Popen] = []
+
+
+def begin_ahead() -> None:
+    """On a cold cache, start kernels/ahead.py's helper process now, on the EARLY jobs, to hear the
+    model's own jobs on its stdin once its header is read (`early_helper`): its imports and those
+    compiles overlap this process reading the file (seconds on a large vocabulary). A run that never
+    tells it (a GPU, a float model) ends it as it exits."""
+    if _early or os.environ.get(AHEAD_ENV) == "0" or not looks_cold():
+        return
+    helper = subprocess.Popen([sys.executable, "-m", "larqlpy.kernels.ahead", "--more", *EARLY],
+                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, AHEAD_ENV: "0"})
+    atexit.register(end_helper, helper)
+    _early.append(helper)
+
+
+def early_helper() -> subprocess.Popen | None:
+    """The helper `begin_ahead` started, while it still waits for its jobs (once only)."""
+    if not _early or _early[0].stdin is None or _early[0].stdin.closed or _early[0].poll() is not None:
+        return None
+    return _early[0]
+
+
+def end_helper(helper: subprocess.Popen) -> None:
+    """Stop a helper as this process exits (numba writes a cache entry whole, by renaming)."""
+    if helper.stdin is not None and not helper.stdin.closed:
+        helper.stdin.close()
+    if helper.poll() is None:
+        helper.terminate()
+        helper.wait()
