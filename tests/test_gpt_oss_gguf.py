@@ -90,5 +90,6 @@ def test_mxfp4_gguf_runs_as_transformers(tmp_path):
     assert f32.config.model_type == "gpt_oss" and f32.config.rope_global.rope_type == "yarn"
     assert (our_logits(f32, GIDS) - want).abs().max().item() < 1e-3
     native = load(path, device="cpu")  # the experts on their own MXFP4 codes (int8 activations)
-    assert native.weights == "native" and isinstance(native.model.layers[0].experts[0].down_proj, PackedWeight)
+    down = native.model.layers[0].experts[0].down_proj
+    assert native.weights == "native" and isinstance(down, PackedWeight) and down.kind == "fp4"  # the file's nibbles
     assert (our_logits(native, GIDS) - want).abs().max().item() < 0.05

@@ -15,7 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from larqlpy.errors import LarqlError
-from larqlpy.kernels.weights.qweight import PackedPart, PackedWeight
+from larqlpy.kernels.weights.qweight import TILE, PackedPart, PackedWeight
 from larqlpy.weights.info import describe
 from larqlpy.weights.loader import load
 from hf_compare import greedy_hf, greedy_ours, hf_logits, our_logits
@@ -81,11 +81,11 @@ def test_mxfp4_directory_runs_as_transformers(openai_dir):
     assert block.q_proj.whole.kind == "bf16"
     for j in range(experts.num_experts):  # the codes stand for transformers' dequantized values, exactly
         gate = block.experts[j].gate_proj
-        assert isinstance(gate, PackedPart) and gate.whole.kind == "u5"
+        assert isinstance(gate, PackedPart) and gate.whole.kind == "fp4"
         got = gate.whole.rows(torch.arange(2 * experts.intermediate_size))
         assert torch.equal(got, torch.cat([experts.gate_up_proj[j][:, 0::2].T, experts.gate_up_proj[j][:, 1::2].T]))
         assert torch.equal(block.experts[j].down_proj.rows(torch.arange(experts.hidden_size)), experts.down_proj[j].T)
-        assert 5 <= 8 * gate.whole.nbytes / gate.whole.shape[0] / gate.whole.shape[1] <= 6  # the file's 4.25
+        assert 8 * gate.whole.nbytes / (gate.whole.codes.shape[0] * TILE * gate.whole.shape[1]) == 4.25  # the file's
     # int8 activations (this CPU's integer path) now and then flip a near tie of the router's top k,
     # which moves a whole position: most positions are held, not all
     assert positions_within(native, want, 0.05) >= 0.9

@@ -12,8 +12,9 @@ the same view of it as of a float checkpoint (checkpoint.stored_as).
 A block is relaid as a GGUF MXFP4 block (the exponent byte, then input j in the low nibble of byte j
 and input j + 16 in the high, as llama.cpp's converter does; the same exponent), so the codes,
 values and kernels are the .gguf route's (kernels/weights/gguf_lowbit.py): `weights` native runs them
-(5-bit codes, unpacked at every load, nothing kept on disk) with the bf16 / f16 matrices on their own
-bits; f32, bf16, int8 and int4 take the experts' exact float32 values."""
+(the file's nibbles as indices into the "fp4" table and its exponent bytes, 4.25 bits a weight,
+unpacked at every load, nothing kept on disk) with the bf16 / f16 matrices on their own bits; f32,
+bf16, int8 and int4 take the experts' exact float32 values."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from larqlpy.errors import LarqlError
-from larqlpy.kernels.weights.gguf_blocks import LAYOUTS, packed_width, unpack, values
+from larqlpy.kernels.weights.gguf_blocks import LAYOUTS, packed_width, tiled_arrays, unpack, unpack_tiled, values
 from larqlpy.kernels.weights.qweight import PackedWeight
 from larqlpy.model.config import ModelConfig
 from larqlpy.model.families import read_raw_config
@@ -111,8 +112,8 @@ class MXFP4Checkpoint(Checkpoint):
 
 class MXFP4Codes(NativeFile):
     """What weights/native_file.NativeFile gives for a converted GGUF, from the checkpoint itself:
-    the MXFP4 experts as their codes (gguf_blocks.unpack of the relaid blocks), bf16 / f16 matrices as
-    their bits; float32 ones stay out (they load as float32)."""
+    the MXFP4 experts as their codes (the relaid blocks unpacked straight into the tiled layout, as a
+    .gguf's are), bf16 / f16 matrices as their bits; float32 ones stay out (they load as float32)."""
 
     def __init__(self, ckpt: MXFP4Checkpoint):  # no file of codes to open: NativeFile's reading is not used
         self.ckpt, self.path = ckpt, ckpt.path
@@ -129,14 +130,26 @@ class MXFP4Codes(NativeFile):
         bits, base = packed_width(qtype)
         return LAYOUTS[qtype][4] - base, bits, LAYOUTS[qtype][3], False
 
-    def codes(self, name: str) -> tuple:
-        return unpack(self.ckpt.blocks(name), MXFP4, self.shapes[name])
-
     def pack(self, names: list[str]) -> PackedWeight:
         qtype = self.matrices[names[0]]["type"]
         if qtype not in FLOAT16:
-            return super().pack(names)
+            return self._pack_blocks(names)
         return PackedWeight.from_16bit(np.concatenate([self._bits(n) for n in names]), FLOAT16[qtype])
+
+    def _pack_blocks(self, names: list[str]) -> PackedWeight:
+        """MXFP4 matrices stacked in this order, each's relaid blocks unpacked into the tiled layout at
+        the type's packed width (its table's indices, the exponent bytes as its scales)."""
+        n, k = sum(self.shapes[name][0] for name in names), self.shapes[names[0]][1]
+        bits, _ = packed_width(MXFP4)
+        codes, scale, minimum, _, seen = tiled_arrays(MXFP4, n, k)
+        lo = 0
+        for name in names:
+            rows = self.shapes[name][0]
+            unpack_tiled(self.ckpt.blocks(name), MXFP4, self.shapes[name], np.arange(rows), lo, codes, scale, minimum,
+                         seen, (bits, 0))
+            lo += rows
+        return PackedWeight.from_tiled(codes, (n, k), scale, None, LAYOUTS[MXFP4][4], bits, int(seen[:, 0].min()),
+                                       int(seen[:, 1].max()))
 
     def _bits(self, name: str) -> np.ndarray:
         """A float16 / bfloat16 matrix's bits, (out, in) uint16."""

@@ -11,10 +11,12 @@ The layouts (qweight.py, packing.py), per unit of inputs, 64 rows x 4 bytes (row
     (bits f P .. f P + P - 1), the high bits of input o's part s, byte i -- so a shift and a mask put
     them beside the low bits of the same byte. The words of a unit group's rows 0 .. 64 / per - 1 lie
     after its first unit's low bits, the next 64 / per rows after its second's, and so on;
-    table codes (`TABLES`: IQ4_NL's and IQ4_XS's non-linear grid): the 4-bit layout of the file's own
-    nibbles, each turned into the byte it stands for by a byte shuffle (`vpshufb`, the 16-byte table
-    in every 128-bit lane, as llama.cpp does) before the dot product -- the same bytes, so the same
-    sums, as 8-bit codes of those values.
+    table codes (`TABLES`: IQ4_NL's and IQ4_XS's non-linear grid, MXFP4's doubled e2m1 values): the
+    4-bit layout of the file's own nibbles, each turned into the byte it stands for by a byte shuffle
+    (`vpshufb`, the 16-byte table in every 128-bit lane, as llama.cpp does) before the dot product --
+    the same bytes, so the same sums, as 8-bit codes of those values. A table of `EXPONENTS` may hold
+    its group scales as the file's E8M0 exponent bytes e (uint8), each standing for 2^(e - 128)
+    (`E8M0`, `exponent_floats`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,23 @@ from llvmlite import ir
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 ROWS = 64  # the tile: qweight.TILE
-# Table widths: 4-bit indices whose codes are these bytes (IQ4_NL's and IQ4_XS's grid + 128, zero 128)
+# Table widths: 4-bit indices whose codes are these bytes, zero 128: IQ4_NL's and IQ4_XS's grid + 128;
+# MXFP4's e2m1 values doubled (0, 0.5 .. 6 -> 0, 1 .. 12; indices 8-15 the negatives, 8 a second 0) + 128
 TABLES = {"iq4": (np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128
-                  ).astype(np.uint8)}
+                  ).astype(np.uint8),
+          "fp4": (np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]) + 128).astype(np.uint8)}
+EXPONENTS = ("fp4",)  # tables whose uint8 group scales are E8M0 exponent bytes (MXFP4's, held as the file has them)
+
+
+def _e8m0_half() -> np.ndarray:
+    """2^(e - 128) for each exponent byte e, as ggml_e8m0_to_fp32_half builds it (subnormal below
+    e = 2): the float32 gguf-py multiplies MXFP4's doubled values by."""
+    e = np.arange(256, dtype=np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+E8M0 = _e8m0_half()
 # code width -> the bits of each code its words' bytes hold (LOW), and its bits above those (P)
 LOW = {8: 8, 4: 4, 5: 4, 6: 4, 2: 2, 3: 2, **{name: 4 for name in TABLES}}
 PLANES = {8: 0, 4: 0, 5: 1, 6: 2, 2: 0, 3: 1, **{name: 0 for name in TABLES}}
@@ -117,3 +133,17 @@ def look_up(builder, nibbles, table: np.ndarray):
     looked = builder.call(shuffle, [ir.Constant(bty, [int(b) for b in table.view(np.int8)] * (n // 16)),
                                     builder.bitcast(nibbles, bty)])
     return builder.bitcast(looked, nibbles.type)
+
+
+def exponent_floats(builder, exponents, fv):
+    """E8M0 exponent bytes (a <n x i8> vector) as the float32 vector `fv` of 2^(e - 128), `E8M0`'s
+    values: (e - 1) << 23, or 2^21 << e below e = 2 (subnormal), as float bits."""
+    iv = ir.VectorType(I32, fv.count)
+    e = builder.zext(exponents, iv)
+
+    def const(value):
+        return ir.Constant(iv, [value] * fv.count)
+
+    normal = builder.shl(builder.sub(e, const(1)), const(23))
+    small = builder.shl(const(0x00200000), builder.and_(e, const(1)))  # e is 0 or 1 where it is taken
+    return builder.bitcast(builder.select(builder.icmp_unsigned("<", e, const(2)), small, normal), fv)

@@ -54,12 +54,18 @@ KIND = {name: i for i, name in enumerate(LAYOUTS)}
 assert KIND["Q2_K"] == gguf_lowbit.FIRST and KIND["IQ3_S"] == gguf_grid.FIRST
 # Types whose codes above span fewer bits (2, 3, 5 or 6): (width, base), run as u - base at that width,
 # zero - base (the same integers u - zero, so the same values bit for bit) -- the file's own bits.
-NARROW = {"Q5_0": (5, 112), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 96), "MXFP4": (5, 112), "IQ3_S": (5, 112),
+NARROW = {"Q5_0": (5, 112), "Q5_1": (5, 0), "Q5_K": (5, 0), "Q6_K": (6, 96), "IQ3_S": (5, 112),
           "IQ3_XXS": (6, 96), "IQ1_S": (5, 112), "IQ1_M": (6, 96),  # IQ1_M: measured at 6 (docs/weights.md)
           "Q2_K": (2, 0), "Q3_K": (3, 0)}
 # Types whose codes are a table's values: run as the file's 4-bit indices, looked up in the kernels (simd.TABLES)
-TABLED = {"IQ4_NL": "iq4", "IQ4_XS": "iq4"}
-INDEX = {name: np.bincount(t, np.arange(16), 256).astype(np.uint8) for name, t in TABLES.items()}  # code -> index
+TABLED = {"IQ4_NL": "iq4", "IQ4_XS": "iq4", "MXFP4": "fp4"}
+# code -> its first index in the table (MXFP4's 0 and -0: one code, 128, index 0)
+INDEX = {name: np.array([list(t).index(c) if c in t else 0 for c in range(256)], np.uint8)
+         for name, t in TABLES.items()}
+# Types whose group scale is held as the file's exponent byte e (uint8, 2^(e - 128): qdot.as_float,
+# codebytes.exponent_floats), 0.25 bits a weight where float32 would take 1: a power of two below 2^-24
+# or above 2^15 is no float16.
+EXPONENT = ("MXFP4",)
 # Types whose group scales are a block's float16 d times the file's integer sub-block scale: packed
 # as those integers and d apart (the file's own 4.5 / 5.5 / 6.56 bits a weight, where float32 group
 # scales would add 1 to 2 bits); d * sc is exact in float32, so the kernels' scale is the same value.
@@ -67,8 +73,7 @@ TWO_LEVEL = ("Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ3_S")
 # Two-level types whose 4-bit sub-block scale and minimum share a byte in the file, held so (uint8,
 # scale in the low nibble): one byte per 16 weights, where a byte each would add 0.5 bits a weight
 JOINT = ("Q2_K",)
-# Types of 32 values a block whose scale is the block's float16 d (held as its bits, no check needed);
-# MXFP4's 2^(e - 128) is a float16 only for some e.
+# Types of 32 values a block whose scale is the block's float16 d (held as its bits, no check needed)
 HALF_SCALES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "IQ4_NL")
 
 
@@ -107,7 +112,8 @@ def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, sc
     (tiles, groups, TILE) float32, or, where scale8 is not empty, in scale8 / minimum8 (int8) with
     `outer` (tiles, blocks, 2, TILE): the K-quants' integer sub-block scales, their blocks' d and -dmin
     in outer (either pair empty: one signature, compiled once, serves both; joint: a sub-block's
-    integer scale and minimum as one byte, in a uint8 scale8); rows: the source row of each
+    integer scale and minimum as one byte, in a uint8 scale8; a uint8 scale8 and no outer: MXFP4's
+    exponent bytes, `_outer`'s sc); rows: the source row of each
     destination row; seen[t] = (lowest, highest) code written into tile t. A tile's rows go to one
     thread: rows of one tile share cache lines (and 3- / 5- / 6-bit rows their high words)."""
     n = rows.shape[0]
@@ -133,6 +139,8 @@ def _tiled(raw, kind, per, size, bits, base, rows, lo, codes, scale, minimum, sc
                 put(codes, t, b * per // unit, slot, words, eights, per, bits, base)
                 if outer.shape[0]:  # the integers in place of the products d * sc, dmin * m
                     outer[t, b, 0, slot], outer[t, b, 1, slot] = _outer(row, b * size, kind, sc, mn)
+                elif ints:  # the exponent byte in place of 2^(e - 128) (EXPONENT)
+                    _outer(row, b * size, kind, sc, mn)
                 for g in range(gpb):
                     if joint:  # the file's byte: scale in the low nibble, minimum in the high
                         scale8[t, b * gpb + g, slot] = np.int32(sc[g]) | (np.int32(mn[g]) << 4)
@@ -198,11 +206,12 @@ def unpack(raw: np.ndarray, qtype: str, shape: tuple[int, int]):
 def tiled_arrays(qtype: str, n: int, k: int) -> tuple:
     """Zeroed arrays an (n, k) matrix of `qtype` is unpacked into at its packed width (`unpack_tiled`):
     codes, scale, minimum (empty when not affine), outer (None but for a K-quant) and seen. The
-    padding rows keep scale 0. A JOINT type's minimum is its scale array (one byte for both)."""
+    padding rows keep scale 0 (an EXPONENT type's: 2^-128, times the zero code). A JOINT type's minimum
+    is its scale array (one byte for both)."""
     _, per, _, group, _, affine = LAYOUTS[qtype]
     bits, _ = packed_width(qtype)
     nt, two = -(-n // TILE), qtype in TWO_LEVEL
-    dtype = np.uint8 if qtype in JOINT else np.int8 if two else np.float32
+    dtype = np.uint8 if qtype in JOINT or qtype in EXPONENT else np.int8 if two else np.float32
     scale = _zeros((nt, k // group, TILE), dtype)
     return (_zeros(code_shape(nt, k, bits), np.uint8), scale,
             scale if qtype in JOINT else _zeros((nt if affine else 0, k // group, TILE), dtype),
@@ -234,8 +243,8 @@ def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.n
     uint8, zeroed at 3, 5 and 6 bits, scale / minimum (tiles, groups, TILE) float32, minimum empty when not
     affine; or, for a K-quant with `outer` (tiles, blocks, 2, TILE) uint16, its integer sub-block scales
     as int8 -- JOINT types' scale and minimum as one uint8 array, a byte for both -- and each block's
-    float16 d and -dmin in outer); seen (tiles, 2) int32 gathers each tile's lowest and highest code
-    (a table's: index)."""
+    float16 d and -dmin in outer; an EXPONENT type's scale as its uint8 exponent bytes, outer None);
+    seen (tiles, 2) int32 gathers each tile's lowest and highest code (a table's: index)."""
     size, per, bits, group, zero, affine = LAYOUTS[qtype]
     bits, base = width or (bits, 0)
     index = INDEX.get(bits, NO_TABLE)
@@ -243,7 +252,7 @@ def unpack_tiled(raw: np.ndarray, qtype: str, shape: tuple[int, int], rows: np.n
     scales = (_NO_F32, _NO_F32, scale, minimum) if ints else (scale, minimum, _NO_I8, _NO_I8)
     _TILED_OF[kind](np.asarray(raw).reshape(shape[0], -1), kind, per, size, 4 if index.size else bits, base,
                     np.ascontiguousarray(rows, np.int64), lo, codes.view(np.uint32)[..., 0], *scales,
-                    NO_OUTER if outer is None else outer, seen, index, scale.dtype == np.uint8)  # a table's: 4 bits
+                    NO_OUTER if outer is None else outer, seen, index, qtype in JOINT)  # a table's: 4 bits
 
 
 class BlockRows:

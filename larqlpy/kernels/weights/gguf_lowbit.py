@@ -9,11 +9,13 @@ operation at a time, is gguf-py's dequantized value (tests/test_gguf_quants.py, 
   Q3_K     (d * (sc - 32)) * q         q in -4..3, group 16, 6-bit sc      codes q + 4, zero 4 (packed at 3 bits)
   IQ4_NL   d * kv[q]                   kv: int8 table of 16, group 32      codes kv + 128, zero 128
   IQ4_XS   (d * (ls - 32)) * kv[q]     group 32, 6-bit ls per 32           codes kv + 128, zero 128
-  MXFP4    2^(e - 128) * kv[q]         kv: e2m1 doubled, e an 8-bit exponent  codes kv + 128 (5 bits)
+  MXFP4    2^(e - 128) * kv[q]         kv: e2m1 doubled, e an 8-bit exponent  codes kv + 128, zero 128
 
 x - y is x + (-y) in IEEE arithmetic and (-dmin) * m is -(dmin * m), so Q2_K's minimum -(dmin * m)
 added gives gguf-py's subtraction exactly. The K-quants and IQ4_XS keep their integer sub-block
-scales two-level (gguf_blocks.TWO_LEVEL: int8 beside each block's float16 d and -dmin).
+scales two-level (gguf_blocks.TWO_LEVEL: int8 beside each block's float16 d and -dmin). IQ4_NL, IQ4_XS
+and MXFP4 run as the file's nibbles, indices into their table (gguf_blocks.TABLED); MXFP4 keeps its
+exponent byte e as its scale (gguf_blocks.EXPONENT: `outer` gives it).
 """
 
 from __future__ import annotations
@@ -23,24 +25,13 @@ from numba import njit
 
 from larqlpy.kernels import jitcache
 from larqlpy.kernels.weights import codebytes, qdot
-from larqlpy.kernels.weights.codebytes import TABLES
+from larqlpy.kernels.weights.codebytes import E8M0, TABLES
 from larqlpy.kernels.weights.qdot import half_bits
 
 FIRST = 8  # gguf_blocks.KIND of Q2_K; Q3_K, IQ4_NL, IQ4_XS, MXFP4 follow in that order
 # IQ4_NL's and IQ4_XS's non-linear grid and MXFP4's doubled e2m1 values, each + 128: the codes
 IQ4 = TABLES["iq4"]  # the kernels look it up from the file's nibbles (gguf_blocks.TABLED)
-FP4 = (np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]) + 128).astype(np.uint8)
-
-
-def _e8m0_half() -> np.ndarray:
-    """2^(e - 128) for each exponent byte e, as ggml_e8m0_to_fp32_half builds it (subnormal below
-    e = 2): the float32 gguf-py multiplies by."""
-    e = np.arange(256, dtype=np.uint32)
-    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
-    return bits.view(np.float32)
-
-
-E8M0 = _e8m0_half()
+FP4 = TABLES["fp4"]
 
 
 @njit(inline="always", cache=True)
@@ -116,7 +107,11 @@ def decode(row, at, kind, buf, sc, mn):  # pragma: no cover - jitted
 @njit(inline="always", cache=True)
 def outer(row, at, kind, sc, mn):  # pragma: no cover - jitted
     """A two-level block's (Q2_K, Q3_K, IQ4_XS) integer sub-block scales (and minimums) into sc / mn,
-    and its float16 d and dmin as bits, dmin's sign flipped (a minimum is -(dmin * m))."""
+    and its float16 d and dmin as bits, dmin's sign flipped (a minimum is -(dmin * m)); MXFP4's
+    exponent byte into sc[0] (its scale as held: no d)."""
+    if kind == FIRST + 4:
+        sc[0] = np.float32(row[at])
+        return np.uint16(0), np.uint16(0)
     if kind == FIRST:
         for j in range(16):
             b = np.int32(row[at + j])
@@ -131,4 +126,4 @@ def outer(row, at, kind, sc, mn):  # pragma: no cover - jitted
     return np.uint16(_word(row, at)), np.uint16(0)
 
 
-jitcache.tie(globals(), qdot, codebytes)  # inlines qdot.py's half_bits; holds codebytes' IQ4 table
+jitcache.tie(globals(), qdot, codebytes)  # inlines qdot.py's half_bits; holds codebytes' tables

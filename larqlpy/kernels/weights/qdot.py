@@ -24,6 +24,7 @@ from numba.extending import overload
 from larqlpy.kernels import jitcache, workshare
 from larqlpy.kernels.jitcache import FASTMATH
 from larqlpy.kernels.weights import codebytes, rounding, simd
+from larqlpy.kernels.weights.codebytes import E8M0
 from larqlpy.kernels.weights.rounding import quantize_activations, quantize_all  # noqa: F401 (qdot's API)
 from larqlpy.kernels.weights.simd import DOTS
 from larqlpy.kernels.weights.simd import ROWS as TILE
@@ -55,7 +56,10 @@ def half_bits(h):  # pragma: no cover - jitted
 @overload(as_float, inline="always")
 def _as_float(v):
     """A scale or minimum as float32: stored as float32, or as float16 bits (uint16) where the values
-    are float16 exactly (qweight.py), which saves 2 bytes per group."""
+    are float16 exactly (qweight.py), which saves 2 bytes per group, or as an E8M0 exponent byte
+    (uint8 without `outer`: MXFP4's 2^(e - 128), codebytes.EXPONENTS)."""
+    if isinstance(v, types.Integer) and not v.signed and v.bitwidth == 8:
+        return lambda v: E8M0[v]
     if isinstance(v, types.Integer):
         return lambda v: half_bits(v)
     return lambda v: v

@@ -7,15 +7,16 @@ float32 scale (and minimum) per group of `group` consecutive inputs:
   native       what the GGUF held, exactly (model/native.py), at its own width: Q8_0 as 8-bit codes,
                Q5_0, Q5_1 and Q5_K as 5-bit, Q6_K as 6-bit (in groups of 16), Q4_K, Q4_1 and
                Q4_0 as 4-bit (`narrow`: a matrix stacked with another of a wider type takes its width);
-               Q2_K as 2-bit, Q3_K as 3-bit in groups of 16, IQ4_NL, IQ4_XS as their 4-bit indices into
-               their table of codes (kind "iq4": simd.TABLES), MXFP4 as 5-bit;
+               Q2_K as 2-bit, Q3_K as 3-bit in groups of 16, IQ4_NL, IQ4_XS and MXFP4 as their 4-bit
+               indices into their table of codes (kinds "iq4", "fp4": simd.TABLES);
                IQ3_S, IQ1_S as 5-bit, IQ3_XXS, IQ1_M as 6-bit, IQ2_* as 8-bit (gguf_grid.py)
   bf16         the top 16 bits of the float32 (round to nearest even);              16 bits per weight
 Both formulas round once per operation in float32, as gguf-py's dequantization does, so a GGUF's
 codes come back as the values it dequantizes to, bit for bit. Scales and minimums are float16
 (2 bytes per group) where every value of a matrix is a float16 exactly, as a GGUF's d and m are and
 our int8 and int4 make theirs; a K-quant's d * sc, never a float16, is held as the file holds it
-(int8 sc per group -- Q2_K's 4-bit sc and m in one byte --, float16 d per 256 weights: `outer`), else
+(int8 sc per group -- Q2_K's 4-bit sc and m in one byte --, float16 d per 256 weights: `outer`), and
+MXFP4's power-of-two scales as the file's exponent bytes (uint8, 2^(e - 128): codebytes.EXPONENTS), else
 float32.
 
 Layout: output rows in tiles of TILE. Integer codes are stored per tile input-unit-major,
@@ -42,13 +43,14 @@ import torch.nn.functional as F
 from larqlpy.errors import LarqlError
 from larqlpy.kernels import cpu
 from larqlpy.kernels.weights import dequant, qdot, simd
+from larqlpy.kernels.weights.codebytes import E8M0
 from larqlpy.kernels.weights.packing import GROUP, round_codes, search_int4, tile_codes, tile_groups, to_half
 from larqlpy.kernels.weights.qdot import NO_OUTER, NO_TABLE
 from larqlpy.kernels.weights.simd import ROWS as TILE
 
 FORMATS = ("f32", "bf16", "int8", "int4", "native")
 SLAB_BYTES = 16 << 20  # float32 scratch per dequantized slab in prefill
-PACK_VERSION = 8  # bump when packing changes what a format's codes are (8: Q2_K / Q3_K at 2 / 3 bits)
+PACK_VERSION = 9  # bump when packing changes what a format's codes are (9: MXFP4 as "fp4" indices)
 GEMV_ROWS = 16  # bf16 / float path: up to this many rows run a GEMV, faster there than a slab
 NO_MINIMUM = np.zeros((0, 1, TILE), np.float32)
 
@@ -63,7 +65,9 @@ def _halves_if_exact(scale: np.ndarray, minimum: np.ndarray | None):
     """Scales (and minimums) as float16 bits (uint16) when every value is a float16 exactly (a GGUF's
     own d and m; our int8 / int4 round theirs to float16 when packing), else float32 as they are."""
     parts = [scale] + ([] if minimum is None else [minimum])
-    if all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in parts):
+    with np.errstate(over="ignore"):  # a value past float16's range is no float16: not exact
+        exact = all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in parts)
+    if exact:
         parts = [a.astype(np.float16).view(np.uint16) for a in parts]
     return parts[0], (None if minimum is None else parts[1])
 
@@ -77,10 +81,13 @@ def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
 def _float_values(a: torch.Tensor, blocks: torch.Tensor | None, which: int) -> torch.Tensor:
     """Scales (which 0) or minimums (1) as float32, from how they are held: float32, float16 bits, or a
     K-quant's integers (uint8: Q2_K's scale and minimum in one byte's nibbles, qdot.sub_value) times
-    their blocks' float16 d (or -dmin) `blocks` gathered alike (exact in float32)."""
+    their blocks' float16 d (or -dmin) `blocks` gathered alike (exact in float32), or (uint8 without
+    blocks) exponent bytes e, 2^(e - 128)."""
     if blocks is not None:
         ints = (a >> (4 * which)) & 15 if a.dtype == torch.uint8 else a
         return blocks.view(torch.float16).float() * ints.float()
+    if a.dtype == torch.uint8:
+        return torch.from_numpy(E8M0).to(a.device)[a.long()]
     return a.view(torch.float16).float() if a.dtype == torch.int16 else a
 
 
@@ -139,8 +146,11 @@ class PackedWeight:
         tile's padding rows holding the zero code and scale 0 -- and the range of codes present.
         halves: every scale and minimum is a float16 value (a GGUF's own d and m): held as its bits
         without the check `_halves_if_exact` makes. outer: a K-quant's blocks' d and -dmin as float16
-        bits, scale and minimum its int8 sub-block values, held as they are."""
-        if outer is None:
+        bits, scale and minimum its int8 sub-block values, held as they are. uint8 scales and no outer:
+        exponent bytes (gguf_blocks.EXPONENT), held so by a table of codebytes.EXPONENTS, else as values."""
+        if outer is None and scale.dtype == np.uint8 and bits not in simd.EXPONENTS:
+            scale = E8M0[scale]  # the kernels read uint8 scales as exponents on those tables only
+        if outer is None and scale.dtype != np.uint8:
             scale, minimum = ([a.astype(np.float16).view(np.uint16) for a in (scale, minimum)] if halves and
                               minimum is not None else (scale.astype(np.float16).view(np.uint16), None) if halves
                               else _halves_if_exact(scale, minimum))

@@ -29,6 +29,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from larqlpy.kernels.weights.codebytes import I8, I16, I32, PLANES, ROWS, TABLES, code_bytes, fn, parts, span, splat
+from larqlpy.kernels.weights.codebytes import EXPONENTS, exponent_floats
 from larqlpy.kernels.weights.codebytes import LOW, high_at, layout_bits  # noqa: F401 - simd.* to the kernels' users
 
 
@@ -41,8 +42,9 @@ class _Args:
     """An intrinsic's arguments inside its codegen, and loads from its flat arrays (see the module's
     docstring for their order)."""
 
-    def __init__(self, context, builder, arg_types, args):
+    def __init__(self, context, builder, arg_types, args, width):
         self.context, self.builder, self.ty = context, builder, arg_types
+        self.exponents = width in EXPONENTS  # uint8 scales: exponent bytes, not Q2_K's joint nibbles
         (self.acc, self.aoff, self.codes, self.coff, self.x, self.xoff, self.xstride, self.scale, self.soff,
          self.minimum, self.outer, self.ooff, self.xs, self.sxq, self.qoff, self.qstride, self.zc, self.affine,
          self.ahead) = args
@@ -67,8 +69,11 @@ class _Args:
         """A group's scales (k = 7) or minimums (k = 9) as float32 vectors: stored as float32, as
         float16 bits, or as a K-quant's int8 sub-block values times their block's float16 d (or -dmin)
         from `outer` (an exact product); uint8: Q2_K's scale (low nibble) and minimum (high) in the one
-        byte the file holds them in, read from the scales for both (one load)."""
+        byte the file holds them in, read from the scales for both (one load); or, for a table of
+        codebytes.EXPONENTS, uint8 exponent bytes (MXFP4's, 2^(e - 128))."""
         b = self.builder
+        if self.exponents and self.ty[k].dtype == types.uint8:
+            return exponent_floats(b, self.at(k, arr, self.soff, n, ir.VectorType(I8, fv.count), align=1)[1], fv)
         if self.ty[k].dtype in (types.int8, types.uint8):
             bv = ir.VectorType(I8, fv.count)
             if self.ty[k].dtype == types.int8:
@@ -171,7 +176,7 @@ def _make(emit, quads: int, width, widest: int, registers: int, first: int = 0):
                          types.intp)
 
         def codegen(context, builder, signature, args):
-            a = _Args(context, builder, signature.args[1:], args[1:])
+            a = _Args(context, builder, signature.args[1:], args[1:], width)
             _prefetch(a, quads // parts(width) * ROWS * span(width))
             flag = builder.icmp_unsigned("!=", a.affine, ir.Constant(a.affine.type, 0))
             done = builder.append_basic_block("rows_done")
