@@ -71,12 +71,6 @@ def _write_new(knew, vnew, where):  # pragma: no cover - jitted
 
 
 @njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
-def _scaled(x):  # pragma: no cover - jitted
-    """A chunk's factor e^(its maximum - the sequence's): 0 below e^CUT, as a row's weight (chunk.py)."""
-    return np.exp(x) if x >= chunks.CUT else np.float32(0.0)
-
-
-@njit(inline="always", fastmath=FASTMATH, cache=True, error_model="numpy")
 def _merge(m, total, acc, a, b, out, sinks):  # pragma: no cover - jitted
     """Chunks [a, b) of one sequence -> its (H, D) output; sinks (H,) or (0,): a logit per head joined
     to the softmax's sum (GPT-OSS), with no value row."""
@@ -89,13 +83,13 @@ def _merge(m, total, acc, a, b, out, sinks):  # pragma: no cover - jitted
             top = max(top, sinks[hh])
         norm = np.float32(0.0)
         for c in range(a, b):
-            norm += total[c, hh] * _scaled(m[c, hh] - top)
+            norm += total[c, hh] * np.exp(m[c, hh] - top)
         if sinks.shape[0]:
             norm += np.exp(sinks[hh] - top)
         for j in range(d):
             out[hh, j] = 0.0
         for c in range(a, b):
-            w = _scaled(m[c, hh] - top) / norm
+            w = np.exp(m[c, hh] - top) / norm
             for j in range(d):
                 out[hh, j] += w * acc[c, hh, j]
 
