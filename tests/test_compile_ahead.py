@@ -152,6 +152,18 @@ def test_a_helper_begun_early_is_told_the_models_jobs_and_a_run_that_has_none_le
     assert started[-1].stdin.closed and started[-1].stdin.data == b""
 
 
+def test_a_load_with_no_jobs_for_the_helper_lets_an_early_one_end(monkeypatch, smol_dir):
+    """A float directory (no file's own codes): the load tells a helper begun early it has nothing,
+    so it does not wait out the process (a server's life) for its jobs."""
+    import larqlpy
+
+    early = _Waiting(["--more", *compiles.EARLY])
+    monkeypatch.setattr(compiles, "_early", [early])
+    monkeypatch.setattr(ahead, "_helpers", [])
+    larqlpy.load(smol_dir, device="cpu")
+    assert early.stdin.closed and early.stdin.data == b"" and not ahead.started()
+
+
 def test_the_helper_reads_its_later_jobs_to_a_blank_line(tmp_path):
     """The helper's own side: the early jobs, then the lines up to a blank one, while its stdin stays
     open (a job already done is not run twice)."""

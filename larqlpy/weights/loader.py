@@ -115,8 +115,8 @@ def load(path: str | Path, device: str = "auto", dtype: str = "float32", weights
     own_codes = direct or isinstance(ckpt, MXFP4Checkpoint)  # `native` from the weight files themselves
     reads = [*ckpt.handles, *([path / native_file.FILE] if weights == "native" and not own_codes else [])]
     sources = {f.name: checks.digest(f) for f in reads if f.is_file()}  # from the record while unchanged
+    _compile_ahead(ckpt, dev, cfg.head_dim, weights == "native" and own_codes)
     if weights == "native" and own_codes:  # unpacked from the file's blocks: nothing kept on disk
-        _compile_ahead(ckpt, dev, cfg.head_dim)
         matrices = _install_packed(model, _pack_native(ckpt, ckpt.native(gather=dev.type == "cpu"), cfg), dev)
         packed_from = "file"
     elif weights != "f32":
@@ -231,11 +231,11 @@ def _pack_native(ckpt: Checkpoint | GGUFCheckpoint, native: NativeFile | GGUFCod
     return out
 
 
-def _compile_ahead(ckpt: GGUFCheckpoint | MXFP4Checkpoint, dev: torch.device, head: int) -> None:
+def _compile_ahead(ckpt: Checkpoint | GGUFCheckpoint, dev: torch.device, head: int, own_codes: bool) -> None:
     """On a cold kernel cache, a second process compiles what this load and run will need
-    (kernels/ahead.py)."""
-    if dev.type == "cpu":
-        ahead.start(ahead.plan(ckpt.dtypes.values(), head))
+    (kernels/ahead.py): the products of a file's own codes, on the CPU. Every load says so, nothing
+    included, so a helper the command began early does not wait out a server's life for its jobs."""
+    ahead.start(ahead.plan(ckpt.dtypes.values(), head) if own_codes and dev.type == "cpu" else [])
 
 
 def _stacks(native: NativeFile | GGUFCodes, parts: list[tuple[str, str | None]], prefix: str) -> dict:
